@@ -1,0 +1,26 @@
+"""The GPipe engine: pure PyTorch (+ torch.distributed); no Lightning, Hydra or wandb."""
+
+from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
+from gpipe_lab.pipeline.dropout import StageDropout, convert_dropout
+from gpipe_lab.pipeline.errors import PipelineTimeoutError
+from gpipe_lab.pipeline.gpipe import CHECKPOINT_MODES, GPipe, checkpointed_microbatches
+from gpipe_lab.pipeline.partition import balance_by_cost, balance_by_time, layer_costs
+from gpipe_lab.pipeline.schedule import (
+    SCHEDULES,
+    Action,
+    analytic_bubble,
+    get_schedule,
+    gpipe_schedule,
+    one_f_one_b_schedule,
+    register_schedule,
+    validate_schedule,
+)
+from gpipe_lab.pipeline.timeline import Event, Timeline
+
+__all__ = [
+    "CHECKPOINT_MODES", "SCHEDULES", "Action", "DeferredBatchNorm", "Event", "GPipe",
+    "PipelineTimeoutError", "StageDropout", "Timeline", "analytic_bubble", "balance_by_cost",
+    "balance_by_time", "checkpointed_microbatches", "convert_dropout", "get_schedule",
+    "gpipe_schedule", "layer_costs", "one_f_one_b_schedule", "register_schedule",
+    "validate_schedule",
+]

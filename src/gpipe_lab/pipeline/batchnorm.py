@@ -1,0 +1,99 @@
+"""Deferred BatchNorm: the paper's rule for BatchNorm under micro-batching.
+
+Each micro-batch is normalized with its own statistics (as a small batch would
+be), while the running mean and variance are updated once per mini-batch from
+the statistics of the whole mini-batch. Sums are not accumulated while a
+checkpointed micro-batch is recomputed, so every sample counts once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from gpipe_lab.pipeline.context import is_recomputing
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """BatchNorm whose running statistics commit once per mini-batch (see ``commit``)."""
+
+    sum: Tensor
+    sum_squares: Tensor
+    count: Tensor
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
+        # float64 sums: E[x^2] - E[x]^2 over a whole mini-batch loses digits in float32
+        self.register_buffer("sum", torch.zeros(num_features, dtype=torch.float64), persistent=False)
+        self.register_buffer("sum_squares", torch.zeros(num_features, dtype=torch.float64),
+                             persistent=False)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def _check_input_dim(self, x: Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"DeferredBatchNorm expects at least 2-D input, got {x.dim()}-D")
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input_dim(x)
+        if not self.training:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                False, 0.0, self.eps)
+        if not is_recomputing():
+            with torch.no_grad():
+                dims = [d for d in range(x.dim()) if d != 1]
+                xf = x.detach().to(self.sum.dtype)
+                self.sum += xf.sum(dims)
+                self.sum_squares += (xf * xf).sum(dims)
+                self.count += x.numel() // x.shape[1]
+        return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    @torch.no_grad()
+    def commit(self) -> bool:
+        """Fold the accumulated mini-batch statistics into the running ones.
+
+        Returns False (and changes nothing) when nothing was accumulated.
+        """
+        n = int(self.count)
+        if n == 0:
+            return False
+        mean = self.sum / n
+        var = (self.sum_squares / n - mean * mean).clamp_min(0.0)
+        unbiased = var * (n / (n - 1)) if n > 1 else var
+        self.num_batches_tracked += 1
+        factor = (1.0 / float(self.num_batches_tracked)) if self.momentum is None else self.momentum
+        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+        self.reset_accumulators()
+        return True
+
+    def reset_accumulators(self) -> None:
+        """Drop partial sums (after a failed step)."""
+        self.sum.zero_()
+        self.sum_squares.zero_()
+        self.count.zero_()
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> nn.Module:
+        """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` (in place; returns the root).
+
+        The new layer reuses the original's parameter objects and copies its
+        running statistics, so an optimizer built on the module keeps working.
+        """
+        if isinstance(module, _BatchNorm) and not isinstance(module, cls) and module.track_running_stats:
+            bn = cls(module.num_features, module.eps, module.momentum, module.affine)
+            if module.affine:
+                bn.weight, bn.bias = module.weight, module.bias
+            bn.running_mean.copy_(module.running_mean)
+            bn.running_var.copy_(module.running_var)
+            bn.num_batches_tracked.copy_(module.num_batches_tracked)
+            bn.to(module.running_mean.device)
+            bn.train(module.training)
+            return bn
+        for name, child in list(module.named_children()):
+            new = cls.convert(child)
+            if new is not child:
+                setattr(module, name, new)
+        return module

@@ -1,0 +1,50 @@
+"""Per-thread state of the stage that is running: its generator, recompute flag.
+
+Each stage runs in its own worker thread (local transport) or process
+(distributed transport). Layers that need to know about the pipeline (the
+deterministic dropout, the deferred BatchNorm) read this state; outside a
+pipeline it is empty and they behave like their ``torch.nn`` originals.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_state = threading.local()
+
+_MASK = (1 << 63) - 1
+
+
+def microbatch_seed(base_seed: int, step: int, stage: int, microbatch: int) -> int:
+    """A seed that depends only on (base seed, step, stage, micro-batch), never on timing."""
+    seed = base_seed & _MASK
+    for part in (step, stage, microbatch):
+        seed = (seed * 6364136223846793005 + 1442695040888963407 + part) & _MASK
+    return seed
+
+
+def current_generator() -> torch.Generator | None:
+    """The generator of the running micro-batch, or ``None`` outside a pipeline."""
+    return getattr(_state, "generator", None)
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed micro-batch's forward is being replayed."""
+    return getattr(_state, "recomputing", False)
+
+
+@contextmanager
+def microbatch_context(
+    generator: torch.Generator | None, recomputing: bool = False
+) -> Iterator[None]:
+    """Run a stage's forward with its own generator (and the recompute flag)."""
+    previous = (getattr(_state, "generator", None), getattr(_state, "recomputing", False))
+    _state.generator, _state.recomputing = generator, recomputing
+    try:
+        yield
+    finally:
+        _state.generator, _state.recomputing = previous

@@ -1,0 +1,49 @@
+"""Dropout that draws from the running stage's generator.
+
+The CPU has a single default generator shared by all threads, so ``nn.Dropout``
+in two worker threads would draw in timing-dependent order. ``StageDropout``
+draws from the generator of the (step, stage, micro-batch) being computed, so
+the masks are the same on every run and identical when a checkpointed
+micro-batch is recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from gpipe_lab.pipeline.context import current_generator
+
+
+class StageDropout(nn.Module):
+    """Inverted dropout with masks from the stage generator (global RNG outside a pipeline)."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=current_generator())
+        return x * keep / (1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+def convert_dropout(module: nn.Module) -> int:
+    """Replace every ``nn.Dropout`` inside ``module`` by a ``StageDropout``, in place.
+
+    Returns the number of replaced modules.
+    """
+    replaced = 0
+    for name, child in list(module.named_children()):
+        if type(child) is nn.Dropout:  # channel dropouts (Dropout2d...) keep the global RNG
+            setattr(module, name, StageDropout(child.p))
+            replaced += 1
+        else:
+            replaced += convert_dropout(child)
+    return replaced

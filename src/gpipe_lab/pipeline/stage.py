@@ -1,0 +1,208 @@
+"""One stage's compute: forward, backward and deferred weight gradients per micro-batch.
+
+The stage does not know how tensors reach it (threads or torch.distributed):
+a transport hands it inputs and gradients and ships what it returns. Backward
+is explicit (``torch.autograd.backward`` on this stage's saved outputs), so
+every stage runs its own backward, in parallel with the others.
+
+Re-materialization: a checkpointed micro-batch runs its forward without
+building a graph and keeps only its boundary input; its backward first replays
+the forward with the same generator (identical dropout masks), then
+back-propagates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
+from gpipe_lab.pipeline.microbatch import as_tuple, unwrap
+from gpipe_lab.pipeline.timeline import Event
+
+LossFn = Callable[[object, object], Tensor]
+
+
+@dataclass
+class StepPlan:
+    """What a stage needs to know about the current step."""
+
+    step: int
+    num_microbatches: int
+    checkpointed: frozenset[int]
+    split_backward: frozenset[int] = frozenset()
+    loss_fn: LossFn | None = None
+    loss_weights: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Saved:
+    inputs: tuple[Tensor, ...]
+    was_tensor: bool
+    target: object = None
+    outputs: tuple[Tensor, ...] | None = None
+    grads: tuple[Tensor | None, ...] | None = None
+    saved_bytes: int = 0
+
+
+class StageRuntime:
+    """Runs the actions of partition ``index`` on ``device``."""
+
+    def __init__(self, index: int, num_stages: int, module: nn.Sequential, device: torch.device,
+                 base_seed: int) -> None:
+        self.index = index
+        self.num_stages = num_stages
+        self.module = module
+        self.device = device
+        self.base_seed = base_seed
+        self.is_last = index == num_stages - 1
+        self.plan = StepPlan(0, 1, frozenset())
+        self.events: list[Event] = []
+        self.losses: dict[int, Tensor] = {}
+        self.outputs: dict[int, tuple[tuple[Tensor, ...], bool]] = {}
+        self.keep_outputs = False
+        self._saved: dict[int, _Saved] = {}
+        self._param_storages: set[int] = set()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    # ---------------------------------------------------------------- step
+    def begin(self, plan: StepPlan, keep_outputs: bool = False) -> None:
+        """Reset per-step state; call before the first action of a step."""
+        self.plan = plan
+        self.keep_outputs = keep_outputs
+        self.events = []
+        self.losses = {}
+        self.outputs = {}
+        self._saved = {}
+        self.live_bytes = self.peak_bytes = 0
+        self._param_storages = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+
+    def abort(self) -> None:
+        """Free what a failed step left behind."""
+        self._saved = {}
+        self.live_bytes = 0
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+    def _generator(self, mb: int) -> torch.Generator:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(microbatch_seed(self.base_seed, self.plan.step, self.index, mb))
+        return gen
+
+    def _record(self, kind: str, mb: int, start: float) -> None:
+        self.events.append(Event(self.index, kind, mb, start, time.perf_counter()))
+
+    def _add_bytes(self, n: int) -> None:
+        self.live_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _run(self, mb: int, inputs: tuple[Tensor, ...], was_tensor: bool, target: object,
+             recomputing: bool) -> tuple[tuple[Tensor, ...], bool]:
+        """Apply the partition (and the loss on the last stage), counting saved bytes."""
+        seen: set[int] = set()
+        saved = self._saved[mb]
+
+        def pack(t: Tensor) -> Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen and ptr not in self._param_storages:
+                seen.add(ptr)
+                n = t.untyped_storage().nbytes()
+                saved.saved_bytes += n
+                self._add_bytes(n)
+            return t
+
+        with microbatch_context(self._generator(mb), recomputing), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.module(unwrap(inputs, was_tensor))
+            outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
+            out_is_tensor = isinstance(out, Tensor)
+            if self.is_last and self.plan.loss_fn is not None:
+                loss = self.plan.loss_fn(unwrap(outputs, out_is_tensor), target)
+                if not isinstance(loss, Tensor) or loss.numel() != 1:
+                    raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                                    f"of shape {getattr(loss, 'shape', None)}")
+                scaled = loss.reshape(()) * self.plan.loss_weights[mb]
+                if not recomputing:
+                    self.losses[mb] = scaled.detach()
+                    if self.keep_outputs:
+                        self.outputs[mb] = (tuple(t.detach() for t in outputs), out_is_tensor)
+                return (scaled,), True
+        if self.is_last and self.keep_outputs and not recomputing:
+            self.outputs[mb] = (tuple(t.detach() for t in outputs), out_is_tensor)
+        return outputs, out_is_tensor
+
+    # ---------------------------------------------------------------- actions
+    def forward(self, mb: int, inputs: tuple[Tensor, ...], was_tensor: bool,
+                target: object = None) -> tuple[tuple[Tensor, ...], bool]:
+        """Forward of one micro-batch; returns (outputs, outputs-were-a-tensor)."""
+        start = time.perf_counter()
+        if self.index > 0:
+            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
+        saved = _Saved(inputs, was_tensor, target)
+        self._saved[mb] = saved
+        self._add_bytes(sum(t.numel() * t.element_size() for t in inputs))
+        checkpointed = mb in self.plan.checkpointed
+        with torch.set_grad_enabled(not checkpointed):
+            outputs, out_is_tensor = self._run(mb, inputs, was_tensor, target, recomputing=False)
+        if not checkpointed:
+            saved.outputs = outputs
+        self._record("F", mb, start)
+        return outputs, out_is_tensor
+
+    def backward(self, mb: int, grads: tuple[Tensor | None, ...] | None) -> tuple[Tensor | None, ...]:
+        """Backward of one micro-batch; returns the gradient of each stage input."""
+        saved = self._saved[mb]
+        if saved.outputs is None:  # re-materialize
+            start = time.perf_counter()
+            with torch.enable_grad():
+                saved.outputs, _ = self._run(mb, saved.inputs, saved.was_tensor, saved.target,
+                                             recomputing=True)
+            self._record("R", mb, start)
+        start = time.perf_counter()
+        tensors, grad_tensors = self._backward_pairs(saved.outputs, grads)
+        leaves = [t for t in saved.inputs if t.requires_grad and t.is_leaf]
+        if mb in self.plan.split_backward:
+            saved.grads = grads
+            if tensors and leaves:
+                found = torch.autograd.grad(tensors, leaves, grad_tensors, retain_graph=True,
+                                            allow_unused=True)
+                for leaf, g in zip(leaves, found):
+                    leaf.grad = g
+        else:
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors)
+            self._release(mb)
+        result = tuple(t.grad if t.requires_grad and t.is_leaf else None for t in saved.inputs)
+        self._record("B", mb, start)
+        return result
+
+    def weight_backward(self, mb: int) -> None:
+        """Deferred weight gradients of a micro-batch whose B ran with split backward."""
+        start = time.perf_counter()
+        saved = self._saved[mb]
+        tensors, grad_tensors = self._backward_pairs(saved.outputs, saved.grads)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if tensors and params:
+            torch.autograd.backward(tensors, grad_tensors, inputs=params)
+        self._release(mb)
+        self._record("W", mb, start)
+
+    def _backward_pairs(self, outputs: tuple[Tensor, ...] | None,
+                        grads: tuple[Tensor | None, ...] | None) -> tuple[list[Tensor], list[Tensor] | None]:
+        assert outputs is not None
+        if self.is_last and self.plan.loss_fn is not None:
+            return [outputs[0]], None
+        if grads is None:
+            raise RuntimeError(f"stage {self.index} got no gradient for its outputs")
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _release(self, mb: int) -> None:
+        saved = self._saved.pop(mb)
+        self.live_bytes -= saved.saved_bytes + sum(t.numel() * t.element_size() for t in saved.inputs)
