@@ -1,0 +1,114 @@
+"""Image datamodules: the shared loader logic and the built-in synthetic task.
+
+Batches are ``(images [B, 3, H, W] float32, labels [B] long)``.
+
+Data parallelism: pass ``data_parallel_rank`` / ``data_parallel_size``; with a size above
+one each replica reads its own shard through a ``DistributedSampler`` (Lightning leaves a
+loader that already has one untouched). With the default size 1 the loaders use plain
+samplers, which Lightning replaces by its own ``DistributedSampler`` when the strategy is
+distributed and ``use_distributed_sampler=True``; both ways work for images.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
+
+from gpipe_lab.data.checks import check_positive_int, check_replica
+from gpipe_lab.data.synthetic_images import SyntheticImageDataset
+
+
+class ImageDataModule(pl.LightningDataModule):
+    """Loader logic shared by every image datamodule; subclasses fill ``train_set`` / ``val_set``.
+
+    Raises:
+        ValueError: if ``batch_size < 1``, ``num_workers < 0`` or the replica is out of range.
+    """
+
+    num_classes: int
+
+    def __init__(
+        self,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        seed: int = 0,
+        drop_last: bool = True,
+        data_parallel_rank: int = 0,
+        data_parallel_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        self.num_workers = check_positive_int("num_workers", num_workers, minimum=0)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.data_parallel_rank, self.data_parallel_size = check_replica(data_parallel_rank, data_parallel_size)
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def _loader(self, dataset: Dataset | None, train: bool) -> DataLoader:
+        if dataset is None:
+            self.setup("fit")
+            dataset = self.train_set if train else self.val_set
+        if self.data_parallel_size > 1:
+            sampler: torch.utils.data.Sampler = DistributedSampler(
+                dataset, num_replicas=self.data_parallel_size, rank=self.data_parallel_rank,
+                shuffle=train, seed=self.seed, drop_last=train and self.drop_last,
+            )
+        elif train:
+            sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(self.seed))
+        else:
+            sampler = SequentialSampler(dataset)
+        return DataLoader(
+            dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
+            drop_last=train and self.drop_last, persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+
+class SyntheticImageDataModule(ImageDataModule):
+    """The built-in synthetic classification task (see ``synthetic_images``); needs no files.
+
+    Args:
+        num_train / num_val: sample counts; the two splits never share a sample.
+        image_size: 32 by default, 224 for the paper configurations.
+        num_classes: number of classes; ``class_offset`` picks a disjoint class set
+            (e.g. pretrain with offset 0, fine-tune with offset 1000).
+        noise: pixel noise standard deviation.
+        Other arguments: see ``ImageDataModule``.
+
+    Raises:
+        ValueError: for non-positive sizes or counts (message names the key and range).
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        seed: int = 0,
+        num_train: int = 5000,
+        num_val: int = 1000,
+        image_size: int = 32,
+        num_classes: int = 10,
+        class_offset: int = 0,
+        class_seed: int = 1234,
+        noise: float = 0.1,
+        drop_last: bool = True,
+        data_parallel_rank: int = 0,
+        data_parallel_size: int = 1,
+    ) -> None:
+        super().__init__(batch_size, num_workers, seed, drop_last, data_parallel_rank, data_parallel_size)
+        common = dict(num_classes=num_classes, image_size=image_size, seed=seed, class_offset=class_offset,
+                      class_seed=class_seed, noise=noise)
+        self.train_set = SyntheticImageDataset(num_train, split=0, **common)
+        self.val_set = SyntheticImageDataset(num_val, split=1, **common)
+        self.num_classes = self.train_set.num_classes
+        self.image_size = self.train_set.image_size

@@ -1,0 +1,174 @@
+"""Translation datamodules: shared loader logic and the built-in synthetic language pair.
+
+Batches are ``((src [B, S], tgt_in [B, T]), tgt_out [B, T])`` (see ``token_batching``).
+
+Data parallelism: token-bucket batch samplers shard themselves. Pass
+``data_parallel_rank`` / ``data_parallel_size``; if they are left at None, ``setup`` reads
+them from ``trainer.distributed_sampler_kwargs`` (``num_replicas``, ``rank``) when a trainer
+is attached, else uses one replica. Build the Trainer with ``use_distributed_sampler=False``
+when running data-parallel: Lightning cannot re-create a custom batch sampler.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from gpipe_lab.data.checks import check_positive_int, check_replica
+from gpipe_lab.data.synthetic_images import mix_seed
+from gpipe_lab.data.synthetic_language import SyntheticLanguagePair
+from gpipe_lab.data.token_batching import TokenBucketBatchSampler, TranslationDataset, collate_translation
+from gpipe_lab.data.vocabulary import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+
+class TranslationDataModule(pl.LightningDataModule):
+    """Loader logic shared by the translation datamodules.
+
+    Subclasses set ``train_set`` / ``val_set`` (``TranslationDataset``), ``val_references``
+    (detokenized target strings in ``val_set`` order), ``vocab_size`` and ``decode``.
+
+    Raises:
+        ValueError: if both ``tokens_per_batch`` and ``batch_size`` are None, either is below 1,
+            ``num_workers < 0``, or the replica is out of range.
+    """
+
+    pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
+    vocab_size: int
+
+    def __init__(
+        self,
+        tokens_per_batch: int | None = 4096,
+        batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        data_parallel_rank: int | None = None,
+        data_parallel_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if tokens_per_batch is None and batch_size is None:
+            raise ValueError("give tokens_per_batch (>= 1) or batch_size (>= 1) for translation batches")
+        self.tokens_per_batch = None if tokens_per_batch is None else check_positive_int("tokens_per_batch", tokens_per_batch)
+        self.batch_size = None if batch_size is None else check_positive_int("batch_size", batch_size)
+        self.num_workers = check_positive_int("num_workers", num_workers, minimum=0)
+        self.seed = int(seed)
+        if data_parallel_size is not None or data_parallel_rank is not None:
+            check_replica(data_parallel_rank or 0, data_parallel_size or 1)
+        self.data_parallel_rank, self.data_parallel_size = data_parallel_rank, data_parallel_size
+        self.train_set: TranslationDataset | None = None
+        self.val_set: TranslationDataset | None = None
+        self.test_set: TranslationDataset | None = None
+        self.val_references: list[str] = []
+        self.test_references: list[str] = []
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Detokenized text of ``ids`` (stops at EOS, skips PAD/BOS)."""
+        raise NotImplementedError
+
+    def _replica(self) -> tuple[int, int]:
+        if self.data_parallel_size is not None or self.data_parallel_rank is not None:
+            return self.data_parallel_rank or 0, self.data_parallel_size or 1
+        trainer = getattr(self, "trainer", None)
+        kwargs = getattr(trainer, "distributed_sampler_kwargs", None) if trainer is not None else None
+        if kwargs:
+            return check_replica(int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1)))
+        return 0, 1
+
+    def batch_sampler(self, dataset: TranslationDataset, train: bool) -> TokenBucketBatchSampler:
+        """The token-bucket sampler this module uses for ``dataset`` (validation: no shuffle, no repeats)."""
+        rank, size = self._replica()
+        return TokenBucketBatchSampler(
+            dataset.sizes, self.tokens_per_batch, self.batch_size, shuffle=train, seed=self.seed,
+            rank=rank, world_size=size, pad_shards=train,
+        )
+
+    def _loader(self, dataset: TranslationDataset | None, train: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("call setup() before asking for a dataloader")
+        return DataLoader(
+            dataset, batch_sampler=self.batch_sampler(dataset, train), collate_fn=collate_translation,
+            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        return self._loader(self.val_set, train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        self.setup("test")
+        return self._loader(self.test_set if self.test_set is not None else self.val_set, train=False)
+
+    def val_batch_indices(self) -> list[list[int]]:
+        """This replica's validation batches as ``val_set`` indices, in the order ``val_dataloader`` yields
+        them: ``[self.val_references[i] for i in indices]`` are the references of a batch."""
+        self.setup("fit")
+        return list(self.batch_sampler(self.val_set, train=False))
+
+    def val_batch_references(self) -> list[list[str]]:
+        """Reference strings per validation batch, aligned with ``val_dataloader``."""
+        return [[self.val_references[i] for i in batch] for batch in self.val_batch_indices()]
+
+
+class SyntheticTranslationDataModule(TranslationDataModule):
+    """The built-in synthetic language pair (see ``synthetic_language``); needs no files.
+
+    Args:
+        num_train / num_val: pair counts (validation never repeats a training source sentence).
+        language_seed: seed of the vocabularies and grammar; ``seed`` draws the sentences.
+        min_len / max_len: source sentence length range in words (3–12 by default).
+        Other arguments: see ``TranslationDataModule``.
+
+    Raises:
+        ValueError: for non-positive counts or an impossible length range.
+    """
+
+    def __init__(
+        self,
+        tokens_per_batch: int | None = 2048,
+        batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        num_train: int = 10000,
+        num_val: int = 500,
+        language_seed: int = 0,
+        min_len: int = 3,
+        max_len: int = 12,
+        data_parallel_rank: int | None = None,
+        data_parallel_size: int | None = None,
+    ) -> None:
+        super().__init__(tokens_per_batch, batch_size, num_workers, seed, data_parallel_rank, data_parallel_size)
+        check_positive_int("num_train", num_train)
+        check_positive_int("num_val", num_val)
+        if not 3 <= min_len <= max_len:
+            raise ValueError(f"need 3 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+        self.language = SyntheticLanguagePair(language_seed)
+        self.vocab = self.language.vocab
+        self.vocab_size = len(self.vocab)
+        rng = random.Random(mix_seed(seed, language_seed, 3))
+        train = [self.language.sample(rng, min_len, max_len) for _ in range(num_train)]
+        seen = {tuple(s) for s, _ in train}
+        val: list[tuple[list[str], list[str]]] = []
+        for _ in range(100 * num_val):
+            if len(val) == num_val:
+                break
+            s, t = self.language.sample(rng, min_len, max_len)
+            if tuple(s) not in seen:
+                seen.add(tuple(s))
+                val.append((s, t))
+        self.train_pairs, self.val_pairs = train, val
+        self.train_set = self._encode(train)
+        self.val_set = self._encode(val)
+        self.val_references = [" ".join(t) for _, t in val]
+
+    def _encode(self, pairs: Sequence[tuple[list[str], list[str]]]) -> TranslationDataset:
+        return TranslationDataset([(self.vocab.encode(s), self.vocab.encode(t)) for s, t in pairs])
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Detokenized text of ``ids`` (stops at EOS, skips PAD/BOS)."""
+        return self.vocab.decode(ids)
