@@ -21,6 +21,11 @@ _CIFAR = {
 }
 
 
+def _check_num_classes(requested: int | None, actual: int, source: str) -> None:
+    if requested is not None and requested != actual:
+        raise ValueError(f"num_classes must be {actual} for {source} (or left unset), got {requested!r}")
+
+
 class CIFARDataModule(ImageDataModule):
     """CIFAR-10 or CIFAR-100 from ``root`` in torchvision's on-disk layout
     (``root/cifar-10-batches-py/...`` or ``root/cifar-100-python/...``).
@@ -35,7 +40,8 @@ class CIFARDataModule(ImageDataModule):
         Other arguments: see ``ImageDataModule``.
 
     Raises:
-        ValueError: if ``variant`` is not 10 or 100, or a size is out of range.
+        ValueError: if ``variant`` is not 10 or 100, ``num_classes`` is given and differs from it,
+            or a size is out of range.
         FileNotFoundError: if ``download`` is False and a data file is missing under ``root``.
     """
 
@@ -51,6 +57,7 @@ class CIFARDataModule(ImageDataModule):
         random_crop: bool = True,
         random_flip: bool = True,
         cutout: int = 0,
+        num_classes: int | None = None,
         drop_last: bool = True,
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
@@ -59,6 +66,7 @@ class CIFARDataModule(ImageDataModule):
         if variant not in _CIFAR:
             raise ValueError(f"variant must be 10 or 100, got {variant!r}")
         self.dataset_cls, self.num_classes = _CIFAR[variant]
+        _check_num_classes(num_classes, self.num_classes, f"CIFAR-{variant}")
         self.root, self.download = Path(root).expanduser(), bool(download)
         self.image_size = check_positive_int("image_size", image_size, minimum=8)
         self.cutout = check_positive_int("cutout", cutout, minimum=0)
@@ -93,8 +101,8 @@ class ImageNetDataModule(ImageDataModule):
 
     Raises:
         FileNotFoundError: if ``root/train`` or ``root/val`` is missing.
-        ValueError: if a size is out of range, the split has no class folder, or the two splits
-            disagree on the class names.
+        ValueError: if a size is out of range, the split has no class folder, the two splits
+            disagree on the class names, or ``num_classes`` is given and differs from the folders.
     """
 
     def __init__(
@@ -106,6 +114,7 @@ class ImageNetDataModule(ImageDataModule):
         image_size: int = 224,
         random_flip: bool = True,
         cutout: int = 0,
+        num_classes: int | None = None,
         drop_last: bool = True,
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
@@ -121,6 +130,7 @@ class ImageNetDataModule(ImageDataModule):
             raise ValueError(f"class folders differ between {self.root / 'train'} and {self.root / 'val'}")
         self.classes = classes[0]
         self.num_classes = len(self.classes)
+        _check_num_classes(num_classes, self.num_classes, str(self.root / "train"))
 
     @staticmethod
     def _classes(split_dir: Path) -> list[str]:

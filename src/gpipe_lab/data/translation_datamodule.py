@@ -104,15 +104,27 @@ class TranslationDataModule(pl.LightningDataModule):
         self.setup("test")
         return self._loader(self.test_set if self.test_set is not None else self.val_set, train=False)
 
-    def val_batch_indices(self) -> list[list[int]]:
-        """This replica's validation batches as ``val_set`` indices, in the order ``val_dataloader`` yields
-        them: ``[self.val_references[i] for i in indices]`` are the references of a batch."""
-        self.setup("fit")
-        return list(self.batch_sampler(self.val_set, train=False))
+    def batch_indices(self, split: str = "val") -> list[list[int]]:
+        """This replica's batches of ``split`` ("val" or "test") as dataset indices, in the order its
+        dataloader yields them: ``[references[i] for i in indices]`` are one batch's references.
 
-    def val_batch_references(self) -> list[list[str]]:
-        """Reference strings per validation batch, aligned with ``val_dataloader``."""
-        return [[self.val_references[i] for i in batch] for batch in self.val_batch_indices()]
+        Raises:
+            ValueError: if ``split`` is not "val" or "test".
+        """
+        if split not in ("val", "test"):
+            raise ValueError(f"split must be 'val' or 'test', got {split!r}")
+        self.setup("fit" if split == "val" else "test")
+        dataset = self.test_set if split == "test" and self.test_set is not None else self.val_set
+        return list(self.batch_sampler(dataset, train=False))
+
+    def batch_references(self, split: str = "val") -> list[list[str]]:
+        """Reference strings per batch of ``split``, aligned with ``val_dataloader`` / ``test_dataloader``."""
+        refs = self.test_references if split == "test" and self.test_set is not None else self.val_references
+        return [[refs[i] for i in batch] for batch in self.batch_indices(split)]
+
+    def val_batch_indices(self) -> list[list[int]]:
+        """``batch_indices("val")``."""
+        return self.batch_indices("val")
 
 
 class SyntheticTranslationDataModule(TranslationDataModule):
