@@ -42,7 +42,12 @@ __all__ = ["Stem", "Cell", "Classifier", "build_amoebanet", "amoebanet_d_params"
 
 
 def amoebanet_d_params(num_layers: int, num_filters: int, num_classes: int = 1000) -> float:
-    """The paper's closed form P(L, D) (extended to any class count)."""
+    """The paper's closed form P(L, D) (extended to any class count); exact for L/3 >= 2.
+
+    With a single normal cell per stack (L = 3) the real count differs: each
+    reduction cell's older input is then the previous reduction cell's 3C-channel
+    output instead of a normal cell's 4C-channel output.
+    """
     L, D = num_layers, num_filters
     return 96.25 * L * D * D + (119 / 3) * L * D + 70.546875 * D * D + 101 * D + (16 * D + 1) * num_classes
 

@@ -77,9 +77,12 @@ def _measure(model: nn.Sequential, batch: Any, kind: str) -> list[float]:
             costs.append(float(_nbytes(value)))
         else:
             saved: list[int] = []
-            with torch.autograd.graph.saved_tensors_hooks(
-                lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
-            ):
+
+            def pack(t: Tensor, saved: list[int] = saved) -> Tensor:
+                saved.append(t.numel() * t.element_size())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 value = layer(value)
             costs.append(float(sum(saved)))
     return costs
