@@ -1,0 +1,147 @@
+"""Bad input is refused with a clear message; a failing layer never hangs the pipeline."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from conftest import mlp
+from torch import nn
+from torch.nn import functional as F
+
+from gpipe_lab import GPipe
+from gpipe_lab.pipeline import balance_by_cost
+
+
+@pytest.mark.parametrize("kwargs,error,fragment", [
+    (dict(module=nn.Linear(2, 2), partitions=1), TypeError, "nn.Sequential"),
+    (dict(balance=[2, 2]), ValueError, "sums to 4 but the module has 6 layers"),
+    (dict(balance=[3, 0, 3]), ValueError, "balance\\[1\\] = 0"),
+    (dict(balance=[3, -1, 4]), ValueError, "positive number of layers"),
+    (dict(partitions=7), ValueError, "partitions=7 is more than the module's 6 layers"),
+    (dict(partitions=0), ValueError, "partitions must be an integer >= 1"),
+    (dict(partitions=3, devices=["cpu", "cpu"]), ValueError, "3 partitions need 3 devices, got 2"),
+    (dict(partitions=2, chunks=0), ValueError, "chunks must be an integer >= 1, got 0"),
+    (dict(partitions=2, checkpoint="sometimes"), ValueError, "unknown checkpoint mode 'sometimes'"),
+    (dict(partitions=2, schedule="pipedream"), ValueError, "unknown schedule 'pipedream'"),
+    (dict(), ValueError, "either balance"),
+    (dict(balance=[3, 3], partitions=3), ValueError, "partitions=3 but balance"),
+    (dict(partitions=2, timeout=0), ValueError, "timeout must be > 0"),
+    (dict(partitions=2, cost=[1.0, 2.0]), ValueError, "got 2 layer costs for a module of 6 layers"),
+    (dict(partitions=2, cost="flops"), ValueError, "unknown cost 'flops'"),
+])
+def test_bad_construction(kwargs, error, fragment):
+    kwargs.setdefault("module", mlp())
+    with pytest.raises(error, match=fragment):
+        GPipe(**kwargs)
+
+
+def test_shared_parameters_across_partitions_are_refused():
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight
+    with pytest.raises(ValueError, match="shared parameters cannot cross partitions"):
+        GPipe(nn.Sequential(first, nn.ReLU(), last), balance=[2, 1])
+    GPipe(nn.Sequential(first, nn.ReLU(), last), balance=[3])  # same partition is fine
+
+
+def test_chunks_larger_than_batch():
+    pipe = GPipe(mlp(), partitions=2, chunks=8)
+    with pytest.raises(ValueError, match="chunks must be between 1 and the batch size 5"):
+        pipe.train_step(torch.randn(5, 8), torch.randn(5, 8), F.mse_loss)
+
+
+class ReturnsDict(nn.Module):
+    def forward(self, x):
+        return {"x": x}
+
+
+def test_non_tensor_between_partitions():
+    pipe = GPipe(nn.Sequential(nn.Linear(8, 8), ReturnsDict(), nn.Identity()), balance=[1, 1, 1], chunks=2)
+    with pytest.raises(TypeError, match="partition 1 output.*dict"):
+        pipe.train_step(torch.randn(4, 8), torch.randn(4, 8), F.mse_loss)
+
+
+class Explode(nn.Module):
+    """Raises on the given micro-batch (counted by calls) in forward or backward."""
+
+    def __init__(self, when: str, at_call: int) -> None:
+        super().__init__()
+        self.when, self.at_call, self.calls, self.armed = when, at_call, 0, True
+
+    def forward(self, x):
+        self.calls += 1
+        if self.armed and self.when == "forward" and self.calls == self.at_call + 1:
+            raise ArithmeticError("boom in forward")
+        if self.armed and self.when == "backward" and torch.is_grad_enabled():
+            return _FailingGrad.apply(x)
+        return x
+
+
+class _FailingGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise KeyError("boom in backward")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("when,error,checkpoint", [
+    ("forward", ArithmeticError, "never"),
+    ("forward", ArithmeticError, "always"),
+    ("backward", KeyError, "never"),
+    ("backward", KeyError, "always"),  # raised from inside the recompute's backward
+])
+def test_exception_in_middle_stage_propagates_and_pipeline_is_reusable(when, error, checkpoint):
+    torch.manual_seed(0)
+    explode = Explode(when, at_call=3)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), explode, nn.Linear(8, 8), nn.Linear(8, 8))
+    pipe = GPipe(model, balance=[2, 1, 2], chunks=6, checkpoint=checkpoint)
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    before = threading.active_count()
+    start = time.monotonic()
+    with pytest.raises(error, match="boom") as info:
+        pipe.train_step(x, y, F.mse_loss)
+    assert time.monotonic() - start < 10
+    assert "stage 1" in str(info.value)
+    assert threading.active_count() == before  # every worker thread ended
+    explode.armed = False
+    model.zero_grad()
+    loss = pipe.train_step(x, y, F.mse_loss)
+    assert torch.isfinite(loss)
+
+
+def test_forward_failure_names_the_microbatch():
+    explode = Explode("forward", at_call=3)
+    pipe = GPipe(nn.Sequential(nn.Linear(8, 8), explode, nn.Linear(8, 8)), balance=[1, 1, 1], chunks=6,
+                 checkpoint="never")
+    with pytest.raises(ArithmeticError, match="stage 1, forward of micro-batch 3"):
+        pipe.train_step(torch.randn(12, 8), torch.randn(12, 8), F.mse_loss)
+
+
+def test_balance_by_cost_minimizes_the_largest_partition():
+    assert balance_by_cost([1, 1, 1, 1], 2) == [2, 2]
+    assert balance_by_cost([10, 1, 1, 1, 1, 1], 2) == [1, 5]
+    assert balance_by_cost([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [5, 2, 2]
+    assert max(sum(p) for p in _parts([1, 2, 3, 4, 5, 6, 7, 8, 9], [5, 2, 2])) == 17
+    with pytest.raises(ValueError, match="cannot cut 2 layers into 3 partitions"):
+        balance_by_cost([1, 1], 3)
+
+
+def _parts(costs, balance):
+    out, i = [], 0
+    for b in balance:
+        out.append(costs[i:i + b])
+        i += b
+    return out
+
+
+def test_automatic_balance_uses_parameter_count():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    assert GPipe(model, partitions=2).balance == [1, 3]
+    assert GPipe(model, partitions=2, cost=[1, 1, 1, 1]).balance == [2, 2]
+    assert GPipe(model, partitions=2, cost=lambda layer: 1.0).balance == [2, 2]
