@@ -106,6 +106,8 @@ class SyntheticImageDataModule(ImageDataModule):
         data_parallel_size: int = 1,
     ) -> None:
         super().__init__(batch_size, num_workers, seed, drop_last, data_parallel_rank, data_parallel_size)
+        check_positive_int("num_train", num_train)
+        check_positive_int("num_val", num_val)
         common = dict(num_classes=num_classes, image_size=image_size, seed=seed, class_offset=class_offset,
                       class_seed=class_seed, noise=noise)
         self.train_set = SyntheticImageDataset(num_train, split=0, **common)
