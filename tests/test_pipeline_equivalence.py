@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import grads, mlp, reference_step, tuple_model
 from torch import nn
 from torch.nn import functional as F
 
+from conftest import grads, mlp, reference_step, tuple_model
 from gpipe_lab import GPipe
 
 TOL = 1e-5

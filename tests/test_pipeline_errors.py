@@ -7,10 +7,10 @@ import time
 
 import pytest
 import torch
-from conftest import mlp
 from torch import nn
 from torch.nn import functional as F
 
+from conftest import mlp
 from gpipe_lab import GPipe
 from gpipe_lab.pipeline import balance_by_cost
 
@@ -145,3 +145,58 @@ def test_automatic_balance_uses_parameter_count():
     assert GPipe(model, partitions=2).balance == [1, 3]
     assert GPipe(model, partitions=2, cost=[1, 1, 1, 1]).balance == [2, 2]
     assert GPipe(model, partitions=2, cost=lambda layer: 1.0).balance == [2, 2]
+
+
+class Blowup(nn.Module):
+    """Multiplies by inf on demand: a non-finite loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x):
+        return x * self.factor
+
+
+def test_nonfinite_loss_raise_names_step_and_skip_drops_the_step():
+    from gpipe_lab.pipeline import NonFiniteError
+
+    blow = Blowup()
+    model = nn.Sequential(nn.Linear(8, 8), blow, nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe = GPipe(model, balance=[2, 1], chunks=2)
+    pipe.train_step(x, y, F.mse_loss)
+    blow.factor = float("inf")
+    with pytest.raises(NonFiniteError, match="step 1: loss is (nan|inf)"):
+        pipe.train_step(x, y, F.mse_loss)
+    skipping = GPipe(model, balance=[2, 1], chunks=2, nonfinite="skip")
+    skipping.train_step(x, y, F.mse_loss)
+    assert skipping.last_step_skipped and skipping.skipped_steps == 1
+    assert all(p.grad is None for p in model.parameters())
+    blow.factor = 1.0
+    skipping.train_step(x, y, F.mse_loss)
+    assert not skipping.last_step_skipped
+    with pytest.raises(ValueError, match="unknown nonfinite policy 'maybe'"):
+        GPipe(model, partitions=2, nonfinite="maybe")
+
+
+def test_nonfinite_gradient_names_the_stage():
+    from gpipe_lab.pipeline import NonFiniteError
+
+    class InfGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * float("inf")
+
+    class Layer(nn.Module):
+        def forward(self, x):
+            return InfGrad.apply(x)
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), Layer(), nn.Linear(8, 8))
+    pipe = GPipe(model, balance=[2, 2], chunks=2)
+    with pytest.raises(NonFiniteError, match="gradients of stage 0 are not finite"):
+        pipe.train_step(torch.randn(4, 8), torch.randn(4, 8), F.mse_loss)

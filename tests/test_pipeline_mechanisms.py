@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import grads, mlp
 from torch import nn
 from torch.nn import functional as F
 
+from conftest import grads, mlp
 from gpipe_lab import GPipe
 from gpipe_lab.pipeline import DeferredBatchNorm, StageDropout, analytic_bubble
 

@@ -1,9 +1,16 @@
 """The GPipe engine: pure PyTorch (+ torch.distributed); no Lightning, Hydra or wandb."""
 
+from gpipe_lab.pipeline import zero_bubble  # noqa: F401 - registers the zb-h1 and zb-h2 schedules
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.dropout import StageDropout, convert_dropout
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
-from gpipe_lab.pipeline.gpipe import CHECKPOINT_MODES, GPipe, checkpointed_microbatches
+from gpipe_lab.pipeline.gpipe import (
+    CHECKPOINT_MODES,
+    NONFINITE_POLICIES,
+    GPipe,
+    NonFiniteError,
+    checkpointed_microbatches,
+)
 from gpipe_lab.pipeline.partition import balance_by_cost, balance_by_time, layer_costs
 from gpipe_lab.pipeline.schedule import (
     SCHEDULES,
@@ -18,7 +25,7 @@ from gpipe_lab.pipeline.schedule import (
 from gpipe_lab.pipeline.timeline import Event, Timeline
 
 __all__ = [
-    "CHECKPOINT_MODES", "SCHEDULES", "Action", "DeferredBatchNorm", "Event", "GPipe",
+    "CHECKPOINT_MODES", "NONFINITE_POLICIES", "NonFiniteError", "SCHEDULES", "Action", "DeferredBatchNorm", "Event", "GPipe",
     "PipelineTimeoutError", "StageDropout", "Timeline", "analytic_bubble", "balance_by_cost",
     "balance_by_time", "checkpointed_microbatches", "convert_dropout", "get_schedule",
     "gpipe_schedule", "layer_costs", "one_f_one_b_schedule", "register_schedule",

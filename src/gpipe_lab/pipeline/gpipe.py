@@ -28,6 +28,11 @@ from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
 from gpipe_lab.pipeline.timeline import Timeline
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or a stage's gradients are NaN or infinite (policy ``nonfinite="raise"``)."""
 
 
 def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset[int]:
@@ -78,6 +83,9 @@ class GPipe(nn.Module):
         seed: base seed of the per-(step, stage, micro-batch) generators.
         threads_per_stage: intra-op threads of each CPU stage (default: cores / CPU stages).
         timeout: seconds a stage may wait for a neighbour before the step fails.
+        nonfinite: a NaN/inf loss or gradient ``"raise"`` NonFiniteError naming the step and
+            stage, ``"skip"`` the step (its gradients are dropped, ``last_step_skipped`` is
+            set), or ``"ignore"``.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
@@ -89,7 +97,8 @@ class GPipe(nn.Module):
                  partitions: int | None = None, devices: Sequence[str | torch.device] | None = None,
                  chunks: int = 1, checkpoint: str = "except_last", schedule: str = "gpipe",
                  deferred_batch_norm: bool = False, cost: object = None, seed: int | None = None,
-                 threads_per_stage: int | None = None, timeout: float = 300.0) -> None:
+                 threads_per_stage: int | None = None, timeout: float = 300.0,
+                 nonfinite: str = "raise") -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe needs an nn.Sequential, got {type(module).__name__}")
@@ -100,6 +109,8 @@ class GPipe(nn.Module):
         checkpointed_microbatches(checkpoint, 1)
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; allowed: {sorted(SCHEDULES)}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"unknown nonfinite policy {nonfinite!r}; allowed: {list(NONFINITE_POLICIES)}")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         if balance is None:
@@ -134,7 +145,10 @@ class GPipe(nn.Module):
         self.stages = [StageRuntime(k, len(self.balance), part, dev, self.seed)
                        for k, (part, dev) in enumerate(zip(self.partitions, self.devices))]
         self.transport = LocalTransport(self.stages, self.threads_per_stage)
+        self.nonfinite = nonfinite
         self.step_count = 0
+        self.skipped_steps = 0
+        self.last_step_skipped = False
         self.timeline: Timeline | None = None
 
     @property
@@ -210,9 +224,13 @@ class GPipe(nn.Module):
                         loss_fn=loss_fn, loss_weights=weights)
         with torch.enable_grad():
             loss, outputs = self._execute(inputs, targets, plan, False, return_outputs)
-        self._commit_batch_norm()
-        self.step_count += 1
         assert loss is not None
+        self.last_step_skipped = False
+        if self.nonfinite != "ignore":
+            self._check_finite(loss)
+        if not self.last_step_skipped:
+            self._commit_batch_norm()
+        self.step_count += 1
         return (loss, outputs) if return_outputs else loss  # type: ignore[return-value]
 
     def forward(self, inputs: Value) -> Value:  # noqa: D401 - nn.Module API
@@ -223,6 +241,25 @@ class GPipe(nn.Module):
             _, outputs = self._execute(inputs, None, plan, True, True)
         assert outputs is not None
         return outputs
+
+    def _check_finite(self, loss: Tensor) -> None:
+        """Apply the non-finite policy to the loss and each stage's gradients."""
+        problem = None if bool(torch.isfinite(loss)) else f"loss is {loss.item()}"
+        if problem is None:
+            for k, part in enumerate(self.partitions):
+                found = [p.grad.isfinite().all() for p in part.parameters() if p.grad is not None]
+                if found and not bool(torch.stack(found).all()):
+                    problem = f"gradients of stage {k} are not finite"
+                    break
+        if problem is None:
+            return
+        if self.nonfinite == "raise":
+            self._reset_batch_norm()
+            raise NonFiniteError(f"step {self.step_count}: {problem} (set nonfinite='skip' to skip such steps)")
+        self._reset_batch_norm()
+        self.module.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        self.last_step_skipped = True
 
     def _commit_batch_norm(self) -> None:
         for m in self.module.modules():
