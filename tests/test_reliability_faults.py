@@ -1,0 +1,234 @@
+"""Faults in the local transport: every stage x {forward, backward, recompute} x schedule.
+
+A layer that raises stops the step with the ORIGINAL exception type, the message
+names the stage and the micro-batch, every worker thread has ended, nothing of the
+failed step survives (saved activations, deferred BatchNorm sums), and the very
+same ``GPipe`` object trains correctly on the next step.
+
+(Construction errors and the one-stage smoke test live in test_pipeline_errors.py;
+the distributed transport's faults in test_reliability_distributed.py.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gpipe_lab import GPipe
+from gpipe_lab.pipeline import DeferredBatchNorm, PipelineTimeoutError
+from gpipe_lab.pipeline.context import current_generator, is_recomputing, microbatch_seed
+
+SEED = 11
+NUM_STAGES = 3
+CHUNKS = 4
+
+
+class InjectedFault(RuntimeError):
+    """A distinct type, so the test sees that the original type reaches the caller."""
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fault):
+        ctx.fault = fault
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fault.armed:
+            raise InjectedFault("injected fault in backward")
+        return grad, None
+
+
+class Fault(nn.Module):
+    """Identity that raises in the forward / backward / recompute of ONE micro-batch.
+
+    The micro-batch is recognized by the stage generator the engine installs for it
+    (seeded per (seed, step, stage, micro-batch)), so the fault is exact whatever
+    order the schedule runs the micro-batches in.
+    """
+
+    def __init__(self, when: str, stage: int, microbatch: int, step: int = 0) -> None:
+        super().__init__()
+        self.when, self.armed = when, True
+        self.target_seed = microbatch_seed(SEED, step, stage, microbatch)
+
+    def _is_target(self) -> bool:
+        gen = current_generator()
+        return gen is not None and gen.initial_seed() == self.target_seed
+
+    def forward(self, x):
+        if not (self.armed and self._is_target()):
+            return x
+        if self.when == "forward" and not is_recomputing():
+            raise InjectedFault("injected fault in forward")
+        if self.when == "recompute" and is_recomputing():
+            raise InjectedFault("injected fault in recompute")
+        if self.when == "backward" and torch.is_grad_enabled():
+            return _RaiseInBackward.apply(x, self)
+        return x
+
+
+def build(fault: Fault, fault_stage: int, batch_norm: bool = False) -> nn.Sequential:
+    """Three stages of [Linear, (BatchNorm), Tanh, Fault-or-Identity]."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for k in range(NUM_STAGES):
+        layers += [nn.Linear(6, 6), nn.BatchNorm1d(6) if batch_norm else nn.Identity(), nn.Tanh(),
+                   fault if k == fault_stage else nn.Identity()]
+    return nn.Sequential(*layers)
+
+
+def reference_loss_and_grads(x, y):
+    torch.manual_seed(0)
+    plain = build(Fault("forward", 0, 0), 0)
+    plain[3].armed = False
+    loss = F.mse_loss(plain(x), y)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in plain.parameters()]
+
+
+def data():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+
+
+def gpipe_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("gpipe-stage-")]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("when", ["forward", "backward", "recompute"])
+@pytest.mark.parametrize("stage", range(NUM_STAGES))
+def test_fault_in_any_stage_and_phase_stops_the_step_and_the_pipe_is_reusable(stage, when, schedule):
+    microbatch = 2
+    fault = Fault(when, stage, microbatch)
+    model = build(fault, stage)
+    checkpoint = "always" if when == "recompute" else "never"
+    pipe = GPipe(model, balance=[4] * NUM_STAGES, chunks=CHUNKS, checkpoint=checkpoint, schedule=schedule,
+                 seed=SEED, timeout=20)
+    x, y = data()
+    assert not gpipe_threads()
+    start = time.monotonic()
+    with pytest.raises(InjectedFault, match=f"injected fault in {when}") as info:
+        pipe.train_step(x, y, F.mse_loss)
+    assert time.monotonic() - start < 15, "a failing stage must not wait for the timeout"
+    phase = "forward" if when == "forward" else "backward"  # recompute runs inside the backward action
+    assert f"[in stage {stage}, {phase} of micro-batch {microbatch}]" in str(info.value)
+    assert info.value.gpipe_stage == stage and info.value.gpipe_microbatch == microbatch
+    assert not gpipe_threads(), "a worker thread outlived the failed step"
+    assert all(not s._saved and s.live_bytes == 0 for s in pipe.stages), "saved activations leaked"
+
+    # the same object works on the next step, with exactly the unpipelined loss and gradients
+    fault.armed = False
+    model.zero_grad(set_to_none=True)
+    loss = pipe.train_step(x, y, F.mse_loss)
+    ref_loss, ref_grads = reference_loss_and_grads(x, y)
+    assert torch.allclose(loss, ref_loss, atol=1e-6)
+    for got, want in zip((p.grad for p in model.parameters()), ref_grads):
+        assert torch.allclose(got, want, atol=1e-6)
+    assert not gpipe_threads()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["forward", "backward", "recompute"])
+def test_failed_step_does_not_commit_deferred_batch_norm_statistics(when):
+    fault = Fault(when, 1, 1)
+    model = build(fault, 1, batch_norm=True)
+    pipe = GPipe(model, balance=[4] * NUM_STAGES, chunks=CHUNKS, seed=SEED, deferred_batch_norm=True,
+                 checkpoint="always" if when == "recompute" else "never")
+    bns = [m for m in model.modules() if isinstance(m, DeferredBatchNorm)]
+    before = [(b.running_mean.clone(), b.running_var.clone(), int(b.num_batches_tracked)) for b in bns]
+    x, y = data()
+    with pytest.raises(InjectedFault):
+        pipe.train_step(x, y, F.mse_loss)
+    for b, (mean, var, n) in zip(bns, before):
+        assert torch.equal(b.running_mean, mean) and torch.equal(b.running_var, var)
+        assert int(b.num_batches_tracked) == n and int(b.count) == 0, "partial sums of the failed step kept"
+    # the next step commits exactly one mini-batch: the first BN's stats equal a full-batch BN's
+    fault.armed = False
+    pipe.train_step(x, y, F.mse_loss)
+    torch.manual_seed(0)
+    plain_bn = nn.BatchNorm1d(6)
+    plain_bn(model[0](x))
+    assert int(bns[0].num_batches_tracked) == 1
+    assert torch.allclose(bns[0].running_mean, plain_bn.running_mean, atol=1e-6)
+    assert torch.allclose(bns[0].running_var, plain_bn.running_var, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_fault_on_a_later_step_names_that_step_microbatch_and_keeps_earlier_progress():
+    """A fault at step 3 leaves the parameters as the three good optimizer steps made them."""
+    fault = Fault("backward", 2, 3, step=3)
+    model = build(fault, 2)
+    pipe = GPipe(model, balance=[4] * NUM_STAGES, chunks=CHUNKS, seed=SEED, schedule="1f1b")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = data()
+    for _ in range(3):
+        opt.zero_grad()
+        pipe.train_step(x, y, F.mse_loss)
+        opt.step()
+    snapshot = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    with pytest.raises(InjectedFault, match=r"stage 2, backward of micro-batch 3"):
+        pipe.train_step(x, y, F.mse_loss)
+    assert all(torch.equal(p, s) for p, s in zip(model.parameters(), snapshot))
+
+
+class Stall(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds, self.armed = seconds, True
+
+    def forward(self, x):
+        if self.armed and not is_recomputing():
+            time.sleep(self.seconds)
+            self.armed = False
+        return x
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stalled_stage_times_out_with_every_stage_state(schedule):
+    stall = Stall(1.5)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), stall, nn.Linear(6, 6))
+    pipe = GPipe(model, balance=[2, 1, 1], chunks=CHUNKS, schedule=schedule, timeout=0.3, seed=SEED)
+    x, y = data()
+    with pytest.raises(PipelineTimeoutError, match="exceeded its timeout of 0.3 s") as info:
+        pipe.train_step(x, y, F.mse_loss)
+    message = str(info.value)
+    for k in range(3):
+        assert f"stage {k}: last completed" in message
+    assert "waiting on" in message
+    assert not gpipe_threads()
+    model.zero_grad()
+    assert torch.isfinite(pipe.train_step(x, y, F.mse_loss))
+
+
+@pytest.mark.timeout(60)
+def test_keyboard_interrupt_in_a_stage_reaches_the_caller_as_keyboard_interrupt():
+    """Ctrl-C raised inside a worker (e.g. by a signal-aware layer) is not swallowed or retyped."""
+
+    class Interrupt(nn.Module):
+        armed = True
+
+        def forward(self, x):
+            if self.armed:
+                raise KeyboardInterrupt
+            return x
+
+    layer = Interrupt()
+    pipe = GPipe(nn.Sequential(nn.Linear(6, 6), layer, nn.Linear(6, 6)), balance=[1, 1, 1], chunks=2)
+    x, y = data()
+    with pytest.raises(KeyboardInterrupt):
+        pipe.train_step(x, y, F.mse_loss)
+    assert not gpipe_threads()
+    layer.armed = False
+    assert torch.isfinite(pipe.train_step(x, y, F.mse_loss))
