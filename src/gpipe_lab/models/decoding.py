@@ -74,5 +74,6 @@ def beam_search(forward_fn: ForwardFn, src: Tensor, max_len: int, beam_size: int
             break
     lengths = (seqs[:, 1:] != pad).sum(-1).reshape(B, k).float()
     ranked = scores / ((5.0 + lengths) / 6.0) ** length_penalty
-    best = ranked.argmax(-1) + torch.arange(B, device=dev) * k
-    return seqs[best, 1:]
+    best = seqs[ranked.argmax(-1) + torch.arange(B, device=dev) * k, 1:]
+    width = int((best != pad).sum(-1).max())  # drop all-PAD columns left by other beams
+    return best[:, :width]

@@ -1,0 +1,79 @@
+"""build(): presets, overrides, errors, meta device; layer_costs; no engine import."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from gpipe_lab.models import COST_KINDS, PRESETS, build, layer_costs
+
+
+def test_every_preset_builds_on_meta_quickly():
+    start = time.perf_counter()
+    for name in PRESETS:
+        model = build(name, device="meta")
+        assert isinstance(model, torch.nn.Sequential)
+        assert all(p.is_meta for p in model.parameters())
+        assert model.spec.name == name
+    assert time.perf_counter() - start < 30
+
+
+def test_unknown_names_and_overrides():
+    with pytest.raises(ValueError, match="amoebanet_d.*transformer_tiny"):
+        build("resnet50")
+    with pytest.raises(ValueError, match="d_model.*allowed: num_layers, num_filters"):
+        build("amoebanet_d_tiny", d_model=3)
+    with pytest.raises(ValueError, match="num_filters.*allowed.*ffn_dim"):
+        build("transformer_tiny", num_filters=3)
+
+
+@pytest.mark.parametrize("name,key", [("amoebanet_d_tiny", "num_layers"), ("amoebanet_d_tiny", "image_size"),
+                                      ("amoebanet_d_tiny", "num_classes"), ("transformer_tiny", "d_model"),
+                                      ("transformer_tiny", "ffn_dim"), ("transformer_tiny", "num_heads"),
+                                      ("transformer_tiny", "vocab_size"), ("transformer_tiny", "num_layers")])
+def test_non_positive_sizes_name_the_key(name, key):
+    with pytest.raises(ValueError, match=key):
+        build(name, device="meta", **{key: 0})
+
+
+@pytest.mark.parametrize("name", ["amoebanet_d_tiny", "transformer_tiny"])
+def test_layer_costs(name):
+    model = build(name)
+    params = layer_costs(model, "params")
+    assert len(params) == len(model)
+    assert sum(params) == sum(p.numel() for p in model.parameters())
+    for kind in COST_KINDS[1:]:
+        costs = layer_costs(model, kind)
+        assert len(costs) == len(model) and all(c >= 0 for c in costs) and sum(costs) > 0
+    assert all(p.device.type == "cpu" for p in model.parameters())  # measured on a meta replica
+
+
+def test_flops_of_a_linear_layer_stack_are_exact():
+    # transformer_tiny encoder layer at batch 1, S = 16, d = 64, H = 256, 4 heads:
+    # q,k,v,o projections 4*2*S*d*d, attention scores and mix 2*2*S*S*d, FFN 2*2*S*d*H.
+    model = build("transformer_tiny")
+    s, d, h = 16, 64, 256
+    expected = 4 * 2 * s * d * d + 2 * 2 * s * s * d + 2 * 2 * s * d * h
+    assert layer_costs(model, "flops")[1] == expected
+
+
+def test_activation_bytes_scale_with_input():
+    small = layer_costs(build("transformer_tiny", device="meta"), "activation_bytes")
+    large = layer_costs(build("transformer_tiny", device="meta", seq_len=32), "activation_bytes")
+    assert all(b >= a for a, b in zip(small, large)) and sum(large) > 1.9 * sum(small)
+
+
+def test_big_preset_costs_on_meta():
+    costs = layer_costs(build("transformer_l", device="meta", num_layers=4), "activation_bytes")
+    assert len(costs) == 6 and costs[1] == costs[2] > 0
+
+
+def test_models_do_not_import_the_engine():
+    code = ("import sys, types; m = types.ModuleType('gpipe_lab'); m.__path__ = [sys.argv[1]]; "
+            "sys.modules['gpipe_lab'] = m; import gpipe_lab.models; "
+            "assert not any(k.startswith('gpipe_lab.pipeline') for k in sys.modules)")
+    import gpipe_lab
+
+    subprocess.run([sys.executable, "-c", code, gpipe_lab.__path__[0]], check=True)
