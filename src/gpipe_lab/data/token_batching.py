@@ -65,7 +65,7 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
     batch list is first padded by repeating batches from the start so every replica gets the
     same number of steps; without it (validation) nothing is repeated.
 
-    Call ``set_epoch`` (Lightning does) for a new order each epoch; the same
+    Call ``set_epoch`` (Lightning does, through ``.sampler``) for a new order each epoch; the same
     ``(seed, epoch)`` always gives the same batches.
 
     Raises:
@@ -90,6 +90,7 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
         self.rank, self.world_size = check_replica(rank, world_size)
         self.sizes = list(sizes)
         self.shuffle, self.seed, self.pad_shards, self.epoch = shuffle, int(seed), pad_shards, 0
+        self.sampler = self  # Lightning calls ``set_epoch`` on ``loader.batch_sampler.sampler``
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
