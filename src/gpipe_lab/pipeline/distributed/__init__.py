@@ -1,0 +1,15 @@
+"""The distributed transport: one pipeline stage per process over torch.distributed.
+
+``DistributedGPipe`` runs the same schedule lists and ``StageRuntime`` as the
+local ``GPipe``, with D data-parallel replicas of a K-stage pipeline
+(world size D·K), variable boundary shapes, overlapped communication,
+interleaved virtual stages and bounded failure. See docs/distributed.md.
+"""
+
+from gpipe_lab.pipeline.distributed.failure import PeerFailedError, PeerTimeoutError
+from gpipe_lab.pipeline.distributed.materialize import seeded_init
+from gpipe_lab.pipeline.distributed.pipe import DistributedGPipe
+from gpipe_lab.pipeline.distributed.topology import Topology, build_topology
+
+__all__ = ["DistributedGPipe", "PeerFailedError", "PeerTimeoutError", "Topology", "build_topology",
+           "seeded_init"]

@@ -1,0 +1,82 @@
+"""Data parallelism: average each stage's gradients over its D replicas, in buckets.
+
+As soon as a chunk's last backward (or weight-gradient) action ends, its
+gradients are flattened into buckets of about ``bucket_bytes`` (25 MB by
+default, one dtype and device per bucket) and an asynchronous all-reduce of
+each bucket starts on the stage's data-parallel group; the remaining actions
+of the step run meanwhile. ``finish`` waits, divides by D and copies back.
+
+Every replica must produce gradients for the same parameters (a parameter
+whose ``.grad`` is ``None`` is skipped), as with ``DistributedDataParallel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from gpipe_lab.pipeline.distributed.failure import AbortChannel, wait_works
+
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def buckets(params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> list[list[nn.Parameter]]:
+    """Group parameters with gradients into buckets of one dtype/device, ~``bucket_bytes`` each."""
+    groups: list[list[nn.Parameter]] = []
+    open_bucket: dict[tuple, tuple[list[nn.Parameter], list[int]]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        key = (p.grad.dtype, p.grad.device)
+        bucket, size = open_bucket.setdefault(key, ([], [0]))
+        bucket.append(p)
+        size[0] += p.grad.numel() * p.grad.element_size()
+        if size[0] >= bucket_bytes:
+            groups.append(bucket)
+            del open_bucket[key]
+    groups.extend(bucket for bucket, _ in open_bucket.values())
+    return groups
+
+
+class GradientSync:
+    """Bucketed, overlapped all-reduce (mean) of gradients over a data-parallel group."""
+
+    def __init__(self, group: object, size: int, abort: AbortChannel, timeout: float,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.group = group
+        self.size = size
+        self.abort = abort
+        self.timeout = timeout
+        self.bucket_bytes = bucket_bytes
+        self._pending: list[tuple[object, Tensor, list[nn.Parameter]]] = []
+
+    def start(self, params: Iterable[nn.Parameter]) -> None:
+        """Launch the asynchronous all-reduce of these parameters' gradients (no-op when D = 1)."""
+        if self.size == 1:
+            return
+        for bucket in buckets(params, self.bucket_bytes):
+            flat = _flatten_dense_tensors([p.grad for p in bucket])
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._pending.append((work, flat, bucket))
+
+    def finish(self) -> None:
+        """Wait for every started all-reduce and write the averages back into ``.grad``.
+
+        Raises:
+            PeerFailedError, PeerTimeoutError: a replica failed or did not answer.
+        """
+        pending, self._pending = self._pending, []
+        wait_works([w for w, _, _ in pending], "averaging gradients over data-parallel replicas",
+                   None, self.timeout, self.abort)
+        for _, flat, bucket in pending:
+            flat.div_(self.size)
+            for p, avg in zip(bucket, _unflatten_dense_tensors(flat, [p.grad for p in bucket])):
+                p.grad.copy_(avg)  # type: ignore[union-attr]
+
+    def discard(self) -> None:
+        """Forget in-flight buckets after a failure (their Work objects stay referenced here)."""
+        self._abandoned = self._pending
+        self._pending = []

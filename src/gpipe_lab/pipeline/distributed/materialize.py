@@ -1,0 +1,106 @@
+"""Each rank builds only its own chunks' parameters.
+
+Three ways in:
+
+* a real ``nn.Sequential`` (e.g. built on CPU after ``torch.manual_seed``, the
+  same on every rank): the local layers move to the device, the others are
+  turned into ``meta`` tensors (freed). Init is identical to the unpipelined
+  model by construction; fine for tests and models that fit in host memory.
+* a module built on the ``meta`` device (``with torch.device("meta"): ...``):
+  only the local layers are materialized (``to_empty``) and initialized, by
+  ``init_fn(layer_index, layer)`` or by ``reset_parameters()`` under the seed
+  ``seed + layer_index``. ``seeded_init(model, seed)`` applies the same rule to
+  an unpipelined model, which then starts from identical weights.
+* a factory (a callable returning the ``nn.Sequential``): called under
+  ``torch.device("meta")``, then as above. Nothing of a giant model is ever
+  allocated outside its own rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+InitFn = Callable[[int, nn.Module], None]
+
+
+def build_module(module: nn.Module | Callable[[], nn.Module]) -> nn.Sequential:
+    """Resolve a module or a factory (called on the meta device).
+
+    Raises:
+        TypeError: not an ``nn.Sequential`` (or a factory that does not return one).
+    """
+    if not isinstance(module, nn.Module) and callable(module):
+        with torch.device("meta"):
+            module = module()
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"DistributedGPipe needs an nn.Sequential (or a factory returning one), "
+                        f"got {type(module).__name__}")
+    return module
+
+
+def is_meta(layer: nn.Module) -> bool:
+    return any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers()))
+
+
+def reset_layer(layer: nn.Module) -> None:
+    """Call ``reset_parameters`` (or ``reset_running_stats``) on every submodule that has one."""
+    for m in layer.modules():
+        if hasattr(m, "reset_parameters") and callable(m.reset_parameters):
+            m.reset_parameters()
+        elif hasattr(m, "reset_running_stats") and callable(m.reset_running_stats):
+            m.reset_running_stats()
+
+
+def init_layer(index: int, layer: nn.Module, seed: int, init_fn: InitFn | None) -> None:
+    """Initialize one layer deterministically from (seed, global layer index)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + index)
+        if init_fn is not None:
+            init_fn(index, layer)
+        else:
+            reset_layer(layer)
+
+
+def seeded_init(module: nn.Sequential, seed: int, init_fn: InitFn | None = None) -> nn.Sequential:
+    """Initialize a whole model exactly like the meta path initializes its partitions."""
+    with torch.no_grad():
+        for i, layer in enumerate(module):
+            init_layer(i, layer, seed, init_fn)
+    return module
+
+
+def local_chunks(module: nn.Sequential, balance: Sequence[int], chunk_ids: Sequence[int],
+                 device: torch.device, seed: int, init_fn: InitFn | None = None,
+                 release_others: bool = True) -> dict[int, tuple[int, nn.Sequential]]:
+    """The chunks this rank holds: chunk id -> (index of its first layer, layers on ``device``).
+
+    Raises:
+        ValueError: a layer is only partly on the meta device.
+    """
+    layers = list(module.children())
+    starts = [sum(balance[:j]) for j in range(len(balance))]
+    local = {}
+    with torch.no_grad():
+        for j in chunk_ids:
+            first = starts[j]
+            part = nn.Sequential(*layers[first:first + balance[j]])
+            for i, layer in enumerate(part):
+                meta = [t.is_meta for t in list(layer.parameters()) + list(layer.buffers())]
+                if any(meta) and not all(meta):
+                    raise ValueError(f"layer {first + i} is partly on the meta device; build it "
+                                     "entirely on meta (or entirely on a real device)")
+                if any(meta):
+                    layer.to_empty(device=device)
+                    init_layer(first + i, layer, seed, init_fn)
+                else:
+                    layer.to(device)
+            local[j] = (first, part)
+        if release_others:
+            mine = {id(layer) for _, part in local.values() for layer in part}
+            for layer in layers:
+                if id(layer) not in mine and not is_meta(layer):
+                    layer.to("meta")
+    return local

@@ -1,0 +1,76 @@
+"""Resolving the constructor's arguments: balance and K, device, a seed shared by all ranks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpipe_lab.pipeline.distributed.topology import check_world
+from gpipe_lab.pipeline.partition import balance_by_cost, check_balance, layer_costs
+
+
+def resolve_balance(module: nn.Sequential, balance: Sequence[int] | None, partitions: int | None,
+                    virtual_stages: int, cost: object, data_parallel_size: int | None) -> tuple[list[int], int]:
+    """Layers per chunk (K·v entries) and the number of pipeline ranks K.
+
+    Without ``balance`` or ``partitions``, K = world size / ``data_parallel_size`` (1 by default).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: inconsistent numbers; every message names them.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("DistributedGPipe needs torch.distributed.init_process_group() first "
+                           "(e.g. launch with torchrun)")
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+    if len(module) == 0:
+        raise ValueError("the module has no layers")
+    world = dist.get_world_size()
+    if balance is not None:
+        balance = check_balance(balance, len(module))
+        if len(balance) % virtual_stages:
+            raise ValueError(f"balance {balance} has {len(balance)} entries, not a multiple of "
+                             f"virtual_stages={virtual_stages} (give one entry per chunk: K·v)")
+        num_stages = len(balance) // virtual_stages
+        if partitions is not None and partitions != num_stages:
+            raise ValueError(f"partitions={partitions} but balance {balance} describes {num_stages} "
+                             f"stages × {virtual_stages} virtual stages")
+    else:
+        if partitions is None:
+            if data_parallel_size is None or data_parallel_size < 1 or world % data_parallel_size:
+                raise ValueError(f"give balance=[...] or partitions=K (world size {world}, "
+                                 f"data_parallel_size {data_parallel_size})")
+            partitions = world // data_parallel_size
+        if not isinstance(partitions, int) or partitions < 1:
+            raise ValueError(f"partitions must be an integer >= 1, got {partitions!r}")
+        if partitions * virtual_stages > len(module):
+            raise ValueError(f"{partitions} stages × {virtual_stages} virtual stages = "
+                             f"{partitions * virtual_stages} chunks, more than the module's {len(module)} layers")
+        num_stages = partitions
+        balance = balance_by_cost(layer_costs(module, cost), num_stages * virtual_stages)
+    check_world(world, num_stages)
+    return balance, num_stages
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """Default: ``cuda:<LOCAL_RANK>`` under the NCCL backend, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def shared_seed(seed: int | None, device: torch.device) -> int:
+    """The given seed, or rank 0's ``torch.initial_seed()`` broadcast to every rank."""
+    if seed is not None:
+        return int(seed)
+    value = torch.tensor([torch.initial_seed() & ((1 << 62) - 1)], dtype=torch.int64,
+                         device=device if device.type == "cuda" else "cpu")
+    dist.broadcast(value, src=0)
+    return int(value.item())

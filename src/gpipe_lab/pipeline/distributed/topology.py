@@ -1,0 +1,129 @@
+"""Where each rank sits in the D × K grid, and the process groups that connect them.
+
+Layout: a pipeline is K CONSECUTIVE global ranks; replica ``d`` holds ranks
+``d·K .. d·K+K-1`` and rank ``r`` runs stage ``r mod K`` of replica ``r // K``::
+
+    K=2, D=3     stage 0   stage 1
+    replica 0    rank 0    rank 1       pipeline group: one row
+    replica 1    rank 2    rank 3       data-parallel group: one column
+    replica 2    rank 4    rank 5
+
+With ``--nproc-per-node`` a multiple of K, the activation/gradient traffic of a
+pipeline stays inside one node (NVLink, shared memory) and only the gradient
+all-reduce of the data-parallel groups crosses nodes.
+
+Point-to-point traffic goes over *link groups*: one two-rank group per
+(sender, receiver, kind) edge. Each link then carries messages in one
+direction only, in the order both ends compute from the schedule, so NCCL's
+in-order matching and per-pair streams cannot cross a send with a receive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+LinkKey = tuple[str, int, int]  # (kind "act" | "grad", source rank, destination rank): global ranks
+
+
+@dataclass
+class Topology:
+    """This rank's coordinates and every process group it takes part in."""
+
+    world_size: int
+    rank: int
+    num_stages: int
+    virtual_stages: int = 1
+    pp_group: object = None
+    dp_group: object = None
+    links: dict[LinkKey, object] = field(default_factory=dict)
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.num_stages
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.num_stages
+
+    @property
+    def stage_index(self) -> int:
+        return self.rank % self.num_stages
+
+    @property
+    def pp_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline, stage order."""
+        base = self.dp_rank * self.num_stages
+        return list(range(base, base + self.num_stages))
+
+    @property
+    def dp_ranks(self) -> list[int]:
+        """Global ranks holding the same stage in every replica."""
+        return list(range(self.stage_index, self.world_size, self.num_stages))
+
+    def rank_of(self, virtual_stage: int) -> int:
+        """Global rank that runs a virtual stage (chunk) of this rank's pipeline."""
+        return self.pp_ranks[virtual_stage % self.num_stages]
+
+    @property
+    def last_rank(self) -> int:
+        return self.rank_of(self.num_stages * self.virtual_stages - 1)
+
+
+def check_world(world_size: int, num_stages: int) -> None:
+    """Raises:
+        ValueError: the world size is not a multiple of the number of stages.
+    """
+    if num_stages < 1:
+        raise ValueError(f"the number of pipeline stages must be >= 1, got {num_stages}")
+    if world_size % num_stages != 0:
+        raise ValueError(f"world size {world_size} is not divisible by the number of pipeline stages "
+                         f"{num_stages}: world size must be data_parallel_size × {num_stages}")
+
+
+def _edges(num_stages: int, virtual_stages: int) -> list[tuple[str, int, int]]:
+    """Stage-level edges (kind, from stage, to stage) a replica needs."""
+    K = num_stages
+    edges: list[tuple[str, int, int]] = []
+    for k in range(K):
+        for kind, to in (("act", k + 1), ("grad", k - 1)):
+            wraps = not 0 <= to < K
+            if K > 1 and (not wraps or virtual_stages > 1):
+                edges.append((kind, k, to % K))
+    return list(dict.fromkeys(edges))
+
+
+def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size: int | None = None) -> Topology:
+    """Create the pipeline, data-parallel and link groups (collective: every rank calls it).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: world size not divisible by ``num_stages``, or not equal to
+            ``data_parallel_size × num_stages`` when a data-parallel size is given.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("DistributedGPipe needs torch.distributed.init_process_group() first "
+                           "(e.g. launch with torchrun)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    check_world(world, num_stages)
+    if data_parallel_size is not None and data_parallel_size * num_stages != world:
+        raise ValueError(f"data_parallel_size {data_parallel_size} × {num_stages} stages = "
+                         f"{data_parallel_size * num_stages}, but the world size is {world}")
+    topo = Topology(world, rank, num_stages, virtual_stages)
+    D = world // num_stages
+    for d in range(D):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(d * num_stages, (d + 1) * num_stages)))
+        if d == topo.dp_rank:
+            topo.pp_group = group
+    for k in range(num_stages):
+        group = dist.new_group(list(range(k, world, num_stages)))
+        if k == topo.stage_index:
+            topo.dp_group = group
+    for d in range(D):
+        for kind, src, dst in _edges(num_stages, virtual_stages):
+            a, b = d * num_stages + src, d * num_stages + dst
+            group = dist.new_group(sorted((a, b)))
+            if rank in (a, b):
+                topo.links[(kind, a, b)] = group
+    return topo
