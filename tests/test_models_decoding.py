@@ -63,3 +63,11 @@ def test_pads_after_eos():
     assert out[0].tolist() == [EOS, PAD, PAD, PAD] and out[1].tolist() == [5, 5, 5, 5]
     with pytest.raises(ValueError, match="max_len"):
         greedy_decode(forward, torch.ones(2, 3, dtype=torch.long), max_len=0)
+
+
+def test_decoding_through_a_pipeline_matches_the_module(copy_model):
+    pipeline = pytest.importorskip("gpipe_lab.pipeline")
+    pipe = pipeline.GPipe(copy_model, partitions=2, chunks=2)
+    src, _, expected = copy_batch(torch.Generator().manual_seed(5), size=4)
+    assert torch.equal(greedy_decode(lambda s, t: pipe((s, t)), src, max_len=LENGTH + 3), expected)
+    assert torch.equal(beam_search(lambda s, t: pipe((s, t)), src, max_len=LENGTH + 3, beam_size=2), expected)
