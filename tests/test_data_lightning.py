@@ -45,3 +45,23 @@ def test_translation_under_trainer_gets_a_new_order_each_epoch():
     assert dm._replica() == (0, 1)  # single process: one replica
     per_epoch = len(probe.seen) // 2
     assert per_epoch == len(dm.train_dataloader()) and probe.seen[:per_epoch] != probe.seen[per_epoch:]
+
+
+def test_lightning_distributed_sampler_injection_sets_the_replica():
+    """What a distributed Trainer does to a loader (use_distributed_sampler=True), run in one process."""
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    dm = build_datamodule("synthetic_translation", tokens_per_batch=64, num_train=200, num_val=10)
+    with _replace_dunder_methods(BatchSampler):  # Lightning records the batch sampler's arguments
+        loader = dm.train_dataloader()
+    shards = []
+    for rank in range(2):
+        injected = DistributedSampler(dm.train_set, num_replicas=2, rank=rank, shuffle=True)
+        new = _update_dataloader(loader, injected, mode=RunningStage.TRAINING)
+        assert (new.batch_sampler.rank, new.batch_sampler.world_size) == (rank, 2)
+        assert new.batch_sampler.tokens_per_batch == 64
+        shards.append([i for batch in new.batch_sampler for i in batch])
+    assert len(set(shards[0]) | set(shards[1])) == 200

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import BatchSampler, Dataset, DistributedSampler, Sampler
 
 from gpipe_lab.data.checks import check_positive_int, check_replica
 from gpipe_lab.data.vocabulary import BOS_ID, EOS_ID, PAD_ID
@@ -55,7 +55,7 @@ def collate_translation(pairs: Sequence[Pair]) -> Batch:
     return (src, tgt_in), tgt_out
 
 
-class TokenBucketBatchSampler(Sampler[list[int]]):
+class TokenBucketBatchSampler(BatchSampler):
     """Batches of pairs of similar length within a padded-token budget, sharded by replica.
 
     Pairs are sorted by size (ties broken at random per epoch when shuffling), cut greedily
@@ -64,6 +64,10 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
     ``world_size`` takes every ``world_size``-th batch. With ``pad_shards`` (training) the
     batch list is first padded by repeating batches from the start so every replica gets the
     same number of steps; without it (validation) nothing is repeated.
+
+    Lightning compatibility: when a distributed Trainer injects a ``DistributedSampler`` (it
+    re-creates batch samplers with a new ``sampler`` argument), the replica is taken from that
+    sampler's ``rank`` / ``num_replicas``; its order is not used.
 
     Call ``set_epoch`` (Lightning does, through ``.sampler``) for a new order each epoch; the same
     ``(seed, epoch)`` always gives the same batches.
@@ -82,7 +86,11 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
         rank: int = 0,
         world_size: int = 1,
         pad_shards: bool = True,
+        sampler: Sampler | None = None,
     ) -> None:
+        Sampler.__init__(self)  # BatchSampler.__init__ would insist on a fixed batch_size
+        if isinstance(sampler, DistributedSampler):
+            rank, world_size = sampler.rank, sampler.num_replicas
         if tokens_per_batch is None and max_sentences is None:
             raise ValueError("give tokens_per_batch (>= 1) or batch_size (>= 1) for translation batches")
         self.tokens_per_batch = None if tokens_per_batch is None else check_positive_int("tokens_per_batch", tokens_per_batch)

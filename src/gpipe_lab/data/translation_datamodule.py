@@ -3,10 +3,12 @@
 Batches are ``((src [B, S], tgt_in [B, T]), tgt_out [B, T])`` (see ``token_batching``).
 
 Data parallelism: token-bucket batch samplers shard themselves. Pass
-``data_parallel_rank`` / ``data_parallel_size``; if they are left at None, ``setup`` reads
+``data_parallel_rank`` / ``data_parallel_size``; if they are left at None, the loaders read
 them from ``trainer.distributed_sampler_kwargs`` (``num_replicas``, ``rank``) when a trainer
-is attached, else uses one replica. Build the Trainer with ``use_distributed_sampler=False``
-when running data-parallel: Lightning cannot re-create a custom batch sampler.
+is attached, else use one replica. A distributed Trainer with the default
+``use_distributed_sampler=True`` re-creates the batch sampler around its own
+``DistributedSampler``; the sampler then takes the replica from it (see
+``TokenBucketBatchSampler``), so both settings shard the same way.
 """
 
 from __future__ import annotations
