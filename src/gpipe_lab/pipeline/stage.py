@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
 from gpipe_lab.pipeline.microbatch import as_tuple, unwrap
 from gpipe_lab.pipeline.timeline import Event
+from gpipe_lab.pipeline.weight_gradients import SplitPlan, input_backward, plan_split, split_weight_backward
 
 LossFn = Callable[[object, object], Tensor]
 
@@ -47,6 +48,7 @@ class _Saved:
     outputs: tuple[Tensor, ...] | None = None
     grads: tuple[Tensor | None, ...] | None = None
     saved_bytes: int = 0
+    split: SplitPlan | None = None
 
 
 class StageRuntime:
@@ -169,7 +171,12 @@ class StageRuntime:
         leaves = [t for t in saved.inputs if t.requires_grad and t.is_leaf]
         if mb in self.plan.split_backward:
             saved.grads = grads
-            if tensors and leaves:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            saved.split = plan_split(tensors, leaves, params) if tensors else None
+            if saved.split is not None:  # cheap W: B captures each weight layer's grad_output
+                for leaf, g in zip(leaves, input_backward(saved.split, tensors, grad_tensors, leaves)):
+                    leaf.grad = g
+            elif tensors and leaves:
                 found = torch.autograd.grad(tensors, leaves, grad_tensors, retain_graph=True,
                                             allow_unused=True)
                 for leaf, g in zip(leaves, found):
@@ -183,13 +190,22 @@ class StageRuntime:
         return result
 
     def weight_backward(self, mb: int) -> None:
-        """Deferred weight gradients of a micro-batch whose B ran with split backward."""
+        """Deferred weight gradients of a micro-batch whose B ran with split backward.
+
+        Cheap path (see ``weight_gradients``): only the weight-side outputs of the
+        layers that own parameters, from the ``grad_output`` captured in B. Fallback
+        (tied weights inside a stage, no input gradient): a backward over the graph
+        with ``inputs=params``, exact but repeating B's work.
+        """
         start = time.perf_counter()
         saved = self._saved[mb]
-        tensors, grad_tensors = self._backward_pairs(saved.outputs, saved.grads)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if tensors and params:
-            torch.autograd.backward(tensors, grad_tensors, inputs=params)
+        if saved.split is not None:
+            split_weight_backward(saved.split)
+        else:
+            tensors, grad_tensors = self._backward_pairs(saved.outputs, saved.grads)
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            if tensors and params:
+                torch.autograd.backward(tensors, grad_tensors, inputs=params)
         self._release(mb)
         self._record("W", mb, start)
 

@@ -1,0 +1,155 @@
+"""Split backward: input gradients now (B), weight gradients later (W), without redoing B.
+
+Zero-bubble schedules (Qi et al., arXiv 2401.10241) let a stage send the
+gradient of its input to the previous stage as soon as possible and compute
+its weight gradients later, in what would otherwise be a bubble.
+
+How the split is cut, on the stage's autograd graph (no forward hooks needed):
+
+* ``R`` = the graph nodes from which a stage input (a leaf that requires grad)
+  can be reached. B must run exactly these nodes.
+* A *mixed* node is a node of ``R`` with a child outside ``R`` that leads to a
+  parameter: e.g. ``AddmmBackward`` of ``nn.Linear`` (input side in ``R``,
+  weight and bias outside), ``ConvolutionBackward``.
+* B calls ``torch.autograd.grad`` with the stage inputs AND the gradient edges
+  of every mixed node (the gradient of that node's forward output, i.e. the
+  layer's ``grad_output``) as ``inputs``. The engine then skips every
+  weight-side output: the weight matmuls are not computed in B.
+* W runs, per mixed node, ``torch.autograd.backward`` from that node's edges
+  with the captured gradients and ``inputs`` = only the parameters it feeds.
+  The input side of the node leads to no requested parameter, so the engine
+  runs that one node (weight-side outputs only) and its parameter chain: W
+  costs the weight gradients, nothing more.
+
+When the cut is not sound (a parameter reached both from a node's weight side
+and its input side, e.g. weights tied inside a stage, or an output that does
+not depend on the input), ``plan_split`` returns ``None`` and the caller falls
+back to the generic path (W re-traverses the graph with ``inputs=params``),
+which is exact but repeats B's work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node
+
+
+@dataclass
+class WeightTask:
+    """One mixed node's deferred weight work: its output edges, their gradients, its parameters."""
+
+    edges: list[GradientEdge]
+    params: list[Tensor]
+    grads: list[Tensor | None]
+
+
+@dataclass
+class SplitPlan:
+    """What B must capture so that W is cheap."""
+
+    tasks: list[WeightTask]
+
+    def capture_edges(self) -> list[GradientEdge]:
+        return [e for t in self.tasks for e in t.edges]
+
+
+def _children(node: Node) -> list[tuple[Node, int]]:
+    return [(n, i) for n, i in node.next_functions if n is not None]
+
+
+def plan_split(roots: list[Tensor], inputs: list[Tensor], params: list[Tensor]) -> SplitPlan | None:
+    """Find the mixed nodes of the graph behind ``roots``.
+
+    Returns ``None`` when the cheap split is not sound for this graph (see the
+    module docstring) or when no stage input requires grad (then B has nothing
+    to compute and W is a plain backward).
+    """
+    root_nodes = [r.grad_fn for r in roots]
+    if not inputs or any(n is None for n in root_nodes):
+        return None
+    input_ids = {id(t) for t in inputs}
+    param_index = {id(p): j for j, p in enumerate(params)}
+    # Iterative post-order over the graph: reach_in[node], reach_params[node] (bitset).
+    reach_in: dict[Node, bool] = {}
+    reach_params: dict[Node, int] = {}
+    parents_slots: dict[Node, set[int]] = {}
+    for r in roots:
+        parents_slots.setdefault(r.grad_fn, set()).add(r.output_nr)
+    stack: list[tuple[Node, bool]] = [(n, False) for n in root_nodes]  # type: ignore[misc]
+    while stack:
+        node, expanded = stack.pop()
+        if node in reach_in:
+            continue
+        if hasattr(node, "variable"):  # AccumulateGrad of a leaf
+            var = node.variable
+            reach_in[node] = id(var) in input_ids
+            j = param_index.get(id(var))
+            reach_params[node] = 0 if j is None else 1 << j
+            continue
+        kids = _children(node)
+        if not expanded:
+            stack.append((node, True))
+            for child, slot in kids:
+                parents_slots.setdefault(child, set()).add(slot)
+                if child not in reach_in:
+                    stack.append((child, False))
+            continue
+        reach_in[node] = any(reach_in[c] for c, _ in kids)
+        bits = 0
+        for c, _ in kids:
+            bits |= reach_params[c]
+        reach_params[node] = bits
+    if not all(reach_in[n] for n in root_nodes):  # type: ignore[index]
+        return None
+    tasks: list[WeightTask] = []
+    covered = 0
+    for node, into_input in reach_in.items():
+        if not into_input or hasattr(node, "variable"):
+            continue
+        kids = _children(node)
+        weight_bits = 0
+        input_bits = 0
+        for c, _ in kids:
+            if reach_in[c]:
+                input_bits |= reach_params[c]
+            else:
+                weight_bits |= reach_params[c]
+        if not weight_bits:
+            continue
+        if weight_bits & input_bits or weight_bits & covered:
+            return None  # tied parameters: the per-node W would count a path twice
+        covered |= weight_bits
+        node_params = [p for j, p in enumerate(params) if weight_bits >> j & 1]
+        edges = [GradientEdge(node, s) for s in sorted(parents_slots.get(node, {0}))]
+        tasks.append(WeightTask(edges, node_params, [None] * len(edges)))
+    all_bits = 0
+    for n in root_nodes:
+        all_bits |= reach_params[n]  # type: ignore[index]
+    if covered != all_bits:
+        return None
+    return SplitPlan(tasks)
+
+
+def input_backward(plan: SplitPlan, roots: list[Tensor], grad_roots: list[Tensor] | None,
+                   inputs: list[Tensor]) -> list[Tensor | None]:
+    """B: gradients of the stage inputs; stores each mixed node's ``grad_output`` in ``plan``."""
+    edges = plan.capture_edges()
+    found = torch.autograd.grad(roots, list(inputs) + edges, grad_roots, retain_graph=True,
+                                allow_unused=True)
+    rest = list(found[len(inputs):])
+    for task in plan.tasks:
+        task.grads, rest = rest[:len(task.edges)], rest[len(task.edges):]
+    return list(found[:len(inputs)])
+
+
+def split_weight_backward(plan: SplitPlan) -> None:
+    """W: accumulate each mixed node's weight gradients into ``.grad`` (only its own parameters)."""
+    for task in plan.tasks:
+        pairs = [(e, g) for e, g in zip(task.edges, task.grads) if g is not None]
+        if pairs:
+            torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs], retain_graph=True,
+                                    inputs=task.params)
+        task.grads = []

@@ -1,0 +1,164 @@
+"""Zero-bubble schedules: exact loss and gradients, complete valid lists, cheap W, errors with state."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from conftest import grads, mlp, reference_step, tuple_model
+from gpipe_lab import GPipe
+from gpipe_lab.pipeline import PipelineTimeoutError, get_schedule, validate_schedule
+from gpipe_lab.pipeline.weight_gradients import input_backward, plan_split, split_weight_backward
+
+TOL = 1e-5
+
+
+def assert_close(a, b):
+    assert torch.allclose(a, b, atol=TOL, rtol=TOL), (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("K,M", [(2, 2), (2, 4), (3, 3), (3, 6), (4, 4), (4, 8)])
+@pytest.mark.parametrize("build", [mlp, tuple_model], ids=["tensor", "tuple"])
+def test_loss_and_grads_equal_unpipelined(build, K, M, checkpoint, schedule):
+    torch.manual_seed(1)
+    x, y = torch.randn(2 * M + 1, 8), torch.randn(2 * M + 1, 8)
+    ref_loss, ref_grads = reference_step(build(), x, y, F.mse_loss)
+    model = build()
+    pipe = GPipe(model, partitions=K, chunks=M, checkpoint=checkpoint, schedule=schedule)
+    assert_close(pipe.train_step(x, y, F.mse_loss), ref_loss)
+    for got, want in zip(grads(model), ref_grads):
+        assert_close(got, want)
+    counts = Counter((e.stage, e.kind, e.microbatch) for e in pipe.timeline.events if e.kind in "FBW")
+    assert set(counts.values()) == {1} and len(counts) == 3 * K * M
+    replays = sum(e.kind == "R" for e in pipe.timeline.events)
+    assert replays == (K * M if checkpoint == "always" else 0)  # recompute once, before B
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 8, 16])
+def test_lists_are_complete_and_valid(name, K, M):
+    schedule = get_schedule(name, K, M)
+    validate_schedule(schedule, M)
+    for actions in schedule:
+        assert Counter(a.kind for a in actions) == {"F": M, "B": M, "W": M}
+        order = {(a.kind, a.microbatch): pos for pos, a in enumerate(actions)}
+        assert all(order[("F", i)] < order[("B", i)] < order[("W", i)] for i in range(M))
+
+
+@pytest.mark.parametrize("K,M", [(2, 4), (4, 4), (4, 8), (8, 16)])
+def test_zb_h1_keeps_1f1b_peak_in_flight(K, M):
+    def peak(schedule):
+        worst = 0
+        for actions in schedule:
+            alive = 0
+            split = {a.microbatch for a in actions if a.kind == "W"}
+            for a in actions:
+                if a.kind == "F":
+                    alive += 1
+                    worst = max(worst, alive)
+                elif a.kind == "W" or (a.kind == "B" and a.microbatch not in split):
+                    alive -= 1
+        return worst
+    assert peak(get_schedule("zb-h1", K, M)) == peak(get_schedule("1f1b", K, M)) == K
+
+
+def test_weight_pass_does_not_repeat_the_input_pass():
+    """W computes only weight gradients: far fewer autograd nodes run than in a full backward."""
+    torch.manual_seed(0)
+    model = mlp(depth=4, width=16)
+    params = list(model.parameters())
+    x = torch.randn(5, 16, requires_grad=True)
+    g = torch.randn(5, 16)
+    out = model(x)
+    plan = plan_split([out], [x], params)
+    assert plan is not None and len(plan.tasks) == 8  # one per nn.Linear
+    (gx,) = input_backward(plan, [out], [g], [x])
+    assert all(p.grad is None for p in params)  # B touched no weight
+    split_weight_backward(plan)
+    want_x, *want = torch.autograd.grad(model(x), [x, *params], g)
+    assert_close(gx, want_x)
+    for p, w in zip(params, want):
+        assert_close(p.grad, w)
+
+
+class Twice(nn.Module):
+    """One Linear applied twice: its weight is reached from both sides of the second call."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def test_tied_weights_fall_back_to_the_exact_generic_path():
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), Twice(6), nn.Linear(6, 6))
+    model = build()
+    x = torch.randn(4, 6, requires_grad=True)
+    assert plan_split([model(x)], [x], list(model.parameters())) is None
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    ref_loss, ref_grads = reference_step(build(), x, y, F.mse_loss)
+    model = build()
+    pipe = GPipe(model, balance=[1, 3], chunks=4, schedule="zb-h1", checkpoint="never")
+    assert_close(pipe.train_step(x, y, F.mse_loss), ref_loss)
+    for got, want in zip(grads(model), ref_grads):
+        assert_close(got, want)
+
+
+def test_conv_layers_split_exactly():
+    torch.manual_seed(0)
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
+                             nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    x, y = torch.randn(8, 3, 6, 6), torch.randn(8, 5)
+    ref_loss, ref_grads = reference_step(build(), x, y, F.mse_loss)
+    model = build()
+    pipe = GPipe(model, balance=[1, 2, 2], chunks=4, schedule="zb-h1", checkpoint="except_last")
+    assert_close(pipe.train_step(x, y, F.mse_loss), ref_loss)
+    for got, want in zip(grads(model), ref_grads):
+        assert_close(got, want)
+
+
+class Stall(nn.Module):
+    """Sleeps in its backward on micro-batch ``at``, so the neighbours time out waiting."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls, self.armed = at, 0, True
+
+    def forward(self, x):
+        self.calls += 1
+        if self.armed and self.calls == self.at + 1:
+            time.sleep(3.0)
+        return x
+
+
+@pytest.mark.timeout(30)
+def test_timeout_error_carries_the_zb_h1_schedule_state():
+    stall = Stall(at=2)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), stall, nn.Linear(8, 8))
+    pipe = GPipe(model, balance=[2, 2], chunks=4, schedule="zb-h1", checkpoint="never", timeout=1.0)
+    before = threading.active_count()
+    with pytest.raises(PipelineTimeoutError, match="schedule state") as info:
+        pipe.train_step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss)
+    message = str(info.value)
+    assert "stage 0: last completed" in message and "stage 1:" in message
+    assert any(a is not None and a.kind in "FBW" for a in info.value.done)
+    assert threading.active_count() == before
+    stall.armed = False
+    pipe.timeout = 60.0  # the machine may be busy: only the failure above needs a short timeout
+    model.zero_grad()
+    assert torch.isfinite(pipe.train_step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss))
