@@ -1,0 +1,132 @@
+"""``gpipe-plan``: memory of a pipelined model per partition, and the largest model that fits.
+
+    gpipe-plan memory --model amoebanet_d --num-layers 18 --num-filters 416 -K 1 --memory-gib 8 \\
+        --batch 128 --microbatches 128
+    gpipe-plan search --model transformer_l -K 8 --memory-gib 16 --batch 32 --microbatches 32 --seq-len 1024
+    gpipe-plan search --model amoebanet_d --num-layers 18 -K 2 --memory-gib 8 --batch 128 --microbatches 128
+
+Memory is measured on the meta device (see ``gpipe_lab.planner.capacity``);
+nothing is allocated, so the paper's 83.9B-parameter Transformer plans in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from gpipe_lab.planner.capacity import (
+    RMSPROP_BYTES_PER_PARAM,
+    GiB,
+    Plan,
+    best_plan,
+    layer_records,
+    max_amoebanet_filters,
+    max_transformer_layers,
+)
+
+__all__ = ["main", "build_parser", "plan_to_dict"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``gpipe-plan`` (subcommands ``memory`` and ``search``)."""
+    parser = argparse.ArgumentParser(prog="gpipe-plan", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, helptext in (("memory", "per-partition memory of one model"),
+                           ("search", "largest model that fits (layers, or filters D for AmoebaNet)")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--model", default="amoebanet_d", help="preset of gpipe_lab.models.build")
+        p.add_argument("--num-layers", type=int, default=None)
+        p.add_argument("--num-filters", type=int, default=None, help="AmoebaNet D")
+        p.add_argument("--image-size", type=int, default=None, help="AmoebaNet input size")
+        p.add_argument("--seq-len", type=int, default=None, help="Transformer sequence length")
+        p.add_argument("-K", "--partitions", type=int, default=1)
+        p.add_argument("--memory-gib", type=float, default=8.0, help="memory per accelerator (GiB)")
+        p.add_argument("--batch", type=int, default=128, help="mini-batch N")
+        p.add_argument("--microbatches", type=int, default=None, help="M (default: N, one sample each)")
+        p.add_argument("--no-remat", action="store_true", help="keep all activations (Naive / 'never')")
+        p.add_argument("--bytes-per-param", type=float, default=RMSPROP_BYTES_PER_PARAM,
+                       help="weights + gradients + optimizer slots (RMSProp: 12)")
+        p.add_argument("--activation-bytes", type=int, default=4, choices=(2, 4),
+                       help="bytes per activation element (4 float32 as measured, 2 bfloat16)")
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def _sizes(args: argparse.Namespace) -> dict[str, object]:
+    keys = {"num_layers": args.num_layers, "num_filters": args.num_filters,
+            "image_size": args.image_size, "seq_len": args.seq_len}
+    return {k: v for k, v in keys.items() if v is not None}
+
+
+def plan_to_dict(plan: Plan) -> dict[str, object]:
+    """A JSON-able summary of a plan (bytes in GiB)."""
+    return {"balance": plan.balance, "params": plan.params, "fits": plan.fits,
+            "capacity_gib": plan.capacity_bytes / GiB, "peak_gib": plan.peak_bytes / GiB,
+            "partitions": [{"layers": p.layers, "params": p.params, "parameter_gib": p.parameter_bytes / GiB,
+                            "activation_gib": p.activation_bytes / GiB} for p in plan.partitions]}
+
+
+def _print_plan(plan: Plan) -> None:
+    print(f"{'stage':>5} {'layers':>6} {'params':>14} {'param GiB':>10} {'act GiB':>9} {'total GiB':>10}")
+    for k, p in enumerate(plan.partitions):
+        print(f"{k:>5} {p.layers:>6} {p.params:>14,} {p.parameter_bytes / GiB:>10.3f} "
+              f"{p.activation_bytes / GiB:>9.3f} {p.total_bytes / GiB:>10.3f}")
+    verdict = "fits" if plan.fits else "does NOT fit"
+    print(f"total params {plan.params:,}; peak {plan.peak_bytes / GiB:.3f} GiB per accelerator "
+          f"{verdict} in {plan.capacity_bytes / GiB:g} GiB")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``gpipe-plan``; returns the exit status.
+
+    Raises:
+        SystemExit: bad arguments (argparse), or 2 for an invalid model size.
+    """
+    args = build_parser().parse_args(argv)
+    sizes = _sizes(args)
+    batch = args.batch
+    micro = args.microbatches or batch
+    remat = not args.no_remat
+    scale = args.activation_bytes / 4
+    capacity = args.memory_gib * GiB
+    try:
+        if args.command == "memory":
+            records = layer_records(args.model, **sizes)
+            plan = best_plan(records, args.partitions, capacity, batch, micro, remat,
+                             args.bytes_per_param, scale)
+            if args.json:
+                print(json.dumps(plan_to_dict(plan), indent=2))
+            else:
+                _print_plan(plan)
+            return 0
+        if args.model.startswith("amoebanet"):
+            layers = int(sizes.pop("num_layers", 18))  # type: ignore[call-overload]
+            sizes.pop("num_filters", None)
+            best = max_amoebanet_filters(layers, args.partitions, capacity, batch, micro, remat,
+                                         activation_scale=scale, **sizes)
+            result = {"model": args.model, "num_layers": layers, "max_num_filters": best}
+            records = layer_records(args.model, num_layers=layers, num_filters=best, **sizes) if best else None
+        else:
+            sizes.pop("num_layers", None)
+            best = max_transformer_layers(args.partitions, capacity, batch, micro, remat, args.model,
+                                          activation_scale=scale, **sizes)
+            result = {"model": args.model, "max_num_layers": best}
+            records = layer_records(args.model, num_layers=best, **sizes) if best else None
+        if records is not None:
+            plan = best_plan(records, args.partitions, capacity, batch, micro, remat,
+                             args.bytes_per_param, scale)
+            result["plan"] = plan_to_dict(plan)
+        print(json.dumps(result, indent=2) if args.json else
+              "; ".join(f"{k}={v}" for k, v in result.items() if k != "plan"))
+        if records is not None and not args.json:
+            _print_plan(plan)
+        return 0
+    except ValueError as exc:
+        print(f"gpipe-plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
