@@ -1,0 +1,138 @@
+"""``PipelineMetrics``: throughput, bubble, per-stage busy time and memory, timeline pictures,
+and the run's ``summary.json``.
+
+Logged every ``log_every_n_steps`` (through the LightningModule, so every logger gets it):
+``perf/samples_per_s``, ``perf/tokens_per_s``, ``pipeline/bubble_measured``,
+``pipeline/bubble_theory``, ``pipeline/stage{k}_busy_s``, ``memory/stage{k}_param_bytes``,
+``memory/stage{k}_activation_bytes``. The timeline picture is saved (and sent to wandb as
+``pipeline/timeline``) at the first logged step and at the end of training.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import WandbLogger
+
+from gpipe_lab.lightning.strategy import GPipeStrategy
+from gpipe_lab.lightning.timeline_figure import save_timeline_figure
+from gpipe_lab.pipeline import analytic_bubble
+
+
+class PipelineMetrics(pl.Callback):
+    """See the module docstring. ``output_dir`` receives ``summary.json`` and ``timeline_*.png``."""
+
+    def __init__(self, output_dir: str | Path, extra_summary: dict[str, Any] | None = None,
+                 warmup_steps: int = 1) -> None:
+        self.output_dir = Path(output_dir)
+        self.extra_summary = dict(extra_summary or {})
+        self.warmup_steps = warmup_steps
+        self._start = 0.0
+        self._fit_start = 0.0
+        self._rates: list[tuple[float, float]] = []
+        self._bubbles: list[float] = []
+        self._busy: list[list[float]] = []
+        self._pictured = False
+        self.summary: dict[str, Any] = {}
+
+    @staticmethod
+    def _strategy(trainer: pl.Trainer) -> GPipeStrategy | None:
+        strategy = trainer.strategy
+        return strategy if isinstance(strategy, GPipeStrategy) else None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_start = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        strategy = self._strategy(trainer)
+        if strategy is None or strategy.timeline is None:
+            return
+        seconds = time.perf_counter() - self._start
+        samples, tokens = strategy.last_batch_size
+        timeline = strategy.timeline
+        k, m = strategy.num_stages, strategy.chunks
+        rates = (samples / seconds, tokens / seconds)
+        if batch_idx >= self.warmup_steps or trainer.max_steps == 1:
+            self._rates.append(rates)
+            self._bubbles.append(timeline.measured_bubble())
+            self._busy.append(timeline.busy())
+        if trainer.global_step % max(1, trainer.log_every_n_steps) and self._pictured:
+            return
+        metrics = {"perf/samples_per_s": rates[0], "perf/tokens_per_s": rates[1],
+                   "pipeline/bubble_measured": timeline.measured_bubble(),
+                   "pipeline/bubble_theory": analytic_bubble(k, m), "pipeline/step_wall_s": timeline.wall}
+        for stage, busy in enumerate(timeline.busy()):
+            metrics[f"pipeline/stage{stage}_busy_s"] = busy
+        for stage, mem in enumerate(strategy.memory()):
+            metrics[f"memory/stage{stage}_param_bytes"] = float(mem["parameter_bytes"])
+            metrics[f"memory/stage{stage}_activation_bytes"] = float(mem["peak_activation_bytes"])
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        if not self._pictured:
+            self._pictured = True
+            self._picture(trainer, strategy, "first")
+
+    def _picture(self, trainer: pl.Trainer, strategy: GPipeStrategy, when: str) -> None:
+        if not trainer.is_global_zero or strategy.timeline is None:
+            return
+        title = f"K={strategy.num_stages} M={strategy.chunks} {strategy.schedule} ({when} step)"
+        path = save_timeline_figure(strategy.timeline, self.output_dir / f"timeline_{when}.png", title)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_image("pipeline/timeline", [str(path)], step=trainer.global_step, caption=[when])
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._strategy(trainer)
+        if strategy is not None and strategy.timeline is not None:
+            self._picture(trainer, strategy, "last")
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.summary = self.build_summary(trainer)
+        if trainer.is_global_zero:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+            for logger in trainer.loggers:
+                if isinstance(logger, WandbLogger):
+                    row = {k: v for k, v in self.summary.items() if isinstance(v, (int, float, str))}
+                    logger.log_table("summary/table", columns=list(row), data=[list(row.values())])
+                    logger.experiment.summary.update(row)
+
+    def build_summary(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The numbers an experiment table needs (see the module docstring)."""
+        strategy = self._strategy(trainer)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        val_key = next((k for k in ("val/acc", "val/bleu") if k in metrics), None)
+        summary: dict[str, Any] = {
+            **self.extra_summary,
+            "steps": trainer.global_step,
+            "final_train_loss": metrics.get("train/loss"),
+            "validation_metric": val_key,
+            "validation_value": metrics.get(val_key) if val_key else None,
+            "val_loss": metrics.get("val/loss"),
+            "fit_seconds": time.perf_counter() - self._fit_start,
+        }
+        if strategy is not None:
+            k, m = strategy.num_stages, strategy.chunks
+            memory = strategy.memory()
+            summary.update({
+                "K": k, "M": m, "schedule": strategy.schedule, "checkpoint": strategy.checkpoint,
+                "transport": strategy.transport,
+                "balance": list(getattr(strategy.pipe, "balance", []) or []),
+                "samples_per_s": mean(r[0] for r in self._rates) if self._rates else None,
+                "tokens_per_s": mean(r[1] for r in self._rates) if self._rates else None,
+                "bubble_measured": mean(self._bubbles) if self._bubbles else None,
+                "bubble_theory": analytic_bubble(k, m),
+                "stage_busy_s": [mean(col) for col in zip(*self._busy)] if self._busy else [],
+                "stage_parameter_bytes": [s["parameter_bytes"] for s in memory],
+                "stage_peak_activation_bytes": [s["peak_activation_bytes"] for s in memory],
+            })
+        return summary

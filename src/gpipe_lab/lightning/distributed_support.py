@@ -1,0 +1,152 @@
+"""The distributed half of ``GPipeStrategy``: processes, process groups, collectives.
+
+One process per stage (and per data-parallel replica): Lightning launches them
+(``Trainer(devices=K*D)``; on CPU ``accelerator="cpu"``) or torchrun does. The
+engine's ``DistributedGPipe`` owns the stage and the point-to-point traffic;
+this mixin owns what Lightning needs around it: ranks, the launcher, the
+sampler arguments (one shard per data-parallel replica, NOT per stage),
+reductions, and gradient clipping by the global norm across stages.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import nn
+
+
+class DistributedMixin:
+    """Helpers for ``GPipeStrategy(transport="distributed")``; inert for the local transport."""
+
+    is_distributed: bool
+    cluster_environment: Any
+    parallel_devices: Any
+    pipe: Any
+    _process_group_backend: str | None
+    _num_nodes: int
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        if not self.is_distributed:
+            return 1
+        return len(self.parallel_devices) if self.parallel_devices is not None else 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        if not self.is_distributed:
+            return 1
+        return self.num_nodes * self.num_processes // self.num_stages  # type: ignore[attr-defined]
+
+    @property
+    def data_parallel_rank(self) -> int:
+        if self.pipe is not None and hasattr(self.pipe, "dp_rank"):
+            return int(self.pipe.dp_rank)
+        return 0 if not self.is_distributed else self.global_rank // self.num_stages  # type: ignore[attr-defined]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Shard by data-parallel replica: every stage of one pipeline reads the same batch."""
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    def _distributed_root_device(self) -> torch.device:
+        devices = self.parallel_devices or [torch.device("cpu")]
+        return devices[self.local_rank % len(devices)]  # type: ignore[attr-defined]
+
+    def _configure_launcher(self) -> None:
+        if not self.is_distributed:
+            return
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                       self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if not self.is_distributed or self.cluster_environment is None:
+            return
+        self.cluster_environment.set_global_rank(
+            self.node_rank * self.num_processes + self.local_rank)  # type: ignore[attr-defined]
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        if not self.is_distributed:
+            return
+        self.set_world_ranks()
+        world = self.num_nodes * self.num_processes
+        if world % self.num_stages:  # type: ignore[attr-defined]
+            raise ValueError(f"world size {world} is not divisible by the {self.num_stages} pipeline "  # type: ignore[attr-defined]
+                             "stages (pipeline.partitions); use trainer.devices = K * data-parallel size")
+        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")  # type: ignore[attr-defined]
+        self._process_group_backend = backend
+        _init_dist_connection(self.cluster_environment, backend,
+                              timeout=timedelta(seconds=max(60.0, float(self.timeout))))  # type: ignore[attr-defined]
+
+    def _build_distributed_pipeline(self, layers: nn.Sequential) -> Any:
+        """The engine's ``DistributedGPipe`` for this rank's stage.
+
+        Raises:
+            ImportError: the engine has no distributed transport.
+        """
+        from gpipe_lab.pipeline.distributed import DistributedGPipe
+
+        return DistributedGPipe(
+            layers, balance=self.balance, partitions=None if self.balance else self.partitions,  # type: ignore[attr-defined]
+            chunks=self.chunks, checkpoint=self.checkpoint, schedule=self.schedule,  # type: ignore[attr-defined]
+            deferred_batch_norm=self.deferred_batch_norm, cost=self.cost, seed=self.seed,  # type: ignore[attr-defined]
+            device=self.root_device, data_parallel_size=self.data_parallel_size,  # type: ignore[attr-defined]
+            timeout=self.timeout)  # type: ignore[attr-defined]
+
+    def _distributed_reduce(self, tensor: Any, group: Any, reduce_op: Any) -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def _distributed_barrier(self) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def _distributed_broadcast(self, obj: Any, src: int) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def _install_global_clipping(self) -> None:
+        """Clip by the norm over ALL stages: the squared norms are all-reduced across ranks."""
+        plugin = self.precision_plugin  # type: ignore[attr-defined]
+        strategy = self
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float | int) -> None:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            device = strategy.root_device  # type: ignore[attr-defined]
+            local = torch.zeros((), device=device, dtype=torch.float64)
+            for g in grads:
+                local += g.detach().double().pow(2).sum().to(device)
+            group = getattr(strategy.pipe, "pipeline_group", None)
+            dist.all_reduce(local, group=group)
+            total = local.sqrt()
+            coef = (float(clip_val) / (total + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.device, g.dtype))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm

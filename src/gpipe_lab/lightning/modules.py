@@ -1,0 +1,124 @@
+"""The LightningModules of the two task families: image classification and translation.
+
+Both are plain ``PipelineModule``s: a layer sequence from ``gpipe_lab.models.build``,
+a loss, metrics and an optimizer; no micro-batches anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gpipe_lab.lightning.pipeline_module import PipelineModule
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def make_optimizer(params: Any, name: str = "sgd", lr: float = 0.1, momentum: float = 0.9,
+                   weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.98)) -> torch.optim.Optimizer:
+    """``sgd`` (with momentum, nesterov off), ``adam`` or ``adamw``.
+
+    Raises:
+        ValueError: unknown optimizer name.
+    """
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    raise ValueError(f"optimizer.name must be one of {list(OPTIMIZERS)}, got {name!r}")
+
+
+class _OptimizerMixin:
+    optimizer_cfg: dict[str, Any]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.parameters(), **self.optimizer_cfg)  # type: ignore[attr-defined]
+
+
+class ImageClassifier(_OptimizerMixin, PipelineModule):
+    """Cross-entropy classification of images; logs loss and top-1 accuracy."""
+
+    def __init__(self, layers: nn.Sequential, optimizer: dict[str, Any] | None = None,
+                 label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        self.layers = layers
+        self.optimizer_cfg = dict(optimizer or {})
+        self.label_smoothing = label_smoothing
+
+    def loss_fn(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(outputs.float(), targets, label_smoothing=self.label_smoothing)
+
+    def log_train(self, loss: Tensor, outputs: Any, targets: Any) -> None:
+        self.log("train/loss", loss, prog_bar=True)
+        if outputs is not None:
+            acc = (outputs.argmax(-1) == targets.to(outputs.device)).float().mean()
+            self.log("train/acc", acc, prog_bar=True)
+
+    def evaluate(self, batch: Any, prefix: str) -> dict[str, Tensor]:
+        result = super().evaluate(batch, prefix)
+        acc = (result["outputs"].argmax(-1) == result["targets"]).float().mean()
+        self.log(f"{prefix}/acc", acc, prog_bar=prefix == "val")
+        return result
+
+
+class Translator(_OptimizerMixin, PipelineModule):
+    """Token cross-entropy over non-PAD targets (exact per-token mean across micro-batches).
+
+    Validation logs the loss, the token accuracy and corpus BLEU (sacrebleu) of greedy
+    decoding on the first ``bleu_batches`` validation batches.
+    """
+
+    def __init__(self, layers: nn.Sequential, optimizer: dict[str, Any] | None = None,
+                 label_smoothing: float = 0.0, bleu_batches: int = 2, max_decode_len: int = 32) -> None:
+        super().__init__()
+        from gpipe_lab.models import count_tokens, translation_loss
+
+        self.layers = layers
+        self.optimizer_cfg = dict(optimizer or {})
+        self._sum_loss = translation_loss(label_smoothing, reduction="sum")
+        self.loss_normalizer = count_tokens
+        self.bleu_batches = bleu_batches
+        self.max_decode_len = max_decode_len
+        self._hyps: list[str] = []
+        self._refs: list[str] = []
+
+    def loss_fn(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        return self._sum_loss(outputs, targets)
+
+    def count_samples(self, inputs: Any, targets: Any) -> tuple[int, int]:
+        return int(inputs[0].shape[0]), int(self.loss_normalizer(targets))
+
+    def on_validation_epoch_start(self) -> None:
+        self._hyps, self._refs = [], []
+
+    def evaluate(self, batch: Any, prefix: str) -> dict[str, Tensor]:
+        result = super().evaluate(batch, prefix)
+        targets = result["targets"]
+        mask = targets != 0
+        correct = ((result["outputs"].argmax(-1) == targets) & mask).sum()
+        self.log(f"{prefix}/token_acc", correct.float() / mask.sum().clamp(min=1))
+        return result
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = self.evaluate(batch, "val")["loss"]
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if batch_idx < self.bleu_batches and hasattr(datamodule, "batch_references"):
+            from gpipe_lab.models import greedy_decode
+
+            (src, _), _ = batch
+            hyps = greedy_decode(lambda s, t: self((s, t)), src, self.max_decode_len)
+            self._hyps += [datamodule.decode(h.tolist()) for h in hyps]
+            self._refs += datamodule.batch_references("val")[batch_idx]
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        if self._hyps:
+            from gpipe_lab.data import corpus_bleu
+
+            score = corpus_bleu(self._hyps, self._refs[: len(self._hyps)])
+            self.log("val/bleu", float(score.score), prog_bar=True)

@@ -1,0 +1,132 @@
+"""``PipelineModule``: a plain LightningModule that a ``GPipeStrategy`` can pipeline.
+
+A subclass declares three things and never sees a micro-batch:
+
+- the layer sequence: a ``layers`` ``nn.Sequential`` attribute (or a ``configure_layers()``
+  hook that returns one);
+- the loss: ``loss_fn(outputs, targets)``, the mean loss of any slice of the batch, or
+  with ``loss_normalizer(targets)`` (e.g. the number of non-pad tokens), a SUM that the
+  engine divides by the whole mini-batch's normalizer;
+- the metrics: ``log_train(loss, outputs, targets)`` and ``validation_step``.
+
+Without a ``GPipeStrategy`` (any other Lightning strategy) the same module trains
+unpipelined, which is how the tests compare the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+class PipelineModule(pl.LightningModule):
+    """Base class of the pipelined LightningModules (see the module docstring)."""
+
+    layers: nn.Sequential
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Set by GPipeStrategy: runs the pipelined forward; kept out of the module tree so
+        # that the state dict keeps the original layer names.
+        object.__setattr__(self, "pipeline_forward", None)
+        object.__setattr__(self, "pipeline_runner", None)
+
+    # ------------------------------------------------------------ what subclasses give
+    def configure_layers(self) -> nn.Sequential:
+        """The layer sequence. Default: the ``layers`` attribute.
+
+        Raises:
+            AttributeError: the module has neither ``layers`` nor an override of this hook.
+        """
+        layers = getattr(self, "layers", None)
+        if not isinstance(layers, nn.Sequential):
+            raise AttributeError(f"{type(self).__name__} needs a `layers` nn.Sequential attribute "
+                                 "or a configure_layers() hook returning one")
+        return layers
+
+    def loss_fn(self, outputs: Any, targets: Any) -> Tensor:
+        """Loss of one slice of the batch (mean; or sum when ``loss_normalizer`` is defined)."""
+        raise NotImplementedError
+
+    loss_normalizer: Callable[[Any], Tensor | float] | None = None
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """``(inputs, targets)`` of a batch; default ``batch[0], batch[1]``."""
+        return batch[0], batch[1]
+
+    def count_samples(self, inputs: Any, targets: Any) -> tuple[int, int]:
+        """(samples, tokens) in a batch, for throughput; tokens 0 when not a token task."""
+        first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+        return int(first.shape[0]), 0
+
+    def log_train(self, loss: Tensor, outputs: Any, targets: Any) -> None:
+        """Log the training metrics of one mini-batch (the real loss, never a placeholder)."""
+        self.log("train/loss", loss, prog_bar=True)
+
+    # ------------------------------------------------------------ shared logic
+    def forward(self, inputs: Any) -> Any:
+        """The pipelined forward under a ``GPipeStrategy``, the plain layers otherwise."""
+        if self.pipeline_forward is not None:
+            return self.pipeline_forward(inputs)
+        return self.configure_layers()(inputs)
+
+    def full_batch_loss(self, outputs: Any, targets: Any) -> Tensor:
+        """The loss of a whole batch, as the pipeline computes it from its slices."""
+        loss = self.loss_fn(outputs, targets)
+        if self.loss_normalizer is not None:
+            loss = loss / float(self.loss_normalizer(targets))
+        return loss
+
+    def pipeline_loss(self, batch: Any) -> Tensor:
+        """For manual optimization: forward AND backward of ``batch``; returns the real loss.
+
+        Under a ``GPipeStrategy`` the whole schedule runs here (gradients land in the
+        parameters) and ``manual_backward`` of the returned loss is a no-op; otherwise the
+        loss is computed unpipelined and ``manual_backward`` back-propagates it.
+        """
+        if self.pipeline_runner is not None:
+            return self.pipeline_runner(batch)
+        inputs, targets = self.split_batch(batch)
+        outputs = self.configure_layers()(inputs)
+        loss = self.full_batch_loss(outputs, targets)
+        self.log_train(loss.detach(), outputs, targets)
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
+        """Unpipelined (automatic) or ``pipeline_loss`` + optimizer step (manual optimization).
+
+        Under a ``GPipeStrategy`` with automatic optimization this is never called: the
+        strategy runs the schedule in ``backward``.
+        """
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()  # type: ignore[union-attr]
+            loss = self.pipeline_loss(batch)
+            self.manual_backward(loss)
+            clip = self.trainer.gradient_clip_val
+            if clip:
+                self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+            optimizer.step()  # type: ignore[union-attr]
+            return None
+        return self.pipeline_loss(batch)
+
+    def evaluate(self, batch: Any, prefix: str) -> dict[str, Tensor]:
+        """Loss (and subclass metrics) of a validation / test batch through ``forward``."""
+        inputs, targets = self.split_batch(batch)
+        with torch.no_grad():
+            outputs = self(inputs)
+        loss = self.full_batch_loss(outputs, targets)
+        self.log(f"{prefix}/loss", loss, prog_bar=prefix == "val", sync_dist=False)
+        return {"loss": loss, "outputs": outputs, "targets": targets}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.evaluate(batch, "val")["loss"]
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.evaluate(batch, "test")["loss"]

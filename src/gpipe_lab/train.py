@@ -1,0 +1,151 @@
+"""The Hydra app ``gpipe-train`` (also ``python -m gpipe_lab.train``).
+
+    gpipe-train                                   # the default: AmoebaNet-D tiny, K=2, M=4, CPU
+    gpipe-train -m pipeline.partitions=1,2 pipeline.chunks=1,4,8
+    gpipe-train experiment=transformer_tiny logger=csv
+    gpipe-train ckpt_path=/path/to/last.ckpt pipeline.partitions=4   # resume with another K
+
+Every run writes ``summary.json``, ``timeline_{first,last}.png`` and (by default) an
+offline wandb run under its output directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parents[2] / "conf")))
+
+
+def build_datamodule(cfg: DictConfig) -> Any:
+    from gpipe_lab.data import build_datamodule as build
+
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "name"}
+    return build(cfg.data.name, seed=cfg.seed, **kwargs)
+
+
+def build_module(cfg: DictConfig, datamodule: Any) -> Any:
+    """The model from ``models.build`` wrapped in its task's LightningModule.
+
+    The datamodule decides the class count / vocabulary size when it knows them.
+    """
+    from gpipe_lab.lightning.modules import ImageClassifier, Translator
+    from gpipe_lab.models import build
+
+    overrides = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
+    optimizer = {k: v for k, v in optimizer.items() if not (k == "momentum" and optimizer["name"] != "sgd")}
+    if optimizer["name"] == "sgd":
+        optimizer.pop("betas", None)
+    if cfg.model.name.startswith("amoebanet"):
+        if getattr(datamodule, "num_classes", None):
+            overrides["num_classes"] = int(datamodule.num_classes)
+        return ImageClassifier(build(cfg.model.name, **overrides), optimizer)
+    if getattr(datamodule, "vocab_size", None):
+        overrides["vocab_size"] = int(datamodule.vocab_size)
+    layers = build(cfg.model.name, **overrides)
+    return Translator(layers, optimizer, label_smoothing=float(cfg.model.get("label_smoothing", 0.0)))
+
+
+def build_logger(cfg: DictConfig, output_dir: Path) -> Any:
+    name = cfg.logger.name if cfg.get("logger") else "none"
+    if name == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir=str(output_dir), name="csv")
+    if name == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        output_dir.mkdir(parents=True, exist_ok=True)
+        logger = WandbLogger(save_dir=str(output_dir), project=cfg.logger.project, entity=cfg.logger.entity,
+                             group=cfg.logger.group, tags=list(cfg.logger.tags or []), mode=cfg.logger.mode,
+                             name=output_dir.name)
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        return logger
+    return False
+
+
+def output_dir_of(cfg: DictConfig) -> Path:
+    try:
+        return Path(cfg.paths.output_dir)
+    except Exception:  # noqa: BLE001 - outside a Hydra run (tests): no ${hydra:...}
+        return Path(cfg.paths.log_dir) / cfg.task_name / "run"
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Validate, build and fit; returns the run's summary.
+
+    Raises:
+        ConfigError: a config that cannot run (before anything is built).
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from gpipe_lab.config import validate
+    from gpipe_lab.lightning import GPipeStrategy
+    from gpipe_lab.lightning.callbacks import PipelineMetrics
+
+    pipeline = validate(cfg)
+    if cfg.get("dry_run"):
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+        return {}
+    output_dir = output_dir_of(cfg)
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule = build_datamodule(cfg)
+    module = build_module(cfg, datamodule)
+    validate(cfg, num_layers=len(module.layers))
+    options = OmegaConf.to_container(pipeline, resolve=True)
+    if isinstance(options["cost"], str) and options["cost"] != "params":
+        from gpipe_lab.models import layer_costs
+
+        options["cost"] = layer_costs(module.layers, options["cost"])
+    strategy = GPipeStrategy(**options, seed=cfg.seed)
+    logger = build_logger(cfg, output_dir)
+    extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
+             "seed": cfg.seed, "precision": str(cfg.trainer.get("precision"))}
+    metrics = PipelineMetrics(output_dir, extra_summary=extra)
+    callbacks: list[Any] = [metrics]
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    if trainer_kwargs.get("enable_checkpointing", True):
+        callbacks.append(ModelCheckpoint(dirpath=str(output_dir / "checkpoints"), save_last=True))
+    if trainer_kwargs.get("enable_progress_bar", True):
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        callbacks.append(TQDMProgressBar(refresh_rate=1))
+    try:
+        trainer = pl.Trainer(**trainer_kwargs, strategy=strategy, logger=logger, callbacks=callbacks,
+                             default_root_dir=str(output_dir))
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    finally:
+        if cfg.logger.get("name") == "wandb":
+            import wandb
+
+            wandb.finish()
+    if trainer.is_global_zero:
+        value = metrics.summary.get("validation_value")
+        print(f"summary: K={metrics.summary.get('K')} M={metrics.summary.get('M')} "
+              f"train_loss={metrics.summary.get('final_train_loss')} "
+              f"{metrics.summary.get('validation_metric')}={value} "
+              f"samples/s={metrics.summary.get('samples_per_s')} -> {output_dir / 'summary.json'}")
+    return metrics.summary
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """Console script ``gpipe-train``; returns the validation metric (for sweepers)."""
+    from gpipe_lab.config import ConfigError
+
+    try:
+        summary = run(cfg)
+    except ConfigError as exc:
+        raise SystemExit(f"config error: {exc}") from None
+    value = summary.get("validation_value")
+    return float(value) if value is not None else None
+
+
+if __name__ == "__main__":
+    main()
