@@ -1,0 +1,100 @@
+"""The simulator: analytic bubbles exactly, zero-bubble's gain, and agreement with a measured step."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gpipe_lab import GPipe
+from gpipe_lab.pipeline import Action, Event, Timeline, analytic_bubble, get_schedule
+from gpipe_lab.planner import StageCosts, costs_from_timeline, predict_step, simulate
+
+
+def idle(prediction) -> float:
+    t = prediction.timeline
+    return t.num_stages * t.wall - sum(t.busy())
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("M", [1, 2, 4, 7, 16])
+def test_uniform_costs_reproduce_the_analytic_bubble(name, K, M):
+    costs = StageCosts.uniform(K, forward=1.0, backward_input=1.5, backward_weight=0.5)
+    pred = predict_step(get_schedule(name, K, M), costs)
+    assert pred.bubble == pytest.approx(analytic_bubble(K, M), abs=1e-12)
+    assert pred.step_time == pytest.approx((M + K - 1) * 3.0)
+
+
+@pytest.mark.parametrize("K,M", [(2, 2), (2, 4), (3, 3), (3, 6), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_zb_h1_has_at_most_40_percent_of_1f1b_bubble(K, M):
+    costs = StageCosts.uniform(K, 1.0, 1.0, 1.0)
+    zb = predict_step(get_schedule("zb-h1", K, M), costs)
+    one = predict_step(get_schedule("1f1b", K, M), costs)
+    assert idle(zb) <= 0.4 * idle(one)  # (K-1)(F+B-W) against (K-1)(F+B+W): 1/3
+    assert zb.step_time == pytest.approx(3 * M + K - 1)
+    assert predict_step(get_schedule("zb-h2", K, M), costs).step_time <= zb.step_time
+
+
+def test_transfer_recompute_and_waits():
+    schedule = get_schedule("gpipe", 2, 1)
+    costs = StageCosts([1.0, 2.0], [1.0, 1.0], [0.5, 0.5], recompute=[0.25, 0.25], transfer=[0.1])
+    tl = simulate(schedule, costs, checkpointed={0})
+    kinds = [(e.stage, e.kind, e.start, e.end) for e in tl.events]
+    assert (1, "wait", 0.0, pytest.approx(1.1)) in kinds
+    # stage 1: F 1.1-3.1, R 3.1-3.35, B (1.5) 3.35-4.85; stage 0 waits, R 4.95-5.2, B 5.2-6.7
+    assert tl.wall == pytest.approx(6.7)
+    assert [e.kind for e in tl.events if e.stage == 0] == ["F", "wait", "R", "B"]
+
+
+def test_deadlock_and_bad_costs_are_named():
+    bad = [[Action(0, "B", 0), Action(0, "F", 0)], [Action(1, "F", 0), Action(1, "B", 0)]]
+    with pytest.raises(ValueError, match="deadlocks.*B0@0"):
+        simulate(bad, StageCosts.uniform(2))
+    with pytest.raises(ValueError, match="costs are for 3 stages"):
+        simulate(get_schedule("gpipe", 2, 2), StageCosts.uniform(3))
+    with pytest.raises(ValueError, match="negative"):
+        StageCosts([1.0], [-1.0], [0.0])
+
+
+def test_costs_from_timeline_reads_medians_and_hops():
+    events = [Event(0, "F", 0, 0.0, 1.0), Event(1, "wait", 0, 0.0, 1.2), Event(1, "F", 0, 1.2, 3.2),
+              Event(1, "B", 0, 3.2, 4.2), Event(1, "W", 0, 4.2, 5.2), Event(0, "B", 0, 4.4, 4.9),
+              Event(0, "W", 0, 4.9, 5.9)]
+    costs = costs_from_timeline(Timeline(2, 0.0, 5.9, events))
+    assert list(costs.forward) == [1.0, 2.0]
+    assert list(costs.backward_input) == pytest.approx([0.5, 1.0])
+    assert list(costs.backward_weight) == pytest.approx([1.0, 1.0])
+    assert list(costs.transfer) == pytest.approx([0.2])
+
+
+def _block() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_prediction_matches_a_measured_cpu_step(schedule):
+    """K=2 CPU stages: per-action costs from the previous step predict a step's time within 15% (median)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_block() for _ in range(4)])
+    pipe = GPipe(model, balance=[2, 2], chunks=4, checkpoint="never", schedule=schedule)
+    x, y = torch.randn(512, 256), torch.randn(512, 256)
+    ratios = []
+    previous = None
+    for _ in range(8):  # the first step warms the allocator and kernels
+        model.zero_grad(set_to_none=True)
+        pipe.train_step(x, y, F.mse_loss)
+        if previous is not None:  # costs measured in the step before predict this step
+            predicted = predict_step(get_schedule(schedule, 2, 4), costs_from_timeline(previous))
+            ratios.append(predicted.step_time / pipe.timeline.wall)
+        previous = pipe.timeline
+    # Other processes may share the 2 cores: pair each step with the one just before it and
+    # take the median error over 7 pairs, so a drift of the machine's speed does not count.
+    error = abs(statistics.median(ratios[1:]) - 1.0)
+    print(f"{schedule}: predicted / measured step time per step {[round(r, 3) for r in ratios]}, "
+          f"median error {error:.1%}")
+    assert error < 0.15
