@@ -1,0 +1,75 @@
+"""A failing, killed or hung rank stops every rank within the timeout, naming the culprit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpipe_lab.pipeline.distributed import DistributedGPipe
+from gpipe_lab.pipeline.distributed.launch import run_local
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+TIMEOUT = 4.0
+
+
+class Trap(nn.Module):
+    """Identity, except on forward call ``when`` (= micro-batch 2 of the first step)."""
+
+    def __init__(self, mode: str, when: int = 2) -> None:
+        super().__init__()
+        self.mode, self.when, self.calls = mode, when, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calls == self.when:
+            if self.mode == "raise":
+                raise ValueError("boom")
+            if self.mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.mode == "hang":
+                time.sleep(60)
+        self.calls += 1
+        return x
+
+
+def failing_worker(rank: int, world: int, mode: str, trap_stage: int) -> None:
+    layers = [nn.Linear(4, 4) for _ in range(world)]
+    layers.insert(trap_stage + 1, Trap(mode))
+    pipe = DistributedGPipe(nn.Sequential(*layers), balance=[1] * trap_stage + [2] + [1] * (world - trap_stage - 1),
+                            chunks=4, checkpoint="never", timeout=TIMEOUT, seed=0)
+    pipe.train_step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss)
+
+
+def test_raising_rank_stops_every_rank() -> None:
+    results = run_local(failing_worker, 3, args=("raise", 2), timeout=60)
+    start = max(r.ended for r in results) - 2 * TIMEOUT
+    for r in results:
+        assert r.exitcode == 1 and r.ended is not None and r.ended > start
+        assert "rank 2" in r.error, r.error
+    assert results[2].error_type == "ValueError"
+    assert "boom" in results[2].error and "micro-batch 2" in results[2].error
+    assert all("micro-batch 2" in r.error and "boom" in r.error for r in results)
+
+
+def test_killed_rank_makes_others_fail_naming_it() -> None:
+    results = run_local(failing_worker, 3, args=("kill", 1), timeout=60)
+    assert results[1].exitcode == -signal.SIGKILL
+    for r in (results[0], results[2]):
+        assert r.exitcode == 1, r.error
+        assert "rank 1" in r.error, r.error
+        assert r.ended is not None and r.ended < results[1].ended + 2 * TIMEOUT
+
+
+@pytest.mark.slow
+def test_hung_rank_times_out_naming_it() -> None:
+    results = run_local(failing_worker, 3, args=("hang", 1), timeout=25)
+    assert results[1].ended is None  # still asleep: killed by the launcher at its deadline
+    for r in (results[0], results[2]):
+        assert r.exitcode == 1, r.error
+        assert "rank 1" in r.error and "alive" in r.error, r.error
+        assert r.ended is not None
