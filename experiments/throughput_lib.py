@@ -1,0 +1,187 @@
+"""Measuring pipeline steps on CPU stages and per-layer times for the simulator.
+
+``measure_step`` runs ``GPipe`` (one thread per stage) for a few steps and keeps
+the median step time and the timeline of the median step. ``layer_times``
+times every layer's forward (with and without autograd) and backward on one
+micro-batch with one thread, the way a stage runs it. ``simulate_step`` sums
+those per layer over the engine's balance and runs the planner's simulator.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gpipe_lab.models import build, example_input, translation_loss
+from gpipe_lab.models import layer_costs as model_layer_costs
+from gpipe_lab.pipeline import GPipe, Timeline, balance_by_cost, checkpointed_microbatches, get_schedule
+from gpipe_lab.planner.simulator import StageCosts, predict_step
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A preset with overrides, a mini-batch size, and its loss."""
+
+    label: str
+    preset: str
+    sizes: dict
+    batch: int
+
+    def model(self, seed: int = 0) -> nn.Sequential:
+        torch.manual_seed(seed)
+        return build(self.preset, "cpu", **self.sizes)
+
+    def batch_data(self, model: nn.Sequential, seed: int = 0) -> tuple[object, Tensor]:
+        torch.manual_seed(seed)
+        x = example_input(model, self.batch, "cpu")
+        if self.preset.startswith("amoebanet"):
+            return x, torch.randint(0, self.sizes.get("num_classes", 1000), (self.batch,))
+        tokens = x[0] if isinstance(x, tuple) else x
+        return x, tokens.roll(-1, dims=1)
+
+    def loss_fn(self) -> Callable[[Tensor, Tensor], Tensor]:
+        return F.cross_entropy if self.preset.startswith("amoebanet") else translation_loss()
+
+
+def engine_balance(model: nn.Sequential, partitions: int) -> list[int]:
+    """The balance ``GPipe(model, partitions=K, cost=<per-layer FLOPs>)`` chooses (Lingvo balances FLOPs)."""
+    return balance_by_cost(model_layer_costs(model, "flops"), partitions)
+
+
+def measure_step(work: Workload, partitions: int, chunks: int, steps: int = 3,
+                 checkpoint: str = "except_last") -> tuple[float, Timeline, list[int]]:
+    """Median seconds per training step of GPipe on CPU stages, the median step's timeline, the balance.
+
+    With ``partitions=1`` this is the unpipelined-equivalent single-stage run on one thread.
+    """
+    model = work.model()
+    x, y = work.batch_data(model)
+    pipe = GPipe(model, balance=engine_balance(model, partitions), chunks=chunks, checkpoint=checkpoint,
+                 threads_per_stage=1, seed=0)
+    runs: list[tuple[float, Timeline]] = []
+    for step in range(steps + 1):  # the first step warms up
+        start = time.perf_counter()
+        pipe.train_step(x, y, work.loss_fn())
+        elapsed = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        if step and pipe.timeline is not None:
+            runs.append((elapsed, pipe.timeline))
+    runs.sort(key=lambda r: r[0])
+    seconds, timeline = runs[len(runs) // 2]
+    return seconds, timeline, list(pipe.balance)
+
+
+def _as_tuple(value: object) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def layer_times(work: Workload, micro_batch: int, repeat: int = 3) -> dict[str, list[float]]:
+    """Per-layer median seconds on one micro-batch, one thread: ``forward_grad``,
+    ``forward_nograd`` and ``backward`` (the loss is part of the last layer)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = work.model()
+        x, y = work.batch_data(model)
+        x = tuple(t[:micro_batch] for t in x) if isinstance(x, tuple) else x[:micro_batch]
+        y = y[:micro_batch]
+        n = len(model)
+        samples: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in
+                                                 ("forward_grad", "forward_nograd", "backward")}
+        for _ in range(repeat + 1):
+            value, saved = x, []
+            for i, layer in enumerate(model):
+                ins = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _as_tuple(value))
+                arg = ins if isinstance(value, tuple) else ins[0]
+                start = time.perf_counter()
+                with torch.no_grad():
+                    layer(arg)
+                samples["forward_nograd"][i].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                out = layer(arg)
+                if i == n - 1:
+                    out = work.loss_fn()(out, y)
+                samples["forward_grad"][i].append(time.perf_counter() - start)
+                saved.append((ins, out))
+                value = out
+            grads: tuple = (None,)
+            for i in reversed(range(n)):
+                ins, out = saved[i]
+                pairs = [(o, g) for o, g in zip(_as_tuple(out), grads) if o.requires_grad]
+                start = time.perf_counter()
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                samples["backward"][i].append(time.perf_counter() - start)
+                grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in ins)
+            model.zero_grad(set_to_none=True)
+        return {k: [statistics.median(s[1:]) for s in v] for k, v in samples.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def stage_costs(times: dict[str, list[float]], balance: list[int], chunks: int,
+                transfer: float = 0.0) -> StageCosts:
+    """Sum per-layer times over ``balance`` into simulator costs (GPipe fill-drain, except_last)."""
+    fwd_key = "forward_nograd" if chunks > 1 else "forward_grad"
+    sums: dict[str, list[float]] = {k: [] for k in times}
+    start = 0
+    for count in balance:
+        for k, v in times.items():
+            sums[k].append(sum(v[start:start + count]))
+        start += count
+    k = len(balance)
+    return StageCosts(sums[fwd_key], sums["backward"], [0.0] * k, sums["forward_grad"],
+                      [transfer] * max(k - 1, 0))
+
+
+def simulate_step(times: dict[str, list[float]], balance: list[int], chunks: int,
+                  transfer: float = 0.0) -> tuple[float, Timeline]:
+    """Predicted seconds per step (and timeline) of fill-drain GPipe with ``except_last`` checkpoints."""
+    costs = stage_costs(times, balance, chunks, transfer)
+    pred = predict_step(get_schedule("gpipe", len(balance), chunks), costs,
+                        checkpointed_microbatches("except_last", chunks))
+    return pred.step_time, pred.timeline
+
+
+def hop_seconds(timeline: Timeline) -> float:
+    """Median hand-over delay between stages measured in a real step (0 for one stage)."""
+    if timeline.num_stages < 2:
+        return 0.0
+    from gpipe_lab.planner.simulator import costs_from_timeline
+
+    transfer = costs_from_timeline(timeline).transfer or [0.0]
+    return float(statistics.median(transfer))
+
+
+def run_grid(work: Workload, measured_k: list[int], simulated_k: list[int], chunks: list[int],
+             steps: int = 3, repeat: int = 3) -> list[dict]:
+    """Measure (K in ``measured_k``) and simulate (K in ``measured_k + simulated_k``) every M.
+
+    Returns one row per (K, M): ``measured_s`` (None when not measured), ``simulated_s``,
+    samples/s of each, the balance, the measured and simulated bubbles, and the timeline.
+    """
+    model = work.model()
+    rows = []
+    for m in chunks:
+        times = layer_times(work, work.batch // m, repeat)
+        hop = 0.0
+        for k in sorted(set(measured_k) | set(simulated_k)):
+            balance = engine_balance(model, k)
+            measured, timeline = None, None
+            if k in measured_k:
+                measured, timeline, balance = measure_step(work, k, m, steps)
+                hop = max(hop, hop_seconds(timeline))
+            simulated, sim_timeline = simulate_step(times, balance, m, hop)
+            rows.append({"workload": work.label, "K": k, "M": m, "batch": work.batch, "balance": balance,
+                         "measured_s": measured, "simulated_s": simulated, "hop_s": hop,
+                         "measured_sps": None if measured is None else work.batch / measured,
+                         "simulated_sps": work.batch / simulated,
+                         "measured_bubble": None if timeline is None else timeline.measured_bubble(),
+                         "simulated_bubble": sim_timeline.measured_bubble(),
+                         "timeline": timeline, "sim_timeline": sim_timeline})
+    return rows
