@@ -57,6 +57,14 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+def _clone(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
 class GPipeStrategy(DistributedMixin, ParallelStrategy):
     """Pipeline-parallel training of a ``PipelineModule`` (registered as ``"gpipe"``).
 
@@ -280,7 +288,16 @@ class GPipeStrategy(DistributedMixin, ParallelStrategy):
         return real
 
     def pipeline_forward(self, inputs: Any) -> Any:
-        """Forward only through the pipeline (validation, test, decoding)."""
+        """Forward only through the pipeline (validation, test, decoding).
+
+        Lightning evaluates under ``torch.inference_mode``, which is thread-local: the
+        stage threads would try to record autograd on inference tensors, so the inputs
+        are cloned into normal tensors first.
+        """
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                inputs = _clone(inputs)
+                return self.pipeline_forward(inputs)
         outputs = self.pipe(inputs)
         first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
         return _to_device(outputs, first.device)

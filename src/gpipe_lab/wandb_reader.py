@@ -1,0 +1,114 @@
+"""Read an offline wandb run (``run-<id>.wandb``) back without the wandb service.
+
+The file is a LevelDB-style log: a 7-byte header (``:W&B``, magic 0xBEE1, version 0),
+then 32 KiB blocks of records, each with a ``<IHB`` header (crc32, length, type:
+FULL=1, FIRST=2, MIDDLE=3, LAST=4). A record's payload is a serialized
+``wandb.proto.wandb_internal_pb2.Record``: history rows in ``record.history.item``,
+summary updates in ``record.summary.update``, the config in ``record.config.update``.
+
+    run = read_run(find_run_files("logs/train/runs/<date>")[0])
+    run.history[-1]["train/loss"]; run.summary["validation_value"]
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HEADER_BYTES = 7
+BLOCK_BYTES = 32 * 1024
+RECORD_HEADER = struct.Struct("<IHB")
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def find_run_files(directory: str | Path) -> list[Path]:
+    """Every ``*.wandb`` file under ``directory`` (sorted)."""
+    return sorted(Path(directory).rglob("*.wandb"))
+
+
+def iter_payloads(path: str | Path) -> Iterator[bytes]:
+    """The reassembled payloads of the log, in order.
+
+    Raises:
+        ValueError: the file does not start with the wandb header, or a record is cut.
+    """
+    data = Path(path).read_bytes()
+    if len(data) < HEADER_BYTES or data[:4] != b":W&B":
+        raise ValueError(f"{path}: not a wandb log (header {data[:HEADER_BYTES]!r})")
+    pos = HEADER_BYTES
+    pending = b""
+    while pos + RECORD_HEADER.size <= len(data):
+        left_in_block = BLOCK_BYTES - pos % BLOCK_BYTES
+        if left_in_block < RECORD_HEADER.size:  # block trailer padding
+            pos += left_in_block
+            continue
+        _crc, length, kind = RECORD_HEADER.unpack_from(data, pos)
+        pos += RECORD_HEADER.size
+        if kind == 0 and length == 0:  # zero padding up to the block end
+            pos += BLOCK_BYTES - pos % BLOCK_BYTES if pos % BLOCK_BYTES else 0
+            continue
+        if pos + length > len(data):
+            raise ValueError(f"{path}: record at byte {pos} is cut (needs {length} bytes)")
+        chunk = data[pos:pos + length]
+        pos += length
+        if kind == FULL:
+            yield chunk
+        elif kind == FIRST:
+            pending = chunk
+        elif kind == MIDDLE:
+            pending += chunk
+        elif kind == LAST:
+            yield pending + chunk
+            pending = b""
+
+
+def _value(item: Any) -> Any:
+    raw = item.value_json
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, TypeError):
+        return raw
+
+
+def _key(item: Any) -> str:
+    return "/".join(item.nested_key) if len(item.nested_key) else item.key
+
+
+@dataclass
+class WandbRun:
+    """What an offline run recorded: history rows, summary, config, record kinds seen."""
+
+    history: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    kinds: dict[str, int] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+
+    def metric(self, key: str) -> list[Any]:
+        """Every history value of ``key``, in step order."""
+        return [row[key] for row in self.history if key in row]
+
+
+def read_run(path: str | Path) -> WandbRun:
+    """Parse one ``.wandb`` file into a ``WandbRun``."""
+    from wandb.proto import wandb_internal_pb2
+
+    run = WandbRun()
+    for payload in iter_payloads(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        kind = record.WhichOneof("record_type") or "unknown"
+        run.kinds[kind] = run.kinds.get(kind, 0) + 1
+        if kind == "history":
+            run.history.append({_key(item): _value(item) for item in record.history.item})
+        elif kind == "summary":
+            run.summary.update({_key(item): _value(item) for item in record.summary.update})
+        elif kind == "config":
+            run.config.update({_key(item): _value(item) for item in record.config.update})
+        elif kind == "files":
+            run.files += [f.path for f in record.files.files]
+    return run
