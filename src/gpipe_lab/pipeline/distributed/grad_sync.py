@@ -52,6 +52,7 @@ class GradientSync:
         self.timeout = timeout
         self.bucket_bytes = bucket_bytes
         self._pending: list[tuple[object, Tensor, list[nn.Parameter]]] = []
+        self._abandoned: list[tuple[object, Tensor, list[nn.Parameter]]] = []
 
     def start(self, params: Iterable[nn.Parameter]) -> None:
         """Launch the asynchronous all-reduce of these parameters' gradients (no-op when D = 1)."""
@@ -78,5 +79,5 @@ class GradientSync:
 
     def discard(self) -> None:
         """Forget in-flight buckets after a failure (their Work objects stay referenced here)."""
-        self._abandoned = self._pending
+        self._abandoned.extend(self._pending)
         self._pending = []
