@@ -84,7 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     Raises:
         SystemExit: bad arguments (argparse), or 2 for an invalid model size.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag, value in (("--batch", args.batch), ("--microbatches", args.microbatches)):
+        if value is not None and value < 1:  # 0 used to mean "default" (M) or divide by zero (N)
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if not args.memory_gib > 0:
+        parser.error(f"--memory-gib must be > 0, got {args.memory_gib:g}")
     sizes = _sizes(args)
     batch = args.batch
     micro = args.microbatches or batch
