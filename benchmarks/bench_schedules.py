@@ -1,0 +1,101 @@
+"""gpipe vs 1f1b vs zb-h1 on K=2 CPU stages: measured step time beside the simulator's prediction.
+
+The 8-block MLP (Linear 512->2048, GELU, Linear 2048->512), batch 1024, MSE,
+no re-materialization, M in {2, 4, 8}. All schedules are measured in one run,
+round-robin (each round runs every schedule once), so a change in the
+machine's load hits them alike; the step time is the median over rounds. The
+prediction feeds the simulator with per-action costs measured in the same
+schedule's earlier steps (median over them).
+
+    python benchmarks/bench_schedules.py --out results/schedules --steps 7
+
+Writes ``schedules.json`` and one ``timeline_<schedule>_M<M>.png`` per
+configuration (the last measured step above the predicted one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gpipe_lab import GPipe
+from gpipe_lab.pipeline import get_schedule
+from gpipe_lab.planner import costs_from_timeline, predict_step
+from gpipe_lab.plotting import plot_timeline
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+
+
+def build_mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+                           for _ in range(8)])
+
+
+def bench_chunks(chunks: int, steps: int, warmup: int, out: Path) -> list[dict]:
+    x, y = torch.randn(1024, 512), torch.randn(1024, 512)
+    pipes = {name: GPipe(build_mlp(), balance=[4, 4], chunks=chunks, checkpoint="never", schedule=name)
+             for name in SCHEDULES}
+    timelines: dict[str, list] = {name: [] for name in SCHEDULES}
+    for step in range(warmup + steps):
+        for name, pipe in pipes.items():
+            pipe.module.zero_grad(set_to_none=True)
+            pipe.train_step(x, y, F.mse_loss)
+            if step >= warmup:
+                timelines[name].append(pipe.timeline)
+    rows = []
+    for name in SCHEDULES:
+        tls = timelines[name]
+        walls = [t.wall for t in tls]
+        costs = costs_from_timeline(tls)
+        pred = predict_step(get_schedule(name, 2, chunks), costs)
+        median = statistics.median(walls)
+        plot_timeline(tls[-1], out / f"timeline_{name}_M{chunks}.png", predicted=pred.timeline,
+                      title=f"{name}, K=2, M={chunks}: measured (top) vs predicted (bottom)")
+        rows.append({
+            "schedule": name, "chunks": chunks, "step_ms": median * 1e3,
+            "step_ms_all": [w * 1e3 for w in walls],
+            "predicted_ms": pred.step_time * 1e3,
+            "prediction_error": (pred.step_time - median) / median,
+            "measured_bubble": statistics.median(t.measured_bubble() for t in tls),
+            "predicted_bubble": pred.bubble,
+            "costs_ms": {k: [v * 1e3 for v in getattr(costs, k)]
+                         for k in ("forward", "backward_input", "backward_weight", "transfer")},
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/schedules"))
+    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--steps", type=int, default=7, help="measured rounds per M")
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for m in args.chunks:
+        rows += bench_chunks(m, args.steps, args.warmup, args.out)
+    print(f"{'M':>3} {'schedule':>8} {'step ms':>9} {'pred ms':>9} {'err':>7} {'bubble':>7} {'vs 1f1b':>8}")
+    for m in args.chunks:
+        base = next(r["step_ms"] for r in rows if r["chunks"] == m and r["schedule"] == "1f1b")
+        for r in (r for r in rows if r["chunks"] == m):
+            r["speedup_vs_1f1b"] = base / r["step_ms"]
+            print(f"{m:>3} {r['schedule']:>8} {r['step_ms']:9.1f} {r['predicted_ms']:9.1f} "
+                  f"{r['prediction_error']:+7.1%} {r['measured_bubble']:7.1%} {r['speedup_vs_1f1b']:7.3f}x")
+    meta = {"torch": torch.__version__, "machine": platform.machine(), "cpus": torch.get_num_threads(),
+            "model": "8 x (Linear 512-2048, GELU, Linear 2048-512)", "batch": 1024, "K": 2,
+            "checkpoint": "never", "steps": args.steps, "warmup": args.warmup}
+    (args.out / "schedules.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {args.out / 'schedules.json'} and timeline PNGs")
+
+
+if __name__ == "__main__":
+    main()
