@@ -1,0 +1,140 @@
+"""Throughput of the local (threaded) pipeline against the unpipelined module and the ideal.
+
+For each workload, K=2 CPU stages with one intra-op thread each:
+- baseline: the whole module, full batch, one thread (the paper's "one device");
+- pipeline: ``GPipe.train_step`` for each M and checkpoint mode (and 1F1B);
+- ideal: ``(M+K-1) · max_k t_k(mb)`` where ``t_k(mb)`` is stage k's F+B (+R for
+  re-materialization) on ONE micro-batch, timed alone on one thread, so that
+  the slower kernels of small micro-batches are not mistaken for bubble.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from common import Sizes, Workload, robust_time, sync
+from torch import Tensor
+
+from gpipe_lab.pipeline import GPipe, analytic_bubble
+
+K = 2
+
+
+def _tuple(value: object) -> tuple[Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)  # type: ignore[return-value]
+
+
+def _first_microbatch(value: Tensor | tuple[Tensor, ...], chunks: int) -> object:
+    parts = [t.chunk(chunks)[0] for t in _tuple(value)]
+    return tuple(parts) if isinstance(value, tuple) else parts[0]
+
+
+def baseline_step(work: Workload, sizes: Sizes, device: str) -> dict[str, float]:
+    """Forward + loss + backward of the whole module on the full batch, one thread."""
+    torch.set_num_threads(1)
+
+    def step() -> None:
+        loss = work.loss_fn(work.module(work.inputs), work.targets)
+        loss.backward()
+        sync(device)
+
+    return robust_time(step, sizes.repeats, sizes.warmup, lambda: work.module.zero_grad(set_to_none=True))
+
+
+def stage_microbatch_times(work: Workload, chunks: int, sizes: Sizes, device: str) -> list[dict[str, float]]:
+    """Per stage: median seconds of F alone and of F+B on one micro-batch (one thread)."""
+    torch.set_num_threads(1)
+    value: object = _first_microbatch(work.inputs, chunks)
+    target = work.targets.chunk(chunks)[0]
+    result = []
+    start = 0
+    for k, n in enumerate(work.balance):
+        part = work.module[start:start + n]
+        start += n
+        last = k == len(work.balance) - 1
+        inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _tuple(value))
+        arg = inputs if isinstance(value, tuple) else inputs[0]
+
+        def forward(part=part, arg=arg, last=last) -> tuple[Tensor, ...]:
+            out = part(arg)
+            return (work.loss_fn(out, target),) if last else _tuple(out)
+
+        with torch.no_grad():
+            out = forward()
+        grads = [None if last else torch.randn_like(o) for o in out]
+
+        def forward_backward(forward=forward, grads=grads, last=last) -> None:
+            outs = forward()
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs] if not last else None)
+            sync(device)
+
+        def forward_only(forward=forward) -> None:
+            with torch.no_grad():
+                forward()
+            sync(device)
+
+        reps, warm = max(3, sizes.repeats), max(1, sizes.warmup)
+        f = robust_time(forward_only, reps, warm)["median"]
+        fb = robust_time(forward_backward, reps, warm, lambda part=part: part.zero_grad(set_to_none=True))
+        result.append({"forward": f, "forward_backward": fb["median"]})
+        with torch.no_grad():
+            value = part(arg)
+    work.module.zero_grad(set_to_none=True)
+    return result
+
+
+def pipeline_step(work: Workload, chunks: int, checkpoint: str, schedule: str, sizes: Sizes,
+                  device: str) -> dict[str, object]:
+    """Median step time, measured bubble and time spent per action kind of ``GPipe.train_step``."""
+    pipe = GPipe(work.module, balance=work.balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                 devices=[device] * K, threads_per_stage=1, seed=0)
+    bubbles: list[float] = []
+    kinds: list[dict[str, float]] = []
+
+    def step() -> None:
+        pipe.train_step(work.inputs, work.targets, work.loss_fn)
+        sync(device)
+        assert pipe.timeline is not None
+        bubbles.append(pipe.timeline.measured_bubble())
+        kinds.append({kind: pipe.timeline.time_in(kind) for kind in ("F", "B", "R", "wait")})
+
+    timing = robust_time(step, sizes.repeats, sizes.warmup, lambda: work.module.zero_grad(set_to_none=True))
+    measured = bubbles[sizes.warmup:] or bubbles
+    kept = kinds[sizes.warmup:] or kinds
+    med = sorted(measured)[len(measured) // 2]
+    return {"step": timing, "bubble": med, "bubble_min": min(measured),
+            "time_in": {k: sorted(d[k] for d in kept)[len(kept) // 2] for k in kept[0]},
+            "memory": pipe.memory()}
+
+
+def run_workload(work: Workload, sizes: Sizes, device: str, microbatches: Sequence[int],
+                 checkpoints: Sequence[str], extra_1f1b: Sequence[int] = ()) -> dict[str, object]:
+    """The baseline, the stage times per M and the pipeline grid of one workload."""
+    base = baseline_step(work, sizes, device)["median"]
+    stage_times: dict[int, list[dict[str, float]]] = {}
+    rows = []
+    for m in microbatches:
+        if m > work.targets.shape[0]:
+            continue
+        stage_times[m] = stage_microbatch_times(work, m, sizes, device)
+        t_fb = max(s["forward_backward"] for s in stage_times[m])
+        t_fbr = max(s["forward_backward"] + s["forward"] for s in stage_times[m])
+        ideals = {"never": (m + K - 1) * t_fb, "always": (m + K - 1) * t_fbr}
+        runs = [(c, "gpipe") for c in checkpoints] + ([("never", "1f1b")] if m in extra_1f1b else [])
+        for checkpoint, schedule in runs:
+            res = pipeline_step(work, m, checkpoint, schedule, sizes, device)
+            step = res["step"]["median"]  # type: ignore[index]
+            ideal = ideals.get(checkpoint)
+            rows.append({
+                "M": m, "checkpoint": checkpoint, "schedule": schedule, "step_s": step,
+                "step_min_s": res["step"]["min"], "speedup": base / step,  # type: ignore[index]
+                "ideal_uncorrected_speedup": K * m / (m + K - 1),
+                "ideal_step_s": ideal, "fraction_of_ideal": None if ideal is None else ideal / step,
+                "bubble_measured": res["bubble"], "bubble_theory": analytic_bubble(K, m),
+                "time_in": res["time_in"],
+            })
+    work.module.zero_grad(set_to_none=True)
+    return {"baseline_s": base, "stage_microbatch_s": {str(m): v for m, v in stage_times.items()},
+            "balance": work.balance, "info": work.info, "rows": rows}

@@ -1,0 +1,169 @@
+"""Write one run's results as ``benchmarks.md`` (tables, plots) and ``benchmarks.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MIB = 2**20
+
+
+def _f(value: object, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_f(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def plot_throughput(results: dict, path: Path) -> None:
+    """Speed-up over the 1-thread baseline vs M, per workload and checkpoint mode, with the ideals."""
+    local = results["local"]
+    fig, axes = plt.subplots(1, len(local), figsize=(5 * len(local), 4), squeeze=False)
+    for ax, (name, res) in zip(axes[0], local.items()):
+        for ck in ("never", "except_last", "always"):
+            rows = [r for r in res["rows"] if r["checkpoint"] == ck and r["schedule"] == "gpipe"]
+            if rows:
+                ax.plot([r["M"] for r in rows], [r["speedup"] for r in rows], "o-", label=f"GPipe {ck}")
+        never = [r for r in res["rows"] if r["checkpoint"] == "never" and r["schedule"] == "gpipe"]
+        ax.plot([r["M"] for r in never], [r["ideal_uncorrected_speedup"] for r in never], "k--",
+                label="ideal KM/(M+K-1)")
+        ax.plot([r["M"] for r in never], [res["baseline_s"] / r["ideal_step_s"] for r in never], "k:",
+                label="ideal, micro-batch corrected")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{name} (K=2)")
+        ax.set_xlabel("micro-batches M")
+        ax.set_ylabel("speed-up over 1 thread")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_bubble(results: dict, path: Path) -> None:
+    """Measured bubble vs (K-1)/(M+K-1), never mode."""
+    fig, ax = plt.subplots(figsize=(5, 4))
+    theory_done = False
+    for name, res in results["local"].items():
+        rows = [r for r in res["rows"] if r["checkpoint"] == "never" and r["schedule"] == "gpipe"]
+        ax.plot([r["M"] for r in rows], [r["bubble_measured"] for r in rows], "o-", label=f"{name} measured")
+        if not theory_done:
+            ax.plot([r["M"] for r in rows], [r["bubble_theory"] for r in rows], "k--", label="theory")
+            theory_done = True
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches M")
+    ax.set_ylabel("bubble")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_memory(results: dict, path: Path, m: int | None) -> None:
+    """MLP stage-0 saved-activation peak per schedule and checkpoint mode, with the model."""
+    rows = [r for r in results["memory"].get("mlp", {}).get("activations", []) if r["M"] == m and r["stage"] == 0]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = [f"{r['schedule']}\n{r['checkpoint']}" for r in rows]
+    ax.bar(labels, [r["peak_activation_bytes"] / MIB for r in rows], label="measured")
+    ax.scatter([lab for lab, r in zip(labels, rows) if r["model_bytes"]],
+               [r["model_bytes"] / MIB for r in rows if r["model_bytes"]], color="k", zorder=3, label="model")
+    ax.set_ylabel("MiB saved for backward (stage 0)")
+    ax.set_title(f"MLP, K=2, M={m}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _local_section(results: dict) -> list[str]:
+    out = ["## Throughput, local transport (K=2 threads, 1 intra-op thread each)", ""]
+    for name, res in results["local"].items():
+        out += [f"### {name}: baseline (unpipelined, 1 thread) {res['baseline_s']:.4f} s/step; "
+                f"balance {res['balance']}; {res['info']}", ""]
+        rows = [[r["M"], r["schedule"], r["checkpoint"], r["step_s"], r["speedup"], r["ideal_uncorrected_speedup"],
+                 r["ideal_step_s"], r["fraction_of_ideal"], r["bubble_measured"], r["bubble_theory"]]
+                for r in res["rows"]]
+        out += _table(["M", "schedule", "checkpoint", "step s (median)", "speed-up", "ideal KM/(M+K-1)",
+                       "corrected ideal step s", "fraction of ideal", "bubble", "bubble theory"], rows)
+    return out
+
+
+def _gloo_section(results: dict) -> list[str]:
+    out = ["## Distributed transport vs torch.distributed.pipelining (gloo, 2 processes, 1 thread each)", ""]
+    if not results.get("gloo"):
+        return out + ["Not run (CUDA device, or `--no-distributed`).", ""]
+    rows = [[r["workload"], r["framework"], r["schedule"], r["chunks"], r["checkpoint"],
+             r["step"]["median"] if not r.get("error") else None, r.get("bubble"), (r.get("error") or "")[:80]]
+            for r in results["gloo"]]
+    return out + _table(["workload", "framework", "schedule", "M", "checkpoint", "step s (median)", "bubble",
+                         "error"], rows)
+
+
+def _memory_section(results: dict) -> list[str]:
+    out = ["## Memory (deterministic: saved-tensor hooks; model from shapes)", "",
+           "Model: `always` ≈ boundary inputs of all M micro-batches + internals of one micro-batch; "
+           "`never` (GPipe) ≈ M · (input + internals) of a micro-batch.", ""]
+    for name, res in results["memory"].items():
+        rows = [[r["M"], r["schedule"], r["checkpoint"], r["stage"], r["peak_activation_bytes"] / MIB,
+                 None if r["model_bytes"] is None else r["model_bytes"] / MIB, r["ratio_to_model"]]
+                for r in res["activations"]]
+        out += [f"### {name}: saved activations (MiB)", ""]
+        out += _table(["M", "schedule", "checkpoint", "stage", "measured peak", "model", "measured/model"], rows)
+        rows = [[p["stage"], p["parameter_bytes"] / MIB, p["gradient_bytes"] / MIB, p["adam_state_bytes"] / MIB,
+                 p["sgd_momentum_state_bytes"] / MIB] for p in res["parameters"]]
+        out += [f"### {name}: parameters and optimizer state per stage (MiB)", ""]
+        out += _table(["stage", "parameters", "gradients", "Adam state (2x)", "SGD momentum (1x)"], rows)
+    return out
+
+
+def write_report(results: dict, out: Path, memory_m: int | None) -> None:
+    """Write ``benchmarks.json``, ``benchmarks.md`` and the plots under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    plots = out / "benchmarks"
+    plots.mkdir(exist_ok=True)
+    (out / "benchmarks.json").write_text(json.dumps(results, indent=1, default=str), encoding="utf-8")
+    pictures = []
+    if results.get("local"):
+        plot_throughput(results, plots / "throughput.png")
+        plot_bubble(results, plots / "bubble.png")
+        pictures += ["throughput.png", "bubble.png"]
+    if results.get("memory", {}).get("mlp"):
+        plot_memory(results, plots / "memory.png", memory_m)
+        pictures.append("memory.png")
+    meta = results["meta"]
+    lines = ["# GPipe Lab benchmarks", "",
+             f"- date: {meta['date']}", f"- command: `{meta['command']}` (mode {meta['mode']})",
+             f"- machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
+             f"{meta['machine']['torch']}, device {meta['machine']['device']}",
+             f"- load average before / after: {meta['load_before']} / {meta['load_after']} "
+             "(timings are only meaningful when the load is below the core count)",
+             f"- wall time of the run: {meta['duration_s']:.0f} s", "",
+             "## Targets (K=2, this machine)", ""]
+    lines += _table(["target", "value", "goal", "status"],
+                    [[t["name"], f"{_f(t['value'])} {t['unit']}".strip(), t["goal"], t["status"]]
+                     for t in results["targets"]])
+    if results.get("notes"):
+        lines += ["## What limits the missed targets", ""] + [f"- {n}" for n in results["notes"]] + [""]
+    lines += [f"![{p}](benchmarks/{p})" for p in pictures] + [""]
+    lines += _local_section(results)
+    ov = results.get("overhead")
+    if ov:
+        lines += ["## Scheduling overhead (4 × Linear(4,4), K=2)", ""]
+        lines += _table(["M", "actions", "step s", "unpipelined compute s", "overhead / action µs",
+                         "time inside an action µs", "per critical-path tick µs"],
+                        [[ov["microbatches"], ov["actions"], ov["step_s"], ov["compute_s"],
+                          ov["overhead_per_action_us"], ov["inside_action_us"], ov["per_tick_us"]]])
+    lines += _gloo_section(results)
+    lines += _memory_section(results)
+    (out / "benchmarks.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

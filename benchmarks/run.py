@@ -1,0 +1,98 @@
+"""Issue 8 benchmarks: GPipe vs unpipelined training vs torch.distributed.pipelining (K=2).
+
+    python benchmarks/run.py            # full grid (the lead's run, on a quiet machine)
+    python benchmarks/run.py --quick    # the targets' configurations only (< 3 min, quiet 2 cores)
+    python benchmarks/run.py --smoke --out /tmp/b   # tiny sizes, 1 repeat: a structure check
+
+Writes ``benchmarks.md``, ``benchmarks.json`` and ``benchmarks/*.png`` under
+``--out`` (default ``results/``), and prints PASS / MISS per target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_gloo import GlooCase, run_gloo
+from bench_local import run_workload
+from bench_memory import run_memory
+from bench_overhead import run_overhead
+from common import SIZES, Sizes, load_average, machine_info, make_workload
+from diagnose import diagnose
+from report import write_report
+from targets import evaluate, memory_m
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def gloo_cases(sizes: Sizes) -> list[GlooCase]:
+    """Ours (distributed transport) and torch.distributed.pipelining, MLP; ours also on the others."""
+    cases: list[GlooCase] = []
+    for m in sizes.torch_microbatches if "mlp" in sizes.models else ():
+        for schedule in ("gpipe", "1f1b"):
+            cases += [GlooCase("mlp", "torch", schedule, m), GlooCase("mlp", "ours", schedule, m)]
+    if sizes.name == "full" and "mlp" in sizes.models:
+        cases += [GlooCase("mlp", "ours", "gpipe", m, c) for m in sizes.microbatches for c in sizes.checkpoints
+                  if not (c == "never" and m in sizes.torch_microbatches)]
+    for name in [n for n in sizes.models if n != "mlp"]:
+        cases += [GlooCase(name, "ours", "gpipe", m) for m in sizes.model_microbatches]
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="only the targets' configurations")
+    mode.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat (tests)")
+    parser.add_argument("--out", type=Path, default=ROOT / "results", help="output folder (default results/)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="stage devices")
+    parser.add_argument("--no-distributed", action="store_true", help="skip the gloo runs")
+    parser.add_argument("--models", default=None, help="comma-separated subset of mlp,transformer,amoebanet")
+    args = parser.parse_args(argv)
+    sizes = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    if args.models:
+        sizes = Sizes(**{**sizes.__dict__, "models": tuple(args.models.split(","))})
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    start = time.perf_counter()
+    results: dict = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                              "command": "python benchmarks/run.py " + shlex.join(sys.argv[1:] if argv is None
+                                                                                   else argv),
+                              "mode": sizes.name, "machine": machine_info(args.device),
+                              "load_before": load_average()},
+                     "local": {}, "memory": {}, "gloo": []}
+    for name in sizes.models:
+        print(f"[local] {name} ...", flush=True)
+        work = make_workload(name, sizes).to(torch.device(args.device))
+        ms = sizes.microbatches if name == "mlp" else sizes.model_microbatches
+        cks = sizes.checkpoints if name == "mlp" else sizes.model_checkpoints
+        results["local"][name] = run_workload(work, sizes, args.device, ms, cks,
+                                              sizes.torch_microbatches if name == "mlp" else ())
+        mem_ms = [m for m in (4, 8, 16, 32) if m in ms] if sizes.name == "full" else [max(m for m in ms if m <= 8)]
+        print(f"[memory] {name} M={mem_ms} ...", flush=True)
+        results["memory"][name] = run_memory(work, mem_ms, args.device)
+    print("[overhead] tiny layers ...", flush=True)
+    results["overhead"] = run_overhead(sizes, args.device)
+    if args.device == "cpu" and not args.no_distributed and sizes.distributed:
+        print("[gloo] 2 processes ...", flush=True)
+        results["gloo"] = run_gloo(gloo_cases(sizes), sizes.name)
+    results["meta"]["load_after"] = load_average()
+    results["meta"]["duration_s"] = time.perf_counter() - start
+    results["targets"] = evaluate(results)
+    results["notes"] = diagnose(results)
+    write_report(results, args.out, memory_m(results))
+    width = max(len(str(t["name"])) for t in results["targets"])
+    for t in results["targets"]:
+        print(f"{t['status']:4}  {str(t['name']):{width}}  {t['value']} {t['unit']}  (goal {t['goal']})")
+    print(f"load average before {results['meta']['load_before']} after {results['meta']['load_after']}; "
+          f"{results['meta']['duration_s']:.0f} s; wrote {args.out / 'benchmarks.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
