@@ -200,3 +200,15 @@ def test_nonfinite_gradient_names_the_stage():
     pipe = GPipe(model, balance=[2, 2], chunks=2)
     with pytest.raises(NonFiniteError, match="gradients of stage 0 are not finite"):
         pipe.train_step(torch.randn(4, 8), torch.randn(4, 8), F.mse_loss)
+
+
+def test_a_layer_listed_twice_is_applied_twice():
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(nn.Linear(8, 8), shared, nn.Tanh(), shared, nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    expected = F.mse_loss(model(x), y).detach()
+    pipe = GPipe(model, balance=[1, 3, 1], chunks=2)
+    assert torch.allclose(pipe.train_step(x, y, F.mse_loss), expected, atol=1e-6)
+    with pytest.raises(ValueError, match="shared parameters cannot cross partitions"):
+        GPipe(model, balance=[2, 3], chunks=2)

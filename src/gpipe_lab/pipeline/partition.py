@@ -144,7 +144,7 @@ def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Seque
     Raises:
         ValueError: a parameter is shared between two partitions.
     """
-    layers = list(module.children())
+    layers = list(module)  # not children(): that drops a layer listed twice
     parts, start = [], 0
     for count in balance:
         parts.append(nn.Sequential(*layers[start:start + count]))
