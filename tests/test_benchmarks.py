@@ -1,0 +1,106 @@
+"""The benchmark runner in ``--smoke`` mode: structure of its outputs and memory consistency.
+
+No timing is asserted: the machine may be busy. Memory is counted
+deterministically, so its relations (``always`` < ``never``, 1F1B ≤ GPipe on
+stage 0, the closed-form MLP model) are checked exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_memory  # noqa: E402
+import common  # noqa: E402
+import run  # noqa: E402
+
+TARGET_KEYS = {"name", "value", "unit", "goal", "status"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert run.main(["--smoke", "--no-distributed", "--out", str(out)]) == 0
+    return out, json.loads((out / "benchmarks.json").read_text())
+
+
+def test_outputs_exist(smoke):
+    out, _ = smoke
+    md = (out / "benchmarks.md").read_text()
+    for heading in ("## Targets", "## Throughput, local transport", "## Scheduling overhead", "## Memory"):
+        assert heading in md
+    assert "cores" in md and "torch" in md and "--smoke" in md
+    for png in ("throughput.png", "bubble.png", "memory.png"):
+        assert (out / "benchmarks" / png).stat().st_size > 0
+
+
+def test_json_structure(smoke):
+    _, res = smoke
+    assert {"meta", "local", "memory", "overhead", "targets", "notes", "gloo"} <= set(res)
+    assert {"date", "command", "machine", "mode", "load_before", "load_after"} <= set(res["meta"])
+    assert res["meta"]["mode"] == "smoke"
+    assert set(res["local"]) == {"mlp", "transformer", "amoebanet"}
+    for name, entry in res["local"].items():
+        assert entry["baseline_s"] > 0, name
+        for row in entry["rows"]:
+            assert row["step_s"] > 0 and 0 <= row["bubble_theory"] < 1
+            assert row["speedup"] == pytest.approx(entry["baseline_s"] / row["step_s"])
+    assert res["overhead"]["actions"] == 2 * 2 * res["overhead"]["microbatches"]
+    for t in res["targets"]:
+        assert set(t) == TARGET_KEYS and t["status"] in ("PASS", "MISS", "N/A")
+    assert len(res["targets"]) == 15
+
+
+def _peak(rows, m, schedule, checkpoint, stage):
+    return next(r["peak_activation_bytes"] for r in rows
+                if (r["M"], r["schedule"], r["checkpoint"], r["stage"]) == (m, schedule, checkpoint, stage))
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer", "amoebanet"])
+def test_memory_consistent(smoke, name):
+    _, res = smoke
+    mem = res["memory"][name]
+    rows = mem["activations"]
+    m = rows[0]["M"]
+    for k in range(2):
+        assert _peak(rows, m, "gpipe", "always", k) < _peak(rows, m, "gpipe", "never", k)
+        assert _peak(rows, m, "gpipe", "always", k) <= _peak(rows, m, "gpipe", "except_last", k)
+        assert _peak(rows, m, "1f1b", "never", k) <= _peak(rows, m, "gpipe", "never", k)
+    for p in mem["parameters"]:
+        assert p["adam_state_bytes"] == 2 * p["parameter_bytes"] == 2 * p["sgd_momentum_state_bytes"] > 0
+
+
+def test_mlp_memory_model_matches_closed_form():
+    sizes = common.SIZES["smoke"]
+    work = common.make_workload("mlp", sizes)
+    width, hidden = sizes.mlp_hidden
+    for chunks in (1, 4):
+        model = bench_memory.memory_model(work, chunks)
+        for k in range(2):
+            expected = bench_memory.mlp_closed_form(sizes.mlp_batch, width, hidden, 4, chunks, k == 1)
+            assert model[k]["model_always_bytes"] == expected
+
+
+def test_targets_na_without_data():
+    import targets
+
+    rows = targets.evaluate({"meta": {}})
+    assert all(r["status"] == "N/A" for r in rows)
+
+
+@pytest.mark.distributed
+def test_gloo_cases_run():
+    import bench_gloo
+
+    cases = [bench_gloo.GlooCase("mlp", "ours", "gpipe", 2), bench_gloo.GlooCase("mlp", "torch", "gpipe", 2)]
+    rows = bench_gloo.run_gloo(cases, "smoke", timeout=240)
+    assert [r["framework"] for r in rows] == ["ours", "torch"]
+    for r in rows:
+        assert r["error"] is None, r["error"]
+        assert r["step"]["median"] > 0
