@@ -80,7 +80,7 @@ def local_chunks(module: nn.Sequential, balance: Sequence[int], chunk_ids: Seque
     Raises:
         ValueError: a layer is only partly on the meta device.
     """
-    layers = list(module.children())
+    layers = list(module)  # not children(): a layer listed twice must keep both places
     starts = [sum(balance[:j]) for j in range(len(balance))]
     local = {}
     with torch.no_grad():
