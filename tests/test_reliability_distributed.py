@@ -145,7 +145,7 @@ def soak_worker(rank: int, world: int, steps: int, warmup: int) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_distributed_transport_200_steps_no_memory_growth():
-    from test_soak import ALLOWED_GROWTH, K, STEPS, WARMUP
+    from test_soak import ALLOWED_GROWTH, STEPS, WARMUP, K
 
     results = run_local(soak_worker, K, args=(STEPS, WARMUP), timeout=200)
     for r in results:
