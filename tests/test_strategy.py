@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from test_strategy_support import TinyData, TinyRegressor, trainer
 
 from gpipe_lab.lightning import GPipeStrategy
+from test_strategy_support import TinyData, TinyRegressor, trainer
 
 
 def fit_losses(strategy: object, manual: bool = False, steps: int = 5, **kwargs: object) -> list[float]:

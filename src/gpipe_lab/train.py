@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parents[2] / "conf")))
 
@@ -51,6 +51,12 @@ def build_module(cfg: DictConfig, datamodule: Any) -> Any:
     return Translator(layers, optimizer, label_smoothing=float(cfg.model.get("label_smoothing", 0.0)))
 
 
+def resolved_config(cfg: DictConfig) -> dict[str, Any]:
+    """The run's config with every interpolation resolved (Hydra's own node left out)."""
+    return {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
+            for k, v in cfg.items() if k != "hydra"}
+
+
 def build_logger(cfg: DictConfig, output_dir: Path) -> Any:
     name = cfg.logger.name if cfg.get("logger") else "none"
     if name == "csv":
@@ -64,7 +70,7 @@ def build_logger(cfg: DictConfig, output_dir: Path) -> Any:
         logger = WandbLogger(save_dir=str(output_dir), project=cfg.logger.project, entity=cfg.logger.entity,
                              group=cfg.logger.group, tags=list(cfg.logger.tags or []), mode=cfg.logger.mode,
                              name=output_dir.name)
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        logger.log_hyperparams(resolved_config(cfg))
         return logger
     return False
 
@@ -120,6 +126,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         trainer = pl.Trainer(**trainer_kwargs, strategy=strategy, logger=logger, callbacks=callbacks,
                              default_root_dir=str(output_dir))
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        if metrics.last_validated_step != trainer.global_step and trainer.limit_val_batches:
+            trainer.validate(module, datamodule=datamodule, verbose=False)  # the final model's metric
+            metrics.write_summary(trainer)
     finally:
         if cfg.logger.get("name") == "wandb":
             import wandb

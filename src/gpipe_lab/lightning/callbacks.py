@@ -38,6 +38,7 @@ class PipelineMetrics(pl.Callback):
         self._bubbles: list[float] = []
         self._busy: list[list[float]] = []
         self._pictured = False
+        self.last_validated_step = -1
         self.summary: dict[str, Any] = {}
 
     @staticmethod
@@ -95,7 +96,14 @@ class PipelineMetrics(pl.Callback):
         if strategy is not None and strategy.timeline is not None:
             self._picture(trainer, strategy, "last")
 
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.last_validated_step = trainer.global_step
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.write_summary(trainer)
+
+    def write_summary(self, trainer: pl.Trainer) -> None:
+        """Build the summary; on global rank 0 write ``summary.json`` and send it to wandb."""
         self.summary = self.build_summary(trainer)
         if trainer.is_global_zero:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -110,6 +118,8 @@ class PipelineMetrics(pl.Callback):
         """The numbers an experiment table needs (see the module docstring)."""
         strategy = self._strategy(trainer)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        if strategy is not None and strategy.last_loss is not None:
+            metrics["train/loss"] = float(strategy.last_loss)
         val_key = next((k for k in ("val/acc", "val/bleu") if k in metrics), None)
         summary: dict[str, Any] = {
             **self.extra_summary,

@@ -1,0 +1,73 @@
+"""gpipe-train end to end in subprocesses: the default app with small overrides (wandb
+offline, read back from the .wandb file) and a 2x2 multirun with its sweep summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpipe_lab.wandb_reader import find_run_files, read_run
+
+SMALL = ["data.num_train=256", "data.num_val=64", "trainer.max_steps=6", "trainer.log_every_n_steps=2",
+         "data.batch_size=16", "trainer.enable_checkpointing=false"]
+
+
+def gpipe_train(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
+    flags = [a for a in args if a.startswith("-")]
+    overrides = [a for a in args if not a.startswith("-")]
+    proc = subprocess.run([sys.executable, "-m", "gpipe_lab.train", *flags, f"paths.log_dir={tmp_path}", *overrides],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_default_app_logs_everything_to_offline_wandb(tmp_path: Path) -> None:
+    gpipe_train(SMALL, tmp_path)
+    (summary_path,) = tmp_path.rglob("summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert (summary["K"], summary["M"], summary["schedule"]) == (2, 4, "gpipe")
+    assert summary["steps"] == 6
+    assert summary["validation_metric"] == "val/acc" and 0 <= summary["validation_value"] <= 1
+    assert summary["samples_per_s"] > 0 and summary["bubble_theory"] == pytest.approx(0.2)
+    assert 0 <= summary["bubble_measured"] < 1
+    assert len(summary["stage_parameter_bytes"]) == 2 and min(summary["stage_peak_activation_bytes"]) > 0
+    run_dir = summary_path.parent
+    assert (run_dir / "timeline_first.png").exists() and (run_dir / "timeline_last.png").exists()
+    (wandb_file,) = find_run_files(run_dir / "wandb")
+    run = read_run(wandb_file)
+    assert run.config["pipeline"]["chunks"] == 4  # the resolved Hydra config
+    losses = run.metric("train/loss")
+    assert len(losses) >= 3 and all(v > 0 for v in losses)
+    for key in ("perf/samples_per_s", "pipeline/bubble_measured", "pipeline/bubble_theory",
+                "pipeline/stage1_busy_s", "memory/stage0_param_bytes", "memory/stage1_activation_bytes", "val/acc"):
+        assert run.metric(key), key
+    assert any(k.startswith("pipeline/timeline") for row in run.history for k in row)
+    assert sum("media/images/pipeline/timeline" in f for f in run.files) >= 2
+    assert run.summary["K"] == 2 and "validation_value" in run.summary
+
+
+def test_multirun_sweep_writes_one_summary_per_job(tmp_path: Path) -> None:
+    gpipe_train(["-m", "pipeline.partitions=1,2", "pipeline.chunks=1,4", *SMALL, "trainer.max_steps=2",
+                 "trainer.enable_progress_bar=false", "data.num_val=16"], tmp_path, timeout=400)
+    (table,) = tmp_path.rglob("multiruns/*/summary.json")
+    rows = json.loads(table.read_text())
+    assert sorted((r["K"], r["M"]) for r in rows) == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    assert (table.parent / "summary.csv").exists()
+    assert len(find_run_files(table.parent)) == 4  # one offline wandb run per job
+    for row in rows:
+        assert row["final_train_loss"] > 0 and row["samples_per_s"] > 0
+
+
+def test_bad_override_fails_before_training(tmp_path: Path) -> None:
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    proc = subprocess.run([sys.executable, "-m", "gpipe_lab.train", f"paths.log_dir={tmp_path}", "pipeline.chunks=64"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "pipeline.chunks" in proc.stderr + proc.stdout
+    assert not list(tmp_path.rglob("*.wandb"))
