@@ -52,6 +52,7 @@ def test_default_app_logs_everything_to_offline_wandb(tmp_path: Path) -> None:
     assert run.summary["K"] == 2 and "validation_value" in run.summary
 
 
+@pytest.mark.slow
 def test_multirun_sweep_writes_one_summary_per_job(tmp_path: Path) -> None:
     gpipe_train(["-m", "pipeline.partitions=1,2", "pipeline.chunks=1,4", *SMALL, "trainer.max_steps=2",
                  "trainer.enable_progress_bar=false", "data.num_val=16"], tmp_path, timeout=400)

@@ -39,6 +39,8 @@ class PipelineMetrics(pl.Callback):
         self._busy: list[list[float]] = []
         self._pictured = False
         self.last_validated_step = -1
+        self._timeline: Any = None
+        self._memory: list[dict[str, int]] = []
         self.summary: dict[str, Any] = {}
 
     @staticmethod
@@ -60,7 +62,9 @@ class PipelineMetrics(pl.Callback):
             return
         seconds = time.perf_counter() - self._start
         samples, tokens = strategy.last_batch_size
-        timeline = strategy.timeline
+        timeline, memory = strategy.step_report()  # collective in distributed: every rank calls it
+        self._timeline, self._memory = timeline, memory
+        assert timeline is not None
         k, m = strategy.num_stages, strategy.chunks
         rates = (samples / seconds, tokens / seconds)
         if batch_idx >= self.warmup_steps or trainer.max_steps == 1:
@@ -74,7 +78,7 @@ class PipelineMetrics(pl.Callback):
                    "pipeline/bubble_theory": analytic_bubble(k, m), "pipeline/step_wall_s": timeline.wall}
         for stage, busy in enumerate(timeline.busy()):
             metrics[f"pipeline/stage{stage}_busy_s"] = busy
-        for stage, mem in enumerate(strategy.memory()):
+        for stage, mem in enumerate(memory):
             metrics[f"memory/stage{stage}_param_bytes"] = float(mem["parameter_bytes"])
             metrics[f"memory/stage{stage}_activation_bytes"] = float(mem["peak_activation_bytes"])
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
@@ -83,17 +87,17 @@ class PipelineMetrics(pl.Callback):
             self._picture(trainer, strategy, "first")
 
     def _picture(self, trainer: pl.Trainer, strategy: GPipeStrategy, when: str) -> None:
-        if not trainer.is_global_zero or strategy.timeline is None:
+        if not trainer.is_global_zero or self._timeline is None:
             return
         title = f"K={strategy.num_stages} M={strategy.chunks} {strategy.schedule} ({when} step)"
-        path = save_timeline_figure(strategy.timeline, self.output_dir / f"timeline_{when}.png", title)
+        path = save_timeline_figure(self._timeline, self.output_dir / f"timeline_{when}.png", title)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 logger.log_image("pipeline/timeline", [str(path)], step=trainer.global_step, caption=[when])
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy(trainer)
-        if strategy is not None and strategy.timeline is not None:
+        if strategy is not None and self._timeline is not None:
             self._picture(trainer, strategy, "last")
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -132,7 +136,7 @@ class PipelineMetrics(pl.Callback):
         }
         if strategy is not None:
             k, m = strategy.num_stages, strategy.chunks
-            memory = strategy.memory()
+            memory = self._memory
             summary.update({
                 "K": k, "M": m, "schedule": strategy.schedule, "checkpoint": strategy.checkpoint,
                 "transport": strategy.transport,

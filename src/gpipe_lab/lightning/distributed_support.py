@@ -142,7 +142,7 @@ class DistributedMixin:
             local = torch.zeros((), device=device, dtype=torch.float64)
             for g in grads:
                 local += g.detach().double().pow(2).sum().to(device)
-            group = getattr(strategy.pipe, "pipeline_group", None)
+            group = strategy.pipe.pp_group
             dist.all_reduce(local, group=group)
             total = local.sqrt()
             coef = (float(clip_val) / (total + 1e-6)).clamp(max=1.0)
@@ -150,3 +150,66 @@ class DistributedMixin:
                 g.mul_(coef.to(g.device, g.dtype))
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    # ------------------------------------------------------------------ reports and checkpoints
+    def _gather_memory(self) -> list[dict[str, int]]:
+        every: list[Any] = [None] * self.num_stages  # type: ignore[attr-defined]
+        dist.all_gather_object(every, self.pipe.memory(), group=self.pipe.pp_group)
+        rows = [row for rank_rows in every for row in rank_rows]
+        return sorted(rows, key=lambda r: r.get("stage", 0))
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Load weights after the pipeline exists (its stages own the real parameters)."""
+        return True
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Every stage's weights under the original names (a collective in distributed)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        if not self.is_distributed:
+            return module.state_dict()
+        full = self.pipe.full_state_dict() or {}
+        prefix = self._layers_prefix()
+        own = {k: v for k, v in module.state_dict().items() if not k.startswith(prefix)}
+        return {**own, **{prefix + k: v for k, v in full.items()}}
+
+    def _layers_prefix(self) -> str:
+        module = self.lightning_module  # type: ignore[attr-defined]
+        layers = module.configure_layers()
+        for name, child in module.named_modules():
+            if child is layers:
+                return f"{name}." if name else ""
+        return "layers."
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if not self.is_distributed:
+            super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
+            return
+        prefix = self._layers_prefix()
+        state = checkpoint["state_dict"]
+        self.pipe.load_full_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer state of EVERY stage: parameters are indexed as in the unpipelined
+        module (each rank holds the state of its own stage's indices), merged on rank 0."""
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        state = opt.state_dict()
+        if not self.is_distributed or self.num_stages == 1:  # type: ignore[attr-defined]
+            return state
+        local = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+                 for i, s in state["state"].items()}
+        every: list[Any] = [None] * self.num_stages  # type: ignore[attr-defined]
+        dist.all_gather_object(every, local, group=self.pipe.pp_group)
+        merged: dict[int, Any] = {}
+        for part in every:
+            merged.update(part)
+        return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if not self.is_distributed:
+            super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+            return
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):  # type: ignore[attr-defined]
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            mine = {i: s for i, s in saved["state"].items() if not params[int(i)].is_meta}
+            optimizer.load_state_dict({"state": mine, "param_groups": saved["param_groups"]})

@@ -156,12 +156,18 @@ class GPipeStrategy(DistributedMixin, ParallelStrategy):
 
     @property
     def timeline(self) -> Timeline | None:
-        """The timeline of the last pipeline call (all stages; merged in distributed)."""
+        """The timeline of the last pipeline call (this rank's events in distributed)."""
         return None if self.pipe is None else self.pipe.timeline
 
     def memory(self) -> list[dict[str, int]]:
-        """Per stage: parameter bytes and the last step's peak activation bytes."""
+        """Per stage: parameter bytes and the last step's peak activation bytes (this rank's)."""
         return [] if self.pipe is None else self.pipe.memory()
+
+    def step_report(self) -> tuple[Timeline | None, list[dict[str, int]]]:
+        """Timeline and per-stage memory of the whole pipeline; a collective in distributed."""
+        if not self.is_distributed or self.pipe is None or self.pipe.timeline is None:
+            return self.timeline, self.memory()
+        return self.pipe.gather_timeline(), self._gather_memory()
 
     def _local_devices(self) -> list[torch.device] | None:
         if self.stage_devices is not None:
@@ -225,7 +231,8 @@ class GPipeStrategy(DistributedMixin, ParallelStrategy):
         context = self._stage_context()
         if isinstance(context(), nullcontext):
             return
-        for stage in getattr(self.pipe, "stages", []):
+        runtimes = getattr(self.pipe, "stages", None) or list(getattr(self.pipe, "runtimes", {}).values())
+        for stage in runtimes:
             if not isinstance(stage.module, _ContextPartition):
                 stage.module = _ContextPartition(stage.module, context)
 
@@ -320,6 +327,12 @@ class GPipeStrategy(DistributedMixin, ParallelStrategy):
         if isinstance(module, PipelineModule):
             object.__setattr__(module, "pipeline_forward", None)
             object.__setattr__(module, "pipeline_runner", None)
+        if self.is_distributed:  # other stages' layers live on meta: no module.cpu()
+            self.precision_plugin.teardown()
+            assert self.accelerator is not None
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         super().teardown()
 
 
