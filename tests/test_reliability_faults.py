@@ -11,6 +11,8 @@ the distributed transport's faults in test_reliability_distributed.py.)
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -232,3 +234,36 @@ def test_keyboard_interrupt_in_a_stage_reaches_the_caller_as_keyboard_interrupt(
     assert not gpipe_threads()
     layer.armed = False
     assert torch.isfinite(pipe.train_step(x, y, F.mse_loss))
+
+
+class Slow(nn.Module):
+    def forward(self, x):
+        time.sleep(0.15)
+        return x
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_ctrl_c_in_the_caller_stops_every_worker_before_returning(schedule):
+    """SIGINT lands in the main thread while it waits for the workers: they must stop too
+    (not keep computing into the parameters' .grad, nor race the next step's state)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), Slow(), nn.Linear(6, 6), Slow(), nn.Linear(6, 6))
+    pipe = GPipe(model, balance=[2, 2, 1], chunks=8, schedule=schedule, seed=SEED)
+    x, y = torch.randn(16, 6), torch.randn(16, 6)
+    timer = threading.Timer(0.4, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pipe.train_step(x, y, F.mse_loss)
+    finally:
+        timer.cancel()
+    deadline = time.monotonic() + 2.0  # a worker that has finished may take a moment to unregister
+    while gpipe_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not gpipe_threads(), "worker threads still running after Ctrl-C"
+    assert all(not s._saved and s.live_bytes == 0 for s in pipe.stages)
+    model.zero_grad(set_to_none=True)
+    loss = pipe.train_step(x, y, F.mse_loss)
+    plain = nn.Sequential(*[m for m in model if not isinstance(m, Slow)])
+    assert torch.allclose(loss, F.mse_loss(plain(x), y), atol=1e-6)

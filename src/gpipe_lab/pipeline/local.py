@@ -83,6 +83,7 @@ class LocalTransport:
         current: list[Action | None] = [None] * num_stages
         errors: list[tuple[float, int, Action | None, BaseException]] = []
         main_threads = torch.get_num_threads()
+        finished = [threading.Event() for _ in range(num_stages)]
 
         def work(k: int) -> None:
             stage = self.stages[k]
@@ -93,6 +94,8 @@ class LocalTransport:
             action = None
             try:
                 for action in schedule[k]:
+                    if box.failed:  # another stage failed or the caller was interrupted: stop now
+                        raise _Aborted
                     current[k] = action
                     mb = action.microbatch
                     if action.kind == "F":
@@ -123,6 +126,8 @@ class LocalTransport:
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append((time.monotonic(), k, action, exc))
                 box.fail()
+            finally:
+                finished[k].set()
 
         threads = [threading.Thread(target=work, args=(k,), name=f"gpipe-stage-{k}", daemon=True)
                    for k in range(num_stages)]
@@ -131,6 +136,15 @@ class LocalTransport:
                 t.start()
             for t in threads:
                 t.join()
+        except BaseException:  # e.g. Ctrl-C in the caller: stop the workers before re-raising
+            box.fail()
+            # not t.join(): on Python < 3.12 an interrupted join() can mark a running thread stopped
+            for t, event in zip(threads, finished):
+                if t.ident is not None:
+                    event.wait()
+            for stage in self.stages:
+                stage.abort()
+            raise
         finally:
             torch.set_num_threads(main_threads)
         if errors:
