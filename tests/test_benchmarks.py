@@ -104,3 +104,11 @@ def test_gloo_cases_run():
     for r in rows:
         assert r["error"] is None, r["error"]
         assert r["step"]["median"] > 0
+
+
+def test_rerender_from_json(smoke, tmp_path):
+    out, res = smoke
+    assert run.main(["--from-json", str(out / "benchmarks.json"), "--out", str(tmp_path)]) == 0
+    again = json.loads((tmp_path / "benchmarks.json").read_text())
+    assert again["targets"] == res["targets"]
+    assert (tmp_path / "benchmarks.md").read_text().startswith("# GPipe Lab benchmarks")
