@@ -82,13 +82,13 @@ def main() -> None:
           "![training curves](nmt_scaling.png)", "",
           "## Reading", "",
           f"- Depth vs width: deep val NLL {depth['deep'].val_nll:.3f} vs wide {depth['wide'].val_nll:.3f} "
-          f"(BLEU {depth['deep'].bleu:.2f} vs {depth['wide'].bleu:.2f}). One seed, a few hundred steps: "
-          "differences below ~0.05 NLL are within run-to-run noise. The paper's gain of depth was on "
+          f"(BLEU {depth['deep'].bleu:.2f} vs {depth['wide'].bleu:.2f}). One seed and a short run: "
+          "the seed-to-seed spread is not measured here (see trainability.md for a spread at this scale). The paper's gain of depth was on "
           "low-resource languages of a multilingual model, which a one-pair synthetic task cannot probe.",
-          f"- Tokens per batch: val NLL {' / '.join(f'{v:.3f}' for v in trend)} for 4x steps in budget "
+          f"- Tokens per batch: val NLL {' / '.join(f'{v:.3f}' for v in trend)} for token budgets 4x apart "
           f"({'monotone, as in the paper' if trend == sorted(trend, reverse=True) else 'not monotone'}). "
-          "At equal steps a larger batch also sees more data, as in the paper (which trained "
-          "each batch size to convergence-like budgets); we do not equalize compute.", ""]
+          "At equal steps a larger batch also sees 4x more data and compute; we do not equalize "
+          "either, so this shows the direction of the paper's result, not its cause.", ""]
     data = {"depth": {n: vars(r) for n, r in depth.items()}, "batch": {b: vars(r) for b, r in batch.items()}}
     path = write(args.out, "nmt_scaling.md", "\n".join(md), data)
     log_wandb(args.wandb, args.out, "nmt_scaling", {"depth_width": (d_header, d_rows),
