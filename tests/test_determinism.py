@@ -183,3 +183,21 @@ def test_deferred_batch_norm_same_split_is_bitwise_identical_over_20_steps():
     a = pipelined_losses(bn_model, None, 4, "always", balance=[3, 4], deferred_batch_norm=True)
     b = pipelined_losses(bn_model, None, 4, "never", balance=[3, 4], deferred_batch_norm=True)
     assert a == b
+
+
+# ----------------------------------------------------------------------------- data order
+def test_synthetic_image_order_depends_only_on_seed_and_epoch():
+    """A resumed run builds a fresh loader; it must read epoch e exactly as a loader that
+    already ran epochs 0..e-1 (Lightning calls ``set_epoch`` before every epoch)."""
+    from gpipe_lab.data import build_datamodule
+
+    def order(loader, epoch):
+        loader.sampler.set_epoch(epoch)
+        return [y.tolist() for _, y in loader]
+
+    kwargs = dict(batch_size=4, num_train=16, num_val=4, image_size=8, seed=3)
+    long_running = build_datamodule("synthetic_images", **kwargs).train_dataloader()
+    epochs = [order(long_running, e) for e in range(3)]
+    fresh = build_datamodule("synthetic_images", **kwargs).train_dataloader()
+    assert order(fresh, 2) == epochs[2]
+    assert epochs[0] != epochs[1] != epochs[2]

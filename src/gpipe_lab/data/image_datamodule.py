@@ -19,6 +19,25 @@ from gpipe_lab.data.checks import check_positive_int, check_replica
 from gpipe_lab.data.synthetic_images import SyntheticImageDataset
 
 
+class EpochRandomSampler(RandomSampler):
+    """A ``RandomSampler`` whose order depends only on (seed, epoch), not on how many epochs
+    this loader already ran: Lightning calls ``set_epoch``, so a run resumed from a checkpoint
+    reads the same batches as an uninterrupted one. (Still a ``RandomSampler``, so a distributed
+    Trainer replaces it by a shuffling ``DistributedSampler`` as before.)"""
+
+    def __init__(self, data_source: Dataset, seed: int = 0) -> None:
+        super().__init__(data_source)
+        self.seed, self.epoch = int(seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self):  # noqa: ANN204 - same as RandomSampler.__iter__
+        # a generator of its own per iterator, drawn now: iterators that overlap cannot disturb each other
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(len(self.data_source), generator=g).tolist())
+
+
 class ImageDataModule(pl.LightningDataModule):
     """Loader logic shared by every image datamodule; subclasses fill ``train_set`` / ``val_set``.
 
@@ -56,7 +75,7 @@ class ImageDataModule(pl.LightningDataModule):
                 shuffle=train, seed=self.seed, drop_last=train and self.drop_last,
             )
         elif train:
-            sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(self.seed))
+            sampler = EpochRandomSampler(dataset, seed=self.seed)
         else:
             sampler = SequentialSampler(dataset)
         return DataLoader(
