@@ -24,6 +24,10 @@ WANDB_MODES = ("online", "offline", "disabled")
 TRANSPORTS = ("local", "distributed")
 
 
+#: Root blocks read by experiment scripts (e.g. ``experiments/transfer.py``), ignored by gpipe-train.
+EXTENSION_KEYS = ("transfer",)
+
+
 class ConfigError(ValueError):
     """A config that cannot run; the message starts with the key."""
 
@@ -188,7 +192,8 @@ def validate(cfg: DictConfig, num_layers: int | None = None) -> DictConfig:
         if cfg.get(group) is None:
             raise ConfigError(f"{group}: missing config group")
     known_root = {"model", "data", "pipeline", "trainer", "optimizer", "logger", "paths", "task_name",
-                  "tags", "seed", "ckpt_path", "dry_run", "experiment", "hydra", "notes"}
+                  "tags", "seed", "ckpt_path", "dry_run", "experiment", "hydra", "notes",
+                  *EXTENSION_KEYS}
     _check_keys(cfg, sorted(known_root), "", "the root config")
     if not isinstance(cfg.get("seed"), int):
         raise ConfigError(f"seed: must be an integer, got {cfg.get('seed')!r}")
