@@ -120,3 +120,14 @@ def test_memory_counts_saved_activations_per_stage():
     assert all(a < n for a, n in zip(always, never))
     pipe = GPipe(mlp(depth=4, width=64), partitions=2)
     assert [m["parameter_bytes"] for m in pipe.memory()] == [2 * 4 * (64 * 128 * 2 + 128 + 64)] * 2
+
+
+def test_forward_only_builds_no_graph_even_under_inference_mode():
+    model = mlp(depth=4, width=16)
+    pipe = GPipe(model, partitions=2, chunks=4)
+    x = torch.randn(8, 16)
+    with torch.inference_mode():
+        out = pipe(x)
+    assert not out.requires_grad and out.grad_fn is None
+    assert torch.allclose(out, model(x), atol=1e-6)
+    assert all(m["peak_activation_bytes"] <= 8 * 16 * 4 for m in pipe.memory())

@@ -236,7 +236,7 @@ class GPipe(nn.Module):
     def forward(self, inputs: Value) -> Value:  # noqa: D401 - nn.Module API
         """Forward only (evaluation): the pipelined output, without building a graph."""
         chunks = min(self.chunks, as_tuple(inputs, "inputs")[0].shape[0])
-        plan = StepPlan(self.step_count, chunks, frozenset())
+        plan = StepPlan(self.step_count, chunks, frozenset(), grad_enabled=False)
         with torch.no_grad():
             _, outputs = self._execute(inputs, None, plan, True, True)
         assert outputs is not None

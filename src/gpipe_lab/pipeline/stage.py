@@ -38,6 +38,9 @@ class StepPlan:
     split_backward: frozenset[int] = frozenset()
     loss_fn: LossFn | None = None
     loss_weights: list[float] = field(default_factory=list)
+    # False for forward-only (evaluation) steps: grad mode is per thread, so the
+    # caller's no_grad/inference_mode does not reach the stage workers by itself.
+    grad_enabled: bool = True
 
 
 @dataclass
@@ -144,15 +147,18 @@ class StageRuntime:
                 target: object = None) -> tuple[tuple[Tensor, ...], bool]:
         """Forward of one micro-batch; returns (outputs, outputs-were-a-tensor)."""
         start = time.perf_counter()
-        if self.index > 0:
+        grad = self.plan.grad_enabled
+        if self.index > 0 and grad:
             inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
         saved = _Saved(inputs, was_tensor, target)
         self._saved[mb] = saved
         self._add_bytes(sum(t.numel() * t.element_size() for t in inputs))
         checkpointed = mb in self.plan.checkpointed
-        with torch.set_grad_enabled(not checkpointed):
+        with torch.set_grad_enabled(grad and not checkpointed):
             outputs, out_is_tensor = self._run(mb, inputs, was_tensor, target, recomputing=False)
-        if not checkpointed:
+        if not grad:
+            self._release(mb)  # forward only: nothing is kept for a backward
+        elif not checkpointed:
             saved.outputs = outputs
         self._record("F", mb, start)
         return outputs, out_is_tensor

@@ -236,7 +236,7 @@ class DistributedGPipe(nn.Module):
         if inputs is not None:
             M = min(M, as_tuple(inputs, "inputs")[0].shape[0])
         with torch.no_grad():
-            _, outputs = self._execute(inputs, None, StepPlan(self.step_count, M, frozenset()), True, True)
+            _, outputs = self._execute(inputs, None, StepPlan(self.step_count, M, frozenset(), grad_enabled=False), True, True)
         if broadcast and self.num_stages > 1:
             box = [outputs if self.is_last_stage else None]
             dist.broadcast_object_list(box, src=self.topo.last_rank, group=self.pp_group,
