@@ -33,7 +33,7 @@ def diagnose(results: dict) -> list[str]:
         notes.append(
             f"MLP M=8: stage F+B on one micro-batch {[round(t, 4) for t in fb]} s (imbalance "
             f"{max(fb) / min(fb):.2f}); 8 micro-batches cost {eff:.2f}x the full-batch baseline's compute "
-            f"(small-kernel loss); measured bubble {row['bubble_measured']:.3f} vs theory "
+            f"(above 1: slower small kernels); measured bubble {row['bubble_measured']:.3f} vs theory "
             f"{row['bubble_theory']:.3f}; {wait:.3f} s blocked on neighbours (both stages).")
     if any(n.startswith("MLP measured bubble") for n in missed) and mlp:
         worst = max((r for r in mlp["rows"] if r["M"] >= 4 and r["checkpoint"] == "never"
@@ -52,9 +52,10 @@ def diagnose(results: dict) -> list[str]:
                      "overlaps a neighbour's wait.")
     ov = results.get("overhead")
     if ov and "scheduling overhead per action" in missed:
-        notes.append(f"Scheduling: {ov['overhead_per_action_us']:.0f} us per action of which "
-                     f"{ov['inside_action_us']:.0f} us inside the stage's action (hooks, generator, autograd "
-                     "call); the rest is thread hand-over (Condition wake-ups under the GIL).")
+        notes.append(f"Scheduling: {ov['overhead_per_action_us']:.0f} us per action beyond plain compute; an "
+                     f"action lasts {ov['inside_action_us']:.0f} us as timed by its stage (compute, hooks, "
+                     "generator, autograd call); the rest is thread hand-over and GIL contention between the "
+                     "two stage threads (see the profile notes).")
     for name in missed:
         if "saved-activation peak" in name:
             model = results["memory"]["mlp"]["model"]

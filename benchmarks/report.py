@@ -37,10 +37,17 @@ def plot_throughput(results: dict, path: Path) -> None:
             if rows:
                 ax.plot([r["M"] for r in rows], [r["speedup"] for r in rows], "o-", label=f"GPipe {ck}")
         never = [r for r in res["rows"] if r["checkpoint"] == "never" and r["schedule"] == "gpipe"]
-        ax.plot([r["M"] for r in never], [r["ideal_uncorrected_speedup"] for r in never], "k--",
+        ax.plot([r["M"] for r in never], [r["ideal_uncorrected_speedup"] for r in never], "k--x",
                 label="ideal KM/(M+K-1)")
-        ax.plot([r["M"] for r in never], [res["baseline_s"] / r["ideal_step_s"] for r in never], "k:",
+        ax.plot([r["M"] for r in never], [res["baseline_s"] / r["ideal_step_s"] for r in never], "k:+",
                 label="ideal, micro-batch corrected")
+        for fw, style in (("ours", "s-"), ("torch", "d-")):
+            gl = sorted((r["chunks"], res["baseline_s"] / r["step"]["median"]) for r in results.get("gloo", [])
+                        if (r["workload"], r["framework"], r["schedule"], r["checkpoint"]) == (name, fw, "gpipe", "never")
+                        and not r.get("error"))
+            if gl:
+                label = "ours, distributed (gloo)" if fw == "ours" else "torch ScheduleGPipe (gloo)"
+                ax.plot([m for m, _ in gl], [v for _, v in gl], style, label=label)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{name} (K=2)")
         ax.set_xlabel("micro-batches M")

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     results["overhead"] = run_overhead(sizes, args.device)
     if args.device == "cpu" and not args.no_distributed and sizes.distributed:
         print("[gloo] 2 processes ...", flush=True)
-        results["gloo"] = run_gloo(gloo_cases(sizes), sizes.name)
+        results["gloo"] = run_gloo(gloo_cases(sizes), sizes.name, timeout=3600 if sizes.name == "full" else 900)
     results["meta"]["load_after"] = load_average()
     results["meta"]["duration_s"] = time.perf_counter() - start
     return finish(results, args.out)
