@@ -173,6 +173,10 @@ CASES = [
      ValueError, "3 partitions need 3 devices, got 2"),
     ("strategy: balance with the wrong sum", strategy_fit(balance=[4, 4]), ValueError,
      "sums to 8 but the module has 9 layers"),
+    # (accepted by the constructor, refused when Trainer.fit builds the pipeline: fail-late)
+    ("strategy: K < 1", strategy_fit(partitions=0), ValueError, "partitions must be an integer >= 1, got 0"),
+    ("strategy: non-positive timeout", strategy_fit(partitions=2, timeout=0), ValueError,
+     "timeout must be > 0 seconds, got 0"),
     ("strategy: M larger than the batch", strategy_fit(batch_size=4, partitions=2, chunks=8), ValueError,
      "chunks must be between 1 and the batch size 4"),
     # --- gpipe-train config validation (Hydra compose)
