@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
+from gpipe_lab.pipeline.dropout import StageDropout
 from gpipe_lab.pipeline.microbatch import as_tuple, unwrap
 from gpipe_lab.pipeline.timeline import Event
 from gpipe_lab.pipeline.weight_gradients import SplitPlan, input_backward, plan_split, split_weight_backward
@@ -72,6 +73,7 @@ class StageRuntime:
         self.keep_outputs = False
         self._saved: dict[int, _Saved] = {}
         self._param_storages: set[int] = set()
+        self._uses_generator = True
         self.live_bytes = 0
         self.peak_bytes = 0
 
@@ -86,6 +88,8 @@ class StageRuntime:
         self._saved = {}
         self.live_bytes = self.peak_bytes = 0
         self._param_storages = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        # only StageDropout reads the stage generator: skip creating one per micro-batch otherwise
+        self._uses_generator = any(isinstance(m, StageDropout) for m in self.module.modules())
 
     def abort(self) -> None:
         """Free what a failed step left behind."""
@@ -110,19 +114,22 @@ class StageRuntime:
     def _run(self, mb: int, inputs: tuple[Tensor, ...], was_tensor: bool, target: object,
              recomputing: bool) -> tuple[tuple[Tensor, ...], bool]:
         """Apply the partition (and the loss on the last stage), counting saved bytes."""
-        seen: set[int] = set()
+        seen: set[tuple] = set()
         saved = self._saved[mb]
 
         def pack(t: Tensor) -> Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen and ptr not in self._param_storages:
-                seen.add(ptr)
-                n = t.untyped_storage().nbytes()
+            # count the tensor's own elements (a micro-batch is a view of the whole
+            # batch: its storage is larger), once per distinct view, never weights
+            key = (t.data_ptr(), t.shape, t.stride())
+            if key not in seen and t.untyped_storage().data_ptr() not in self._param_storages:
+                seen.add(key)
+                n = t.numel() * t.element_size()
                 saved.saved_bytes += n
                 self._add_bytes(n)
             return t
 
-        with microbatch_context(self._generator(mb), recomputing), \
+        generator = self._generator(mb) if self._uses_generator else None
+        with microbatch_context(generator, recomputing), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self.module(unwrap(inputs, was_tensor))
             outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
