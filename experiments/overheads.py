@@ -33,13 +33,18 @@ from gpipe_lab.plotting.timeline import plot_timeline  # noqa: E402
 
 def update_seconds(model: torch.nn.Module) -> float:
     """Seconds of one RMSProp step over the model's parameters (gradients set to ones)."""
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
-    opt.step()
-    start = time.perf_counter()
-    opt.step()
-    return time.perf_counter() - start
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as one stage runs it; two threads thrash on a shared 2-core machine
+    try:
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+        opt.step()
+        start = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
 
 
 def breakdown(work: object, chunks: int, steps: int, repeat: int, out: Path) -> tuple[dict, Path]:
@@ -77,7 +82,7 @@ def main() -> None:
             images.append(png)
     pct = "{:.1%}".format
     header = ["model", "M", "balance", "recompute", "bubble measured", "bubble theory", "bubble simulated",
-              "load imbalance", "wait (incl. bubble)", "hand-over", "weight update", "step (s)"]
+              "load imbalance", "wait (incl. bubble)", "hand-over (estimate)", "weight update", "step (s)"]
     table = [[r["workload"], r["M"], r["balance"], pct(r["recompute"]), pct(r["bubble_measured"]),
               pct(r["bubble_theory"]), pct(r["bubble_simulated"]), pct(r["imbalance"]), pct(r["wait"]),
               f"{pct(r['handover_share'])} ({r['handover_ms']:.2f} ms/hop)", pct(r["update_share"]),

@@ -93,6 +93,7 @@ def main() -> None:
           "## K=2: measured vs simulated step", "",
           md_table(["model", "balance", "measured s/step", "simulated s/step", "error", "hand-over delay"],
                    validation), ""]
+    md += [Path(__file__).with_name("throughput_notes.md").read_text()] if not args.tiny else []
     data = [{k: v for k, v in row.items() if "timeline" not in k} for row in rows]
     path = write(args.out, "table3_throughput.md", "\n".join(md), data)
     log_wandb(args.wandb, args.out, "table3_throughput", {"throughput": (header, table)}, [png])

@@ -129,7 +129,8 @@ def run(cfg: DictConfig, out: Path, seed: int) -> dict[str, float]:
         source = datamodule(cfg, class_offset=int(t.pretrain_class_offset))
         pre = model_for(cfg, classes, seed)
         train(cfg, pre, source, int(t.pretrain_steps), float(t.lr), seed)
-        checkpoint = out / f"pretrained_seed{seed}.pt"
+        (out / "transfer_checkpoints").mkdir(parents=True, exist_ok=True)
+        checkpoint = out / "transfer_checkpoints" / f"pretrained_seed{seed}.pt"
         torch.save(pre.state_dict(), checkpoint)
     tuned = model_for(cfg, classes, seed + 100)
     missing = load_backbone(tuned, checkpoint)
