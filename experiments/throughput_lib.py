@@ -54,20 +54,32 @@ def engine_balance(model: nn.Sequential, partitions: int) -> list[int]:
     return balance_by_cost(model_layer_costs(model, "flops"), partitions)
 
 
-def measure_step(work: Workload, partitions: int, chunks: int, steps: int = 3,
-                 checkpoint: str = "except_last") -> tuple[float, Timeline, list[int]]:
-    """Median seconds per training step of GPipe on CPU stages, the median step's timeline, the balance.
+def gpu_devices(partitions: int) -> list[str] | None:
+    """``cuda:0..K-1`` when this machine has K GPUs, else None (CPU stages)."""
+    return [f"cuda:{i}" for i in range(partitions)] if torch.cuda.device_count() >= partitions else None
 
-    With ``partitions=1`` this is the unpipelined-equivalent single-stage run on one thread.
+
+def measure_step(work: Workload, partitions: int, chunks: int, steps: int = 3,
+                 checkpoint: str = "except_last", devices: list[str] | None = None,
+                 ) -> tuple[float, Timeline, list[int]]:
+    """Median seconds per training step of GPipe, the median step's timeline, the balance.
+
+    CPU stages (one thread each) unless ``devices`` (e.g. ``gpu_devices(K)``; not
+    exercised on the CPU-only machine these results were made on). With
+    ``partitions=1`` on CPU this is the single-stage run on one thread.
     """
     model = work.model()
     x, y = work.batch_data(model)
+    if devices:
+        y = y.to(devices[-1])  # the last stage computes the loss
     pipe = GPipe(model, balance=engine_balance(model, partitions), chunks=chunks, checkpoint=checkpoint,
-                 threads_per_stage=1, seed=0)
+                 threads_per_stage=1, seed=0, devices=devices)
     runs: list[tuple[float, Timeline]] = []
     for step in range(steps + 1):  # the first step warms up
         start = time.perf_counter()
         pipe.train_step(x, y, work.loss_fn())
+        if devices:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
         if step and pipe.timeline is not None:
@@ -159,8 +171,11 @@ def hop_seconds(timeline: Timeline) -> float:
 
 
 def run_grid(work: Workload, measured_k: list[int], simulated_k: list[int], chunks: list[int],
-             steps: int = 3, repeat: int = 3) -> list[dict]:
+             steps: int = 3, repeat: int = 3, gpu: bool = False) -> list[dict]:
     """Measure (K in ``measured_k``) and simulate (K in ``measured_k + simulated_k``) every M.
+
+    With ``gpu`` every K this machine has GPUs for is measured on ``cuda:0..K-1``
+    (the simulator still runs from CPU per-layer times, for comparison).
 
     Returns one row per (K, M): ``measured_s`` (None when not measured), ``simulated_s``,
     samples/s of each, the balance, the measured and simulated bubbles, and the timeline.
@@ -173,8 +188,9 @@ def run_grid(work: Workload, measured_k: list[int], simulated_k: list[int], chun
         for k in sorted(set(measured_k) | set(simulated_k)):
             balance = engine_balance(model, k)
             measured, timeline = None, None
-            if k in measured_k:
-                measured, timeline, balance = measure_step(work, k, m, steps)
+            devices = gpu_devices(k) if gpu else None
+            if k in measured_k or devices:
+                measured, timeline, balance = measure_step(work, k, m, steps, devices=devices)
                 hop = max(hop, hop_seconds(timeline))
             simulated, sim_timeline = simulate_step(times, balance, m, hop)
             rows.append({"workload": work.label, "K": k, "M": m, "batch": work.batch, "balance": balance,
