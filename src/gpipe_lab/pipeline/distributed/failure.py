@@ -124,5 +124,6 @@ def wait_works(works: Sequence[object], what: str, peer: int | None, timeout: fl
             raise PeerTimeoutError(f"rank {abort.rank} waited more than {timeout:g} s for {peer_name} "
                                    f"({what}); is it alive?", peer, timeout)
     if errors:
+        abort.check(force=True)  # a link closed because a rank failed: name it (its abort message) if it did
         raise PeerFailedError(f"rank {abort.rank}: {what} with {peer_name} failed: {errors[0]}",
                               peer) from errors[0]
