@@ -131,3 +131,16 @@ def test_forward_only_builds_no_graph_even_under_inference_mode():
     assert not out.requires_grad and out.grad_fn is None
     assert torch.allclose(out, model(x), atol=1e-6)
     assert all(m["peak_activation_bytes"] <= 8 * 16 * 4 for m in pipe.memory())
+
+
+def test_caller_autocast_reaches_the_stage_threads():
+    model = mlp(depth=2, width=16)
+    pipe = GPipe(model, partitions=2, chunks=2)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, out = pipe.train_step(x, y, lambda o, t: F.mse_loss(o.float(), t), return_outputs=True)
+        expected = model(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), expected.float(), atol=1e-2)
+    _, out32 = pipe.train_step(x, y, F.mse_loss, return_outputs=True)
+    assert out32.dtype == torch.float32

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 
 import torch
 from torch import Tensor
@@ -24,6 +25,11 @@ from gpipe_lab.pipeline.microbatch import to_device
 from gpipe_lab.pipeline.schedule import Action, Schedule
 from gpipe_lab.pipeline.stage import StageRuntime
 from gpipe_lab.pipeline.timeline import Event
+
+
+def caller_autocast() -> list[tuple[str, torch.dtype]]:
+    """The autocast regions the calling thread is in, to re-enter in stage threads."""
+    return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
 
 
 class _Aborted(Exception):
@@ -84,8 +90,18 @@ class LocalTransport:
         errors: list[tuple[float, int, Action | None, BaseException]] = []
         main_threads = torch.get_num_threads()
         finished = [threading.Event() for _ in range(num_stages)]
+        autocast = caller_autocast()
 
         def work(k: int) -> None:
+            try:
+                with ExitStack() as stack:
+                    for device_type, dtype in autocast:  # autocast is per thread: carry the caller's
+                        stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                    run_stage(k)
+            finally:
+                finished[k].set()
+
+        def run_stage(k: int) -> None:
             stage = self.stages[k]
             if stage.device.type == "cpu":
                 torch.set_num_threads(self.threads_per_stage)
@@ -126,8 +142,6 @@ class LocalTransport:
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append((time.monotonic(), k, action, exc))
                 box.fail()
-            finally:
-                finished[k].set()
 
         threads = [threading.Thread(target=work, args=(k,), name=f"gpipe-stage-{k}", daemon=True)
                    for k in range(num_stages)]

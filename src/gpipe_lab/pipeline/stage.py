@@ -21,7 +21,6 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
-from gpipe_lab.pipeline.dropout import StageDropout
 from gpipe_lab.pipeline.microbatch import as_tuple, unwrap
 from gpipe_lab.pipeline.timeline import Event
 from gpipe_lab.pipeline.weight_gradients import SplitPlan, input_backward, plan_split, split_weight_backward
@@ -73,7 +72,6 @@ class StageRuntime:
         self.keep_outputs = False
         self._saved: dict[int, _Saved] = {}
         self._param_storages: set[int] = set()
-        self._uses_generator = True
         self.live_bytes = 0
         self.peak_bytes = 0
 
@@ -88,8 +86,6 @@ class StageRuntime:
         self._saved = {}
         self.live_bytes = self.peak_bytes = 0
         self._param_storages = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
-        # only StageDropout reads the stage generator: skip creating one per micro-batch otherwise
-        self._uses_generator = any(isinstance(m, StageDropout) for m in self.module.modules())
 
     def abort(self) -> None:
         """Free what a failed step left behind."""
@@ -128,8 +124,8 @@ class StageRuntime:
                 self._add_bytes(n)
             return t
 
-        generator = self._generator(mb) if self._uses_generator else None
-        with microbatch_context(generator, recomputing), \
+        # every micro-batch gets its generator: any layer may draw from current_generator()
+        with microbatch_context(self._generator(mb), recomputing), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self.module(unwrap(inputs, was_tensor))
             outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
