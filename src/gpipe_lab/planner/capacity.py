@@ -49,7 +49,7 @@ class LayerMemory:
     params: int
     inputs: tuple[int, ...]        # bytes per sample of each input tensor
     outputs: tuple[int, ...]       # bytes per sample of each output tensor
-    passthrough: tuple[int, ...]   # per output: index of the input it is, or -1 if new
+    passthrough: tuple[int, ...]   # per output: input index it is, -2-j if it is output j, -1 if new
     saved_inputs: frozenset[int]   # input positions autograd saves
     saved_outputs: frozenset[int]  # output positions autograd saves
     saved_other: int               # other saved bytes per sample (deduplicated, parameters excluded)
@@ -140,7 +140,9 @@ def _measure(layer: nn.Module, inputs: object, loss: bool) -> tuple[LayerMemory,
             del m.forward
     outs = _tensors(output)
     out_keys = [t.untyped_storage()._cdata for t in outs]
-    passthrough = tuple(next((i for i, t in enumerate(ins) if t is o), -1) for o in outs)
+    passthrough = tuple(next((i for i, t in enumerate(ins) if t is o),
+                             next((-2 - j for j, t in enumerate(outs[:n]) if t is o), -1))
+                        for n, o in enumerate(outs))
     other = sum(b for k, b in saved.items() if k not in in_keys and k not in out_keys)
     record = LayerMemory(
         params=sum(p.numel() for p in layer.parameters()),
@@ -165,10 +167,11 @@ def _measure_cached(layer: nn.Module, inputs: object, loss: bool) -> tuple[Layer
     record, shapes, is_tuple = _CACHE[key]
     if loss:
         return record, None
-    outs = tuple(ins[src] if src >= 0 else
-                 torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
-                 for src, (shape, dtype) in zip(record.passthrough, shapes))
-    return record, (outs if is_tuple else outs[0])
+    outs: list[Tensor] = []
+    for src, (shape, dtype) in zip(record.passthrough, shapes):
+        outs.append(ins[src] if src >= 0 else outs[-2 - src] if src < -1 else
+                    torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point))
+    return record, (tuple(outs) if is_tuple else outs[0])
 
 
 def _records_of(model: nn.Sequential) -> list[LayerMemory]:
@@ -229,8 +232,10 @@ def _partition_bytes(records: Sequence[LayerMemory]) -> tuple[int, int, int]:
         saved_ids.update(current[i] for i in r.saved_inputs if i < len(current))
         outs = []
         for j, (src, b) in enumerate(zip(r.passthrough, r.outputs)):
-            if src >= 0 and src < len(current):
+            if 0 <= src < len(current):
                 outs.append(current[src])
+            elif src < -1:  # the same tensor as an earlier output (e.g. the stem's (x, x))
+                outs.append(outs[-2 - src])
             else:
                 sizes[next_id] = b
                 outs.append(next_id)
