@@ -111,6 +111,11 @@ class Inbox:
             while key not in self._items:
                 if self._error is not None:
                     exc, src = self._error
+                    self._cond.release()
+                    try:  # the link closed because a rank failed: name it (its abort message) if it did
+                        abort.check(force=True)
+                    finally:
+                        self._cond.acquire()
                     raise PeerFailedError(f"rank {abort.rank}: receiving from rank {src} failed "
                                           f"(is it alive?): {exc}", src) from exc
                 self._cond.release()
