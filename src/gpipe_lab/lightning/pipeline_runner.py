@@ -1,0 +1,157 @@
+"""How ``GPipeStrategy`` runs a mini-batch through the pipeline (both transports).
+
+The gradient-zeroing trap: with automatic optimization Lightning calls
+``training_step``, THEN zeroes the gradients, THEN ``backward``. A schedule run in
+``training_step`` would lose its gradients, so::
+
+    training_step(batch)  -> stash the batch, return a placeholder that requires grad
+    zero_grad()           -> (Lightning)
+    backward(placeholder) -> run the whole schedule (forward + backward of every
+                             micro-batch), log the REAL loss through the module
+    optimizer.step()      -> one step per mini-batch (or per accumulation window)
+
+With manual optimization the module calls ``self.pipeline_loss(batch)``, which runs
+the schedule at once and returns the real loss; ``manual_backward`` of it is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gpipe_lab.lightning.pipeline_module import PipelineModule
+
+
+class _ContextPartition(nn.Module):
+    """Runs a partition inside a fresh context per call (autocast is thread-local)."""
+
+    def __init__(self, inner: nn.Module, context: Callable[[], Any]) -> None:
+        super().__init__()
+        self.inner = inner
+        self._context = context
+
+    def forward(self, *args: Any) -> Any:
+        with self._context():
+            return self.inner(*args)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+class PipelineRunnerMixin:
+    """Training and evaluation steps of ``GPipeStrategy`` through its engine (``self.pipe``)."""
+
+    pipe: Any
+    precision_plugin: Any
+    _pending: Any
+    last_loss: Tensor | None
+    last_batch_size: tuple[int, int]
+
+    def _module(self) -> PipelineModule:
+        module = self.lightning_module
+        if not isinstance(module, PipelineModule):
+            raise TypeError(f"GPipeStrategy needs a gpipe_lab.lightning.PipelineModule, got "
+                            f"{type(module).__name__}")
+        return module
+
+    def _stage_context(self) -> Callable[[], Any]:
+        return self.precision_plugin.forward_context
+
+    def _wrap_stages(self) -> None:
+        """Enter the precision plugin's forward context inside every stage's own thread."""
+        context = self._stage_context()
+        if isinstance(context(), nullcontext):
+            return
+        runtimes = getattr(self.pipe, "stages", None) or list(getattr(self.pipe, "runtimes", {}).values())
+        for stage in runtimes:
+            if not isinstance(stage.module, _ContextPartition):
+                stage.module = _ContextPartition(stage.module, context)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        if not module.automatic_optimization:
+            return super().training_step(*args, **kwargs)
+        self._pending = args[0] if args else kwargs["batch"]
+        return torch.zeros((), device=self.root_device, requires_grad=True)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if getattr(closure_loss, "_gpipe_done", False):
+            return closure_loss  # manual optimization: pipeline_loss already ran the schedule
+        if self._pending is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        batch, self._pending = self._pending, None
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        self.run_pipeline(batch, 1.0 / accumulate)
+        return closure_loss
+
+    def run_manual(self, batch: Any) -> Tensor:
+        """``PipelineModule.pipeline_loss`` under this strategy: the schedule, then the loss."""
+        loss = self.run_pipeline(batch, 1.0).clone()
+        loss._gpipe_done = True  # type: ignore[attr-defined]
+        return loss
+
+    def run_pipeline(self, batch: Any, scale: float) -> Tensor:
+        """Forward and backward of every micro-batch of ``batch``; logs and returns the real loss.
+
+        Gradients accumulate into the parameters, multiplied by ``scale`` (1 / the number
+        of accumulated mini-batches).
+        """
+        module = self._module()
+        inputs, targets = module.split_batch(batch)
+        targets = _to_device(targets, self.output_device)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+
+        def loss_fn(outputs: Any, target: Any) -> Tensor:
+            loss = module.loss_fn(outputs, target) * scale
+            return scaler.scale(loss) if scaler is not None else loss
+
+        trainer = module._trainer
+        if trainer is not None and hasattr(self.pipe, "step_count"):
+            self.pipe.step_count = max(0, trainer.fit_loop.total_batch_idx)
+        loss, outputs = self.pipe.train_step(inputs, targets, loss_fn, module.loss_normalizer,
+                                             return_outputs=True)
+        loss = loss.detach().float()
+        if scaler is not None:
+            loss = loss / scaler.get_scale()
+        real = (loss / scale).to(self.root_device)
+        self.last_loss = real
+        self.last_batch_size = module.count_samples(inputs, targets)
+        previous = module._current_fx_name
+        module._current_fx_name = "training_step"
+        try:
+            module.log_train(real, outputs, targets)
+        finally:
+            module._current_fx_name = previous
+        return real
+
+    def pipeline_forward(self, inputs: Any) -> Any:
+        """Forward only through the pipeline (validation, test, decoding).
+
+        Lightning evaluates under ``torch.inference_mode``, which is thread-local: the
+        stage threads would try to record autograd on inference tensors, so the inputs
+        are cloned into normal tensors first.
+        """
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                inputs = _clone(inputs)
+                return self.pipeline_forward(inputs)
+        outputs = self.pipe(inputs)
+        first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+        return _to_device(outputs, first.device)
