@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.slow]
 
@@ -84,16 +86,25 @@ def losses(run_dir: Path) -> dict[int, float]:
     files = sorted(run_dir.glob("csv/version_*/metrics.csv"))
     out: dict[int, float] = {}
     for path in files:
-        with open(path) as f:
-            for row in csv.DictReader(f):
-                if row.get("train/loss"):
-                    out[int(row["step"])] = float(row["train/loss"])
+        try:
+            with open(path) as f:
+                for row in csv.DictReader(f):
+                    if row.get("train/loss"):
+                        out[int(row["step"])] = float(row["train/loss"])
+        except FileNotFoundError:  # being rewritten
+            continue
     return out
 
 
-def checkpoint_at(run_dir: Path, step: int) -> Path | None:
-    found = [p for p in (run_dir / "checkpoints").glob(f"*step={step}.ckpt")]
-    return found[0] if found else None
+def checkpoint_at(run_dir: Path, min_step: int) -> Path | None:
+    """The newest epoch checkpoint at a step >= ``min_step`` (ModelCheckpoint deletes older ones)."""
+    found = sorted((int(p.stem.rsplit("step=", 1)[1]), p) for p in (run_dir / "checkpoints").glob("*step=*.ckpt"))
+    found = [(step, p) for step, p in found if step >= min_step]
+    return found[-1][1] if found else None
+
+
+def step_of(ckpt: Path) -> int:
+    return int(ckpt.stem.rsplit("step=", 1)[1])
 
 
 def wait_for(predicate, proc: subprocess.Popen, run_dir: Path, timeout: float = RUN_DEADLINE):
@@ -111,11 +122,12 @@ def stable_file(path_fn):
     """A predicate: the file exists and its size did not change over 0.5 s (write finished)."""
     def check():
         path = path_fn()
-        if path is None or not path.exists():
+        try:
+            size = path.stat().st_size if path is not None else 0
+            time.sleep(0.5)
+            return path if size > 0 and path.stat().st_size == size else None
+        except FileNotFoundError:  # replaced by a newer checkpoint meanwhile
             return None
-        size = path.stat().st_size
-        time.sleep(0.5)
-        return path if size > 0 and path.stat().st_size == size else None
 
     return check
 
@@ -147,8 +159,9 @@ def test_sigkill_then_resume_continues_with_the_same_losses(reference, tmp_path)
     assert all(before[s] == reference[s] for s in before), "the killed run diverged before the kill"
 
     resumed = run_app(resumed_dir, f"trainer.max_steps={STEPS}", f"ckpt_path='{ckpt}'")
-    assert sorted(resumed) == list(range(2 * STEPS_PER_EPOCH, STEPS)), resumed
-    first = 2 * STEPS_PER_EPOCH
+    first = step_of(ckpt)
+    assert first % STEPS_PER_EPOCH == 0 and first < STEPS
+    assert sorted(resumed) == list(range(first, STEPS)), resumed
     assert resumed[first] == reference[first], "weights or optimizer state not restored bitwise"
     expect_same_continuation(resumed, reference)
 
@@ -185,9 +198,12 @@ def test_sigint_stops_cleanly_and_leaves_a_resumable_checkpoint(reference, tmp_p
     assert checkpoints, f"no checkpoint left behind:\n{text}"
     last = run_dir / "checkpoints" / "last.ckpt"
     ckpt = last if last.exists() else checkpoints[-1]
+    ckpt = Path(shutil.copy(ckpt, tmp_path / "interrupted.ckpt"))  # a name without '='
+    saved_step = int(torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"])
+    assert saved_step < STEPS
 
-    resumed = run_app(resumed_dir, f"trainer.max_steps={3 * STEPS_PER_EPOCH}", f"ckpt_path='{ckpt}'")
+    resumed = run_app(resumed_dir, f"trainer.max_steps={saved_step + STEPS_PER_EPOCH}", f"ckpt_path='{ckpt}'")
     assert resumed, console(resumed_dir)
     first = min(resumed)
-    assert first % STEPS_PER_EPOCH == 0 and resumed[first] == reference[first]
+    assert first == saved_step and resumed[first] == reference[first]
     expect_same_continuation(resumed, reference)
