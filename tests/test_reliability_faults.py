@@ -269,8 +269,6 @@ def test_ctrl_c_in_the_caller_stops_every_worker_before_returning(schedule):
     assert torch.allclose(loss, F.mse_loss(plain(x), y), atol=1e-6)
 
 
-@pytest.mark.xfail(strict=False, reason="GPipeStrategy and the config (pipeline.nonfinite) do not expose the "
-                   "engine's nonfinite policy yet; DistributedGPipe has no policy at all")
 def test_nonfinite_policy_is_exposed_by_the_strategy_and_the_config():
     from gpipe_lab.config import PipelineConfig
     from gpipe_lab.lightning import GPipeStrategy

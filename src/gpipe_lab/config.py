@@ -4,7 +4,7 @@
 
 - an unknown key in a group (``pipeline``, ``trainer``, ``logger``, ``optimizer``; ``model``
   against ``gpipe_lab.models.build``'s overrides; ``data`` against the datamodule's arguments);
-- a bad value (wrong type, unknown mode / schedule / name, non-positive sizes);
+- a bad value (wrong type, unknown mode / schedule / nonfinite policy / name, non-positive sizes);
 - an impossible combination (partitions > layers, balance not summing to the layers,
   chunks > data.batch_size, distributed world size not divisible by K, local GPU stages
   without enough devices).
@@ -44,6 +44,7 @@ class PipelineConfig:
     cost: Any = "params"
     threads_per_stage: int | None = None
     timeout: float = 300.0
+    nonfinite: str = "raise"
 
 
 @dataclass
@@ -86,7 +87,7 @@ def _positive(value: Any, key: str) -> None:
 
 
 def validate_pipeline(cfg: DictConfig) -> DictConfig:
-    from gpipe_lab.pipeline import CHECKPOINT_MODES, SCHEDULES
+    from gpipe_lab.pipeline import CHECKPOINT_MODES, NONFINITE_POLICIES, SCHEDULES
 
     p = _typed(cfg.pipeline, PipelineConfig, "pipeline")
     _positive(p.partitions, "pipeline.partitions")
@@ -97,6 +98,8 @@ def validate_pipeline(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"pipeline.schedule: must be one of {sorted(SCHEDULES)}, got {p.schedule!r}")
     if p.transport not in TRANSPORTS:
         raise ConfigError(f"pipeline.transport: must be one of {list(TRANSPORTS)}, got {p.transport!r}")
+    if p.nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError(f"pipeline.nonfinite: must be one of {list(NONFINITE_POLICIES)}, got {p.nonfinite!r}")
     from gpipe_lab.models import COST_KINDS
 
     if isinstance(p.cost, str) and p.cost not in COST_KINDS:

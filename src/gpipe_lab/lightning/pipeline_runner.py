@@ -12,6 +12,12 @@ The gradient-zeroing trap: with automatic optimization Lightning calls
 
 With manual optimization the module calls ``self.pipeline_loss(batch)``, which runs
 the schedule at once and returns the real loss; ``manual_backward`` of it is a no-op.
+
+Non-finite policy ``"skip"``: the engine drops the gradients of a mini-batch whose loss
+or gradients are NaN/inf and says so (``pipe.last_step_skipped``, agreed by all ranks in
+distributed runs); ``optimizer_step`` then runs the closure but not the step, for that
+mini-batch's accumulation window, and ``train/skipped_steps`` counts such mini-batches.
+Lightning still counts the step in ``global_step`` (as it does for an AMP-skipped step).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gpipe_lab.lightning.metric_sharing import log_train_shared
 from gpipe_lab.lightning.pipeline_module import PipelineModule
 
 
@@ -61,6 +68,8 @@ class PipelineRunnerMixin:
     pipe: Any
     precision_plugin: Any
     _pending: Any
+    _skip_pending: bool
+    nonfinite: str
     last_loss: Tensor | None
     last_batch_size: tuple[int, int]
 
@@ -101,6 +110,17 @@ class PipelineRunnerMixin:
         self.run_pipeline(batch, 1.0 / accumulate)
         return closure_loss
 
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        """With ``nonfinite="skip"``: no step when the engine skipped a mini-batch of the window."""
+        if self.nonfinite != "skip":
+            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        result = closure()  # training_step + backward: runs the schedule (automatic optimization)
+        skip, self._skip_pending = self._skip_pending, False
+        if skip:
+            return result
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)  # type: ignore[misc]
+
     def run_manual(self, batch: Any) -> Tensor:
         """``PipelineModule.pipeline_loss`` under this strategy: the schedule, then the loss."""
         loss = self.run_pipeline(batch, 1.0).clone()
@@ -133,10 +153,17 @@ class PipelineRunnerMixin:
         real = (loss / scale).to(self.root_device)
         self.last_loss = real
         self.last_batch_size = module.count_samples(inputs, targets)
+        if getattr(self.pipe, "last_step_skipped", False):
+            self._skip_pending = True
         previous = module._current_fx_name
         module._current_fx_name = "training_step"
         try:
-            module.log_train(real, outputs, targets)
+            if self.is_distributed and self.num_stages > 1:  # type: ignore[attr-defined]
+                log_train_shared(module, self.pipe, real, outputs, targets)
+            else:
+                module.log_train(real, outputs, targets)
+            if self.nonfinite == "skip":
+                module.log("train/skipped_steps", float(self.pipe.skipped_steps))
         finally:
             module._current_fx_name = previous
         return real

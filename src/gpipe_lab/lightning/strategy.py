@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from gpipe_lab.lightning.distributed_support import DistributedMixin
 from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.lightning.pipeline_runner import PipelineRunnerMixin
-from gpipe_lab.pipeline import CHECKPOINT_MODES, SCHEDULES, GPipe, Timeline
+from gpipe_lab.pipeline import CHECKPOINT_MODES, NONFINITE_POLICIES, SCHEDULES, GPipe, Timeline
 
 TRANSPORTS = ("local", "distributed")
 
@@ -44,10 +44,14 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
             Trainer's devices when there are K of them, else CUDA when enough GPUs, else CPU).
         threads_per_stage: intra-op threads of each CPU stage (local transport).
         timeout: seconds a stage waits for a neighbour before the step fails.
+        nonfinite: a NaN/inf loss or gradient ``"raise"`` the engine's ``NonFiniteError``
+            (naming the step and the stage; training stops), ``"skip"`` the optimizer
+            step of that mini-batch (or accumulation window; logs ``train/skipped_steps``),
+            or ``"ignore"``. In distributed runs every rank takes the same decision.
         Other arguments: as for Lightning's ``ParallelStrategy``.
 
     Raises:
-        ValueError: unknown transport / checkpoint / schedule, or neither/both of
+        ValueError: unknown transport / checkpoint / schedule / nonfinite, or neither/both of
             partitions and balance inconsistent; messages name the key.
     """
 
@@ -58,7 +62,8 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
                  transport: str = "local", deferred_batch_norm: bool = False, cost: Any = None,
                  seed: int | None = None, stage_devices: Sequence[str] | None = None,
                  threads_per_stage: int | None = None, timeout: float = 300.0,
-                 process_group_backend: str | None = None, **kwargs: Any) -> None:
+                 process_group_backend: str | None = None, nonfinite: str = "raise",
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {transport!r}")
@@ -68,6 +73,8 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
             raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {list(NONFINITE_POLICIES)}, got {nonfinite!r}")
         if partitions is None and balance is None:
             partitions = 1
         self.partitions = partitions
@@ -82,6 +89,8 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         self.stage_devices = stage_devices
         self.threads_per_stage = threads_per_stage
         self.timeout = timeout
+        self.nonfinite = nonfinite
+        self._skip_pending = False
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self.pipe: Any = None
@@ -176,7 +185,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
                      devices=self._local_devices(), chunks=self.chunks, checkpoint=self.checkpoint,
                      schedule=self.schedule, deferred_batch_norm=self.deferred_batch_norm,
                      cost=self.cost, seed=self.seed, threads_per_stage=self.threads_per_stage,
-                     timeout=self.timeout)
+                     timeout=self.timeout, nonfinite=self.nonfinite)
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:

@@ -28,7 +28,7 @@ from gpipe_lab.pipeline.distributed.setup import resolve_balance, resolve_device
 from gpipe_lab.pipeline.distributed.state import gather_full_state_dict, local_state_dict
 from gpipe_lab.pipeline.distributed.topology import build_topology
 from gpipe_lab.pipeline.dropout import convert_dropout
-from gpipe_lab.pipeline.gpipe import checkpointed_microbatches
+from gpipe_lab.pipeline.gpipe import NONFINITE_POLICIES, NonFiniteError, checkpointed_microbatches
 from gpipe_lab.pipeline.interleaved import rank_schedule
 from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, split, unwrap
 from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
@@ -44,11 +44,17 @@ class DistributedGPipe(nn.Module):
     rank j mod K), ``init_fn`` for meta-built layers and ``bucket_bytes`` for
     the gradient all-reduce. ``module`` may be built on ``meta`` or be a factory.
 
+    ``nonfinite`` is ``GPipe``'s policy for a NaN/inf loss or gradient (``"raise"``,
+    ``"skip"``, ``"ignore"``), decided by ALL ranks together: each rank's verdict on
+    its loss and its stages' gradients travels with the loss all-reduce, so every rank
+    raises the same ``NonFiniteError`` (naming the step and the stage), or every rank
+    drops its gradients and sets ``last_step_skipped``.
+
     Raises:
         RuntimeError: torch.distributed is not initialized.
         TypeError: ``module`` is not an ``nn.Sequential``.
         ValueError: world size not divisible by K (both numbers named), bad
-            balance / chunks / checkpoint / schedule / timeout.
+            balance / chunks / checkpoint / schedule / timeout / nonfinite policy.
     """
 
     def __init__(self, module: nn.Module | Callable[[], nn.Module], balance: Sequence[int] | None = None,
@@ -56,8 +62,11 @@ class DistributedGPipe(nn.Module):
                  schedule: str = "gpipe", deferred_batch_norm: bool = False, cost: object = None,
                  seed: int | None = None, device: str | torch.device | None = None,
                  data_parallel_size: int | None = None, timeout: float = 300.0, virtual_stages: int = 1,
-                 init_fn: InitFn | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+                 init_fn: InitFn | None = None, bucket_bytes: int = BUCKET_BYTES,
+                 nonfinite: str = "raise") -> None:
         super().__init__()
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"unknown nonfinite policy {nonfinite!r}; allowed: {list(NONFINITE_POLICIES)}")
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
         checkpointed_microbatches(checkpoint, 1)
@@ -86,6 +95,9 @@ class DistributedGPipe(nn.Module):
         self.grad_sync = GradientSync(topo.dp_group, topo.dp_size, self.abort, self.timeout, bucket_bytes)
         self._plans: dict[tuple[int, bool], tuple] = {}
         self.step_count = 0
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        self.last_step_skipped = False
         self.timeline: Timeline | None = None
         dist.barrier(group=topo.pp_group)
         self._clock_zero = time.perf_counter()  # aligned across the pipeline's ranks by the barrier
@@ -219,15 +231,59 @@ class DistributedGPipe(nn.Module):
             raise
         with torch.enable_grad():
             loss, outputs = self._execute(inputs, targets, plan, False, return_outputs)
+        # [loss share, loss not finite, stage j's gradients not finite for each chunk j]: one
+        # all-reduce over every rank shares the loss AND the verdict, so all ranks act alike.
+        num_virtual = self.num_stages * self.virtual_stages
+        shared = torch.zeros(2 + num_virtual, device=self.device)
+        if loss is not None:
+            shared[0] = loss.detach().float() / self.dp_size
+        if self.nonfinite != "ignore":
+            self._local_verdict(loss, shared)
+        wait_works([dist.all_reduce(shared, async_op=True)], "sharing the loss", None, self.timeout, self.abort)
+        total = shared[0].clone()
+        self._apply_policy(total, shared[1:])
+        if not self.last_step_skipped:
+            for m in self.local.modules():
+                if isinstance(m, DeferredBatchNorm):
+                    m.commit()
+        self.step_count += 1
+        return (total, outputs) if return_outputs else total
+
+    def _local_verdict(self, loss: Tensor | None, shared: Tensor) -> None:
+        """Mark this rank's non-finite loss (slot 1) and its chunks' non-finite gradients (2 + j)."""
+        if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
+            shared[1] = 1.0
+        for j, runtime in self.runtimes.items():
+            found = [p.grad.isfinite().all() for p in runtime.module.parameters() if p.grad is not None]
+            if found and not bool(torch.stack(found).all()):
+                shared[2 + j] = 1.0
+
+    def _apply_policy(self, total: Tensor, verdict: Tensor) -> None:
+        """Raise, or skip the step (drop the gradients), on every rank alike."""
+        self.last_step_skipped = False
+        problem = None
+        last = self.num_stages * self.virtual_stages - 1
+        if verdict[0] > 0:
+            problem = f"loss is {total.item()} (computed on stage {self._stage_name(last)})"
+        else:
+            bad = [j for j in range(len(verdict) - 1) if verdict[1 + j] > 0]
+            if bad:
+                problem = f"gradients of stage {self._stage_name(bad[0])} are not finite"
+        if problem is None:
+            return
         for m in self.local.modules():
             if isinstance(m, DeferredBatchNorm):
-                m.commit()
-        self.step_count += 1
-        total = torch.zeros((), device=self.device)
-        if loss is not None:
-            total += loss.detach() / self.dp_size
-        wait_works([dist.all_reduce(total, async_op=True)], "sharing the loss", None, self.timeout, self.abort)
-        return (total, outputs) if return_outputs else total
+                m.reset_accumulators()
+        if self.nonfinite == "raise":
+            raise NonFiniteError(f"step {self.step_count}: {problem} (set nonfinite='skip' to skip such steps)")
+        self.local.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        self.last_step_skipped = True
+
+    def _stage_name(self, chunk: int) -> str:
+        if self.virtual_stages == 1:
+            return str(chunk)
+        return f"{chunk % self.num_stages} (chunk {chunk})"
 
     def forward(self, inputs: Value | None, broadcast: bool = True) -> Value | None:  # noqa: D401
         """Evaluation forward; the output is on the last stage, and on every rank of the

@@ -1,0 +1,198 @@
+"""The non-finite policy end to end: ``GPipeStrategy(nonfinite=...)``, the config key
+``pipeline.nonfinite`` and ``DistributedGPipe(nonfinite=...)`` (every rank decides alike).
+
+A layer emits inf on a chosen training step: ``"raise"`` stops training with the
+engine's ``NonFiniteError`` naming the step (and, for gradients, the stage); ``"skip"``
+skips that mini-batch's optimizer step, so the run equals one that never stepped on
+that batch, and ``train/skipped_steps`` counts it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpipe_lab.config import ConfigError, validate
+from gpipe_lab.lightning import GPipeStrategy
+from gpipe_lab.pipeline import NonFiniteError
+from test_strategy_support import TinyData, TinyRegressor, trainer
+
+BAD_STEP = 2
+
+
+class InfAtStep(nn.Module):
+    """Multiplies by inf in training on the owner's batch ``step`` (forward, or backward only)."""
+
+    def __init__(self, step: int, where: str = "forward") -> None:
+        super().__init__()
+        self.step, self.where = step, where
+        self._owner: list = []  # not a submodule: no cycle in the module tree
+
+    def attach(self, owner: object) -> InfAtStep:
+        self._owner[:] = [owner]
+        return self
+
+    def armed(self) -> bool:
+        trainer = self._owner[0]._trainer if self._owner else None
+        return self.training and trainer is not None and trainer.fit_loop.total_batch_idx == self.step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.armed():
+            return x
+        if self.where == "forward":
+            return x * float("inf")
+        return _InfGrad.apply(x)
+
+
+class _InfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("inf")
+
+
+class Faulty(TinyRegressor):
+    """TinyRegressor with ``InfAtStep`` after its second layer (stage 0 of K=2)."""
+
+    def __init__(self, step: int = BAD_STEP, where: str = "forward", skip_batch: int | None = None) -> None:
+        super().__init__()
+        self.layers.insert(2, InfAtStep(step, where).attach(self))
+        self.skip_batch = skip_batch
+        self.optimizer_steps = 0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == self.skip_batch else loss  # the reference: no step on that batch
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        optimizer = super().configure_optimizers()
+
+        def count(*_: object) -> None:
+            self.optimizer_steps += 1
+
+        optimizer.register_step_pre_hook(count)
+        return optimizer
+
+
+def test_skip_drops_exactly_that_optimizer_step() -> None:
+    reference = Faulty(step=-1, skip_batch=BAD_STEP)
+    trainer("auto", max_steps=5).fit(reference, TinyData())
+    module = Faulty()
+    strategy = GPipeStrategy(partitions=2, chunks=4, nonfinite="skip")
+    t = trainer(strategy, max_steps=5)
+    t.fit(module, TinyData())
+    assert strategy.pipe.skipped_steps == 1
+    assert module.optimizer_steps == 4  # five mini-batches, one skipped
+    assert not torch.isfinite(torch.tensor(module.losses[BAD_STEP]))
+    good = [i for i in range(5) if i != BAD_STEP]
+    assert [module.losses[i] for i in good] == pytest.approx([reference.losses[i] for i in good], abs=1e-5)
+    assert float(t.callback_metrics["train/skipped_steps"]) == 1.0
+
+
+def test_skip_covers_the_accumulation_window() -> None:
+    module = Faulty(step=1)  # the second mini-batch of the window [0, 1]
+    t = trainer(GPipeStrategy(partitions=2, chunks=2, nonfinite="skip"), max_steps=2, accumulate_grad_batches=2)
+    t.fit(module, TinyData())
+    assert module.optimizer_steps == 1  # windows [0, 1] (skipped) and [2, 3]
+    assert all(torch.isfinite(torch.tensor(module.losses[i])) for i in (0, 2, 3))
+
+
+def test_raise_stops_training_naming_the_step_and_the_stage() -> None:
+    with pytest.raises(NonFiniteError, match=f"step {BAD_STEP}: loss is (inf|nan)"):
+        trainer(GPipeStrategy(partitions=2, chunks=4), max_steps=5).fit(Faulty(), TinyData())
+    with pytest.raises(NonFiniteError, match=f"step {BAD_STEP}: gradients of stage 0 are not finite"):
+        trainer(GPipeStrategy(partitions=2, chunks=4, nonfinite="raise"), max_steps=5).fit(
+            Faulty(where="backward"), TinyData())
+
+
+def test_ignore_and_bad_policy() -> None:
+    module = Faulty()
+    trainer(GPipeStrategy(partitions=2, chunks=4, nonfinite="ignore"), max_steps=3).fit(module, TinyData())
+    assert len(module.losses) == 3
+    with pytest.raises(ValueError, match=r"nonfinite must be one of \['raise', 'skip', 'ignore'\], got 'maybe'"):
+        GPipeStrategy(nonfinite="maybe")
+
+
+# ----------------------------------------------------------------------------- config
+def test_config_key_is_validated_and_reaches_the_strategy(tmp_path: Path, monkeypatch) -> None:
+    from test_configs import make_config
+
+    assert make_config().pipeline.nonfinite == "raise"
+    with pytest.raises(ConfigError, match=r"pipeline\.nonfinite: must be one of \['raise', 'skip', 'ignore'\]"):
+        validate(make_config("pipeline.nonfinite=maybe"))
+    assert validate(make_config("pipeline.nonfinite=skip")).nonfinite == "skip"
+
+    import gpipe_lab.train as train
+
+    built = train.build_module
+
+    def faulty_module(cfg, datamodule):
+        module = built(cfg, datamodule)
+        bad = InfAtStep(1).attach(module)
+        module.layers[-1].register_forward_hook(lambda m, i, out: bad(out))
+        return module
+
+    monkeypatch.setattr(train, "build_module", faulty_module)
+    common = ("experiment=transformer_tiny", "trainer=smoke", "trainer.max_steps=3", "trainer.limit_val_batches=0",
+              "logger=none")
+    summary = train.run(make_config(*common, "pipeline.nonfinite=skip", tmp_path=tmp_path))
+    assert summary["steps"] == 3
+    with pytest.raises(NonFiniteError, match="step 1: loss is (inf|nan)"):
+        train.run(make_config(*common, tmp_path=tmp_path / "raise"))
+
+
+# ----------------------------------------------------------------------------- distributed engine
+def nonfinite_worker(rank: int, world: int) -> dict:
+    from gpipe_lab.pipeline.distributed import DistributedGPipe
+
+    out: dict = {}
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+    for case in ("loss", "grad", "skip"):
+        torch.manual_seed(0)
+        bad = InfAtStep(0, "backward" if case == "grad" else "forward")
+        bad.armed = lambda b=bad: b.training and b.step == 0  # type: ignore[method-assign]
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), bad, nn.Linear(6, 6))
+        pipe = DistributedGPipe(model, balance=[2, 2], chunks=2, seed=1, timeout=30,
+                                nonfinite="skip" if case == "skip" else "raise")
+        try:
+            pipe.train_step(x, y, F.mse_loss)
+            out[case] = ("ok", pipe.last_step_skipped, pipe.skipped_steps,
+                         all(p.grad is None for p in pipe.parameters()))
+        except NonFiniteError as exc:
+            out[case] = ("raised", str(exc))
+        bad.step = -1  # the next step is clean on every rank
+        pipe.zero_grad(set_to_none=True)  # what the optimizer's zero_grad does between steps
+        loss = pipe.train_step(x, y, F.mse_loss)
+        out[case + "_next"] = (bool(torch.isfinite(loss)), pipe.last_step_skipped, pipe.step_count)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_distributed_ranks_agree_on_raise_and_skip() -> None:
+    from gpipe_lab.pipeline.distributed.launch import run_local
+
+    results = run_local(nonfinite_worker, 2, timeout=100)
+    for r in results:
+        assert r.exitcode == 0, r.error
+    for r in results:  # both ranks, whichever holds the culprit
+        v = r.value
+        assert v["loss"][0] == "raised" and v["loss"][1].startswith("step 0: loss is "), v["loss"]
+        assert "stage 1" in v["loss"][1], v["loss"]  # where the loss is computed
+        assert v["grad"] == ("raised", "step 0: gradients of stage 0 are not finite "
+                             "(set nonfinite='skip' to skip such steps)"), v["grad"]
+        assert v["skip"] == ("ok", True, 1, True), v["skip"]
+        assert v["loss_next"] == (True, False, 1)  # a raised step is not counted (as in GPipe)
+        assert v["skip_next"] == (True, False, 2)
+    with pytest.raises(ValueError, match="unknown nonfinite policy 'maybe'"):
+        from gpipe_lab.pipeline.distributed import DistributedGPipe
+
+        DistributedGPipe(nn.Sequential(nn.Linear(2, 2)), partitions=1, nonfinite="maybe")
