@@ -1,6 +1,7 @@
 """GPipeStrategy(transport="distributed"): Lightning launches one process per stage (gloo on
 CPU); losses equal the local transport's, clipping uses the global norm across stages, and
-the checkpoint written by two processes resumes in one process at another K."""
+the checkpoint written by two processes resumes in one process at another K; a metric computed
+from the outputs (last stage only) reaches global rank 0, where the loggers write."""
 
 from __future__ import annotations
 
@@ -14,21 +15,23 @@ import pytest
 import torch
 
 from gpipe_lab.lightning import GPipeStrategy
-from test_strategy_support import TinyData, TinyRegressor, trainer
+from test_strategy_support import RecordMetric, TinyData, TinyRegressor, trainer
 
 SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from test_strategy_support import TinyData, TinyRegressor, trainer
+from test_strategy_support import RecordMetric, TinyData, TinyRegressor, trainer
 from gpipe_lab.lightning import GPipeStrategy
 m = TinyRegressor()
 strategy = GPipeStrategy(partitions=2, chunks=4, transport="distributed", seed=0, timeout=60)
-t = trainer(strategy, devices=2, max_epochs=1, gradient_clip_val=0.05, limit_val_batches=2)
+record = RecordMetric("train/output_mean")
+t = trainer(strategy, devices=2, max_epochs=1, gradient_clip_val=0.05, limit_val_batches=2, callbacks=[record])
 t.fit(m, TinyData())
 t.save_checkpoint({ckpt!r})
 if t.global_rank == 0:
     json.dump({{"losses": m.losses, "val": float(t.callback_metrics["val/loss"]),
-               "sampler": strategy.distributed_sampler_kwargs}}, open({out!r}, "w"))
+               "sampler": strategy.distributed_sampler_kwargs, "output_mean": record.values}},
+              open({out!r}, "w"))
 """
 
 
@@ -44,10 +47,14 @@ def test_distributed_transport_matches_local_and_resumes(tmp_path: Path) -> None
     assert result["sampler"] == {"num_replicas": 1, "rank": 0}  # shard by replica, not by stage
 
     full = TinyRegressor()
+    record = RecordMetric("train/output_mean")
     local = trainer(GPipeStrategy(partitions=2, chunks=4, seed=0), max_epochs=2, gradient_clip_val=0.05,
-                    limit_val_batches=2)
+                    limit_val_batches=2, callbacks=[record])
     local.fit(full, TinyData())
     assert result["losses"] == pytest.approx(full.losses[:4], abs=1e-5)
+    # computed from the outputs, i.e. on the last stage's rank, yet global rank 0 (the logger's) has it
+    assert None not in record.values[:4]
+    assert result["output_mean"] == pytest.approx(record.values[:4], abs=1e-5)
 
     saved = torch.load(ckpt, weights_only=False)
     assert set(saved["state_dict"]) == set(TinyRegressor().state_dict())  # both stages, original names

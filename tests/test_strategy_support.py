@@ -31,6 +31,8 @@ class TinyRegressor(PipelineModule):
     def log_train(self, loss: torch.Tensor, outputs: object, targets: object) -> None:
         self.losses.append(float(loss))
         super().log_train(loss, outputs, targets)
+        if isinstance(outputs, torch.Tensor):  # only the last stage has them in distributed runs
+            self.log("train/output_mean", outputs.float().mean())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.lr)
@@ -53,6 +55,18 @@ class TinyData(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=self.batch_size)
+
+
+class RecordMetric(pl.Callback):
+    """The value of ``key`` the trainer holds after each training batch (``None`` if absent)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.values: list[float | None] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        value = trainer.callback_metrics.get(self.key)
+        self.values.append(None if value is None else float(value))
 
 
 def trainer(strategy: object = "auto", **kwargs: object) -> pl.Trainer:
