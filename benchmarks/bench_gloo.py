@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from common import SIZES, make_workload
+from bench_common import SIZES, make_workload
 
 from gpipe_lab.pipeline.distributed import DistributedGPipe
 from gpipe_lab.pipeline.distributed.launch import run_local

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from common import Sizes, Workload, robust_time, sync
+from bench_common import Sizes, Workload, robust_time, sync
 from torch import Tensor
 
 from gpipe_lab.pipeline import GPipe, analytic_bubble

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from common import Workload
+from bench_common import Workload
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline import GPipe

@@ -13,7 +13,7 @@ each micro-batch in turn, on one thread.
 from __future__ import annotations
 
 import torch
-from common import Sizes, make_workload, robust_time
+from bench_common import Sizes, make_workload, robust_time
 
 from gpipe_lab.pipeline import GPipe
 

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import SIZES, Sizes, load_average, machine_info, make_workload
 from bench_gloo import GlooCase, run_gloo
 from bench_local import run_workload
 from bench_memory import run_memory
 from bench_overhead import run_overhead
-from common import SIZES, Sizes, load_average, machine_info, make_workload
 from diagnose import diagnose
 from report import write_report
 from targets import evaluate, memory_m

@@ -16,8 +16,8 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import bench_common as common  # noqa: E402
 import bench_memory  # noqa: E402
-import common  # noqa: E402
 import run  # noqa: E402
 
 TARGET_KEYS = {"name", "value", "unit", "goal", "status"}

@@ -244,7 +244,7 @@ class GPipe(nn.Module):
 
     def _check_finite(self, loss: Tensor) -> None:
         """Apply the non-finite policy to the loss and each stage's gradients."""
-        problem = None if bool(torch.isfinite(loss)) else f"loss is {loss.item()}"
+        problem = None if bool(torch.isfinite(loss)) else f"loss is {loss.item()} (computed on stage {self.num_stages - 1})"
         if problem is None:
             for k, part in enumerate(self.partitions):
                 found = [p.grad.isfinite().all() for p in part.parameters() if p.grad is not None]
