@@ -86,6 +86,8 @@ class GPipe(nn.Module):
         nonfinite: a NaN/inf loss or gradient ``"raise"`` NonFiniteError naming the step and
             stage, ``"skip"`` the step (its gradients are dropped, ``last_step_skipped`` is
             set), or ``"ignore"``.
+        track_memory: count saved-activation bytes per stage (``memory()``) with
+            saved-tensor hooks; costs ~30 µs per action on tiny layers.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
@@ -98,7 +100,7 @@ class GPipe(nn.Module):
                  chunks: int = 1, checkpoint: str = "except_last", schedule: str = "gpipe",
                  deferred_batch_norm: bool = False, cost: object = None, seed: int | None = None,
                  threads_per_stage: int | None = None, timeout: float = 300.0,
-                 nonfinite: str = "raise") -> None:
+                 nonfinite: str = "raise", track_memory: bool = True) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe needs an nn.Sequential, got {type(module).__name__}")
@@ -144,6 +146,8 @@ class GPipe(nn.Module):
         self.threads_per_stage = threads_per_stage or max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
         self.stages = [StageRuntime(k, len(self.balance), part, dev, self.seed)
                        for k, (part, dev) in enumerate(zip(self.partitions, self.devices))]
+        for stage in self.stages:
+            stage.track_memory = track_memory
         self.transport = LocalTransport(self.stages, self.threads_per_stage)
         self.nonfinite = nonfinite
         self.step_count = 0

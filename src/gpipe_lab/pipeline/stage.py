@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,10 @@ from gpipe_lab.pipeline.timeline import Event
 from gpipe_lab.pipeline.weight_gradients import SplitPlan, input_backward, plan_split, split_weight_backward
 
 LossFn = Callable[[object, object], Tensor]
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t
 
 
 @dataclass
@@ -74,6 +79,7 @@ class StageRuntime:
         self._param_storages: set[int] = set()
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.track_memory = True
 
     # ---------------------------------------------------------------- step
     def begin(self, plan: StepPlan, keep_outputs: bool = False) -> None:
@@ -110,23 +116,28 @@ class StageRuntime:
     def _run(self, mb: int, inputs: tuple[Tensor, ...], was_tensor: bool, target: object,
              recomputing: bool) -> tuple[tuple[Tensor, ...], bool]:
         """Apply the partition (and the loss on the last stage), counting saved bytes."""
-        seen: set[tuple] = set()
         saved = self._saved[mb]
+        # boundary inputs are counted on their own; weights are leaves that require grad
+        seen = {id(t) for t in inputs}
+        params = self._param_storages
 
         def pack(t: Tensor) -> Tensor:
-            # count the tensor's own elements (a micro-batch is a view of the whole
-            # batch: its storage is larger), once per distinct view, never weights
-            key = (t.data_ptr(), t.shape, t.stride())
-            if key not in seen and t.untyped_storage().data_ptr() not in self._param_storages:
-                seen.add(key)
+            # count the tensor's own elements (a micro-batch is a view of the whole batch:
+            # its storage is larger), once per tensor; views of weights are not activations
+            if id(t) not in seen and not (t.requires_grad and
+                                          (t.is_leaf or t.untyped_storage().data_ptr() in params)):
+                seen.add(id(t))
                 n = t.numel() * t.element_size()
                 saved.saved_bytes += n
-                self._add_bytes(n)
+                self.live_bytes += n
+                if self.live_bytes > self.peak_bytes:
+                    self.peak_bytes = self.live_bytes
             return t
 
+        hooks = (torch.autograd.graph.saved_tensors_hooks(pack, _unpack) if self.track_memory
+                 else nullcontext())
         # every micro-batch gets its generator: any layer may draw from current_generator()
-        with microbatch_context(self._generator(mb), recomputing), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with microbatch_context(self._generator(mb), recomputing), hooks:
             out = self.module(unwrap(inputs, was_tensor))
             outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
             out_is_tensor = isinstance(out, Tensor)
