@@ -125,6 +125,7 @@ class LocalTransport:
                             box.put(("F", k + 1, mb), (outputs, out_tensor))
                     elif action.kind == "B":
                         grads = None
+                        stage.rematerialize(mb)  # overlaps the wait for the gradient
                         if k < num_stages - 1:
                             grads, _ = self._receive(box, ("B", k, mb), k, deadline, stage)
                         grads_in = stage.backward(mb, grads)

@@ -177,15 +177,24 @@ class StageRuntime:
         self._record("F", mb, start)
         return outputs, out_is_tensor
 
-    def backward(self, mb: int, grads: tuple[Tensor | None, ...] | None) -> tuple[Tensor | None, ...]:
-        """Backward of one micro-batch; returns the gradient of each stage input."""
+    def rematerialize(self, mb: int) -> None:
+        """Replay a checkpointed micro-batch's forward (a no-op if its graph is alive).
+
+        Transports call this before waiting for the gradient, so the recompute
+        overlaps the wait (the paper schedules re-computation early for this reason).
+        """
         saved = self._saved[mb]
-        if saved.outputs is None:  # re-materialize
+        if saved.outputs is None:
             start = time.perf_counter()
             with torch.enable_grad():
                 saved.outputs, _ = self._run(mb, saved.inputs, saved.was_tensor, saved.target,
                                              recomputing=True)
             self._record("R", mb, start)
+
+    def backward(self, mb: int, grads: tuple[Tensor | None, ...] | None) -> tuple[Tensor | None, ...]:
+        """Backward of one micro-batch; returns the gradient of each stage input."""
+        saved = self._saved[mb]
+        self.rematerialize(mb)
         start = time.perf_counter()
         tensors, grad_tensors = self._backward_pairs(saved.outputs, grads)
         leaves = [t for t in saved.inputs if t.requires_grad and t.is_leaf]

@@ -143,6 +143,7 @@ class RankExecutor:
             if action.stage < self.num_virtual - 1:
                 self._send(("F", action.stage + 1, mb), outputs, out_tensor, seq, pending, inbox)
         elif action.kind == "B":
+            runtime.rematerialize(mb)  # overlaps the wait for the gradient
             grads = None if key is None else self._receive(key, action)[0]
             grads_in = runtime.backward(mb, grads)
             if action.stage > 0:
