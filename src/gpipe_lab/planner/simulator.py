@@ -104,6 +104,7 @@ def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] 
     end: dict[Action, float] = {}
     free = [0.0] * K
     cursor = [0] * K
+    recomputed: set[Action] = set()
     events: list[Event] = []
     remaining = sum(len(a) for a in schedule)
     while remaining:
@@ -111,6 +112,11 @@ def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] 
         for k in range(K):
             while cursor[k] < len(schedule[k]):
                 a = schedule[k][cursor[k]]
+                if a.kind == "B" and a.microbatch in replayed and a not in recomputed:
+                    # the engine re-materializes before it waits for the gradient
+                    events.append(Event(k, "R", a.microbatch, free[k], free[k] + recompute[k]))
+                    free[k] += recompute[k]
+                    recomputed.add(a)
                 ready = _ready_time(a, K, end, costs)
                 if ready is None:
                     break
@@ -120,9 +126,6 @@ def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] 
                 if a.kind == "F":
                     duration = costs.forward[k]
                 elif a.kind == "B":
-                    if a.microbatch in replayed:
-                        events.append(Event(k, "R", a.microbatch, start, start + recompute[k]))
-                        start += recompute[k]
                     duration = costs.backward_input[k]
                     if a.microbatch not in split[k]:
                         duration += costs.backward_weight[k]
