@@ -93,8 +93,8 @@ def main() -> None:
     md = ["# Overheads of a K=2 pipeline step", "", provenance(), "",
           f"{'TINY smoke run. ' if args.tiny else ''}Shares of the total stage-time (K x wall) from the "
           "engine's measured timeline on two CPU stages (one thread each), checkpoint `except_last`, "
-          "FLOPs balance; models = Table 2's CPU analogues. The machine was shared and noisy at "
-          "generation time: rerun on a quiet one before quoting.", "",
+          "FLOPs balance; models = Table 2's CPU analogues. Wall-clock figures: the load "
+          "average at generation time is in the provenance line; rerun on a quiet machine before quoting.", "",
           md_table(header, paper + table), "", pics, ""]
     md += [Path(__file__).with_name("overheads_notes.md").read_text()] if not args.tiny else []
     path = write(args.out, "overheads.md", "\n".join(md), rows)

@@ -109,8 +109,8 @@ def main() -> None:
           f"{'TINY smoke run. ' if args.tiny else ''}Throughput = samples/s, normalized to K=2, M=1 of the "
           "same kind (measured / simulated). Ours: CPU analogues at sizes this 2-core CPU can run "
           f"({sizes}); fixed mini-batch for every M; checkpoint `except_last`. K=2 measured on two CPU "
-          "stages with one thread each (the machine was shared and noisy when this was generated: "
-          "rerun on a quiet machine for the final numbers); K=4, 8 simulated from per-layer times.", "",
+          "stages with one thread each (wall-clock: rerun on a quiet "
+          "machine before quoting); K=4, 8 simulated from per-layer times.", "",
           md_table(header, table), "", "![throughput vs M](table2_throughput.png)", "",
           "## Simulator validation: measured vs simulated step time", "",
           md_table(v_header, validation), ""]

@@ -91,7 +91,7 @@ def main() -> None:
     sizes = "; ".join(f"{w.label}: `{w.preset}` {w.sizes}, mini-batch {w.batch}" for w in workloads(args.tiny))
     md = ["# Table 3 — throughput at M = 32 against K (paper: P100 GPUs over PCI-E)", "", provenance(), "",
           f"{'TINY smoke run. ' if args.tiny else ''}Normalized to K=2. Ours: {sizes}. K=2 measured on two "
-          "CPU stages (shared, noisy machine at generation time: rerun on a quiet one); K=4, 8 simulated "
+          "CPU stages (wall-clock: rerun on a quiet machine before quoting); K=4, 8 simulated "
           "from per-layer times measured here, FLOPs balance, hand-over delay measured at K=2.", "",
           md_table(header, table), "", "![speed-up vs K](table3_throughput.png)", "",
           "## K=2: measured vs simulated step", "",
