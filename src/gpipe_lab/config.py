@@ -57,6 +57,13 @@ class OptimizerConfig:
 
 
 @dataclass
+class CallbacksConfig:
+    checkpoint_every_n_steps: int | None = 50
+    keep_checkpoints: int = 1
+    graceful_ctrl_c: bool = True
+
+
+@dataclass
 class LoggerConfig:
     name: str = "wandb"
     mode: str = "offline"
@@ -160,6 +167,20 @@ def validate_logger(cfg: DictConfig) -> None:
         _check_keys(cfg.logger, ["name"], "logger", f"logger {name!r}")
 
 
+def validate_callbacks(cfg: DictConfig) -> DictConfig:
+    """The ``callbacks`` group (checkpoints and Ctrl-C, see ``gpipe_lab.lightning.resume``)."""
+    c = _typed(cfg.get("callbacks") or {}, CallbacksConfig, "callbacks")
+    every = c.checkpoint_every_n_steps
+    if every is not None and every < 0:
+        raise ConfigError(f"callbacks.checkpoint_every_n_steps: must be >= 0 or null, got {every!r}")
+    if c.keep_checkpoints < -1:
+        raise ConfigError(f"callbacks.keep_checkpoints: must be >= -1 (-1: all), got {c.keep_checkpoints!r}")
+    if cfg.get("ckpt_path") is not None and cfg.get("init_from") is not None:
+        raise ConfigError("init_from: give either ckpt_path (resume a run) or init_from (new run from its "
+                          "weights), not both")
+    return c
+
+
 def validate_combinations(cfg: DictConfig, p: DictConfig, num_layers: int | None) -> None:
     """Checks that need several groups (and, when given, the model's layer count)."""
     k = len(p.balance) if p.balance is not None else p.partitions
@@ -195,8 +216,8 @@ def validate(cfg: DictConfig, num_layers: int | None = None) -> DictConfig:
         if cfg.get(group) is None:
             raise ConfigError(f"{group}: missing config group")
     known_root = {"model", "data", "pipeline", "trainer", "optimizer", "logger", "paths", "task_name",
-                  "tags", "seed", "ckpt_path", "dry_run", "experiment", "hydra", "notes",
-                  *EXTENSION_KEYS}
+                  "tags", "seed", "ckpt_path", "init_from", "callbacks", "dry_run", "experiment", "hydra",
+                  "notes", *EXTENSION_KEYS}
     _check_keys(cfg, sorted(known_root), "", "the root config")
     if not isinstance(cfg.get("seed"), int):
         raise ConfigError(f"seed: must be an integer, got {cfg.get('seed')!r}")
@@ -210,5 +231,6 @@ def validate(cfg: DictConfig, num_layers: int | None = None) -> DictConfig:
     if cfg.optimizer.name not in OPTIMIZERS:
         raise ConfigError(f"optimizer.name: must be one of {list(OPTIMIZERS)}, got {cfg.optimizer.name!r}")
     validate_logger(cfg)
+    validate_callbacks(cfg)
     validate_combinations(cfg, p, num_layers)
     return p

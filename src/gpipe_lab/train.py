@@ -3,10 +3,13 @@
     gpipe-train                                   # the default: AmoebaNet-D tiny, K=2, M=4, CPU
     gpipe-train -m pipeline.partitions=1,2 pipeline.chunks=1,4,8
     gpipe-train experiment=transformer_tiny logger=csv
-    gpipe-train ckpt_path=/path/to/last.ckpt pipeline.partitions=4   # resume with another K
+    gpipe-train ckpt_path=/path/to/run/checkpoints/last.ckpt pipeline.partitions=4   # resume, another K
+    gpipe-train ckpt_path=last                    # resume the newest run's last.ckpt
+    gpipe-train experiment=transfer_synthetic init_from=/path/to/last.ckpt   # fine-tune
 
-Every run writes ``summary.json``, ``timeline_{first,last}.png`` and (by default) an
-offline wandb run under its output directory.
+Every run writes ``summary.json``, ``timeline_{first,last}.png``, ``checkpoints/last.ckpt``
+(every ``callbacks.checkpoint_every_n_steps`` steps, at the end and on Ctrl-C) and (by
+default) an offline wandb run under its output directory.
 """
 
 from __future__ import annotations
@@ -51,6 +54,34 @@ def build_module(cfg: DictConfig, datamodule: Any) -> Any:
     return Translator(layers, optimizer, label_smoothing=float(cfg.model.get("label_smoothing", 0.0)))
 
 
+def init_from_of(cfg: DictConfig) -> str | None:
+    """The checkpoint whose weights start a new run: ``init_from``, else (when not resuming)
+    an experiment's ``transfer.checkpoint``."""
+    if cfg.get("init_from") is not None:
+        return str(cfg.init_from)
+    transfer = cfg.get("transfer")
+    if cfg.get("ckpt_path") is None and transfer is not None and transfer.get("checkpoint") is not None:
+        return str(transfer.checkpoint)
+    return None
+
+
+def build_callbacks(cfg: DictConfig, output_dir: Path, trainer_kwargs: dict[str, Any]) -> list[Any]:
+    """The checkpoint callback (``callbacks`` group) and the progress bar, as the trainer config asks."""
+    callbacks: list[Any] = []
+    if trainer_kwargs.get("enable_checkpointing", True):
+        from gpipe_lab.config import validate_callbacks
+        from gpipe_lab.lightning.resume import ResumableCheckpoint
+
+        c = validate_callbacks(cfg)
+        callbacks.append(ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=c.checkpoint_every_n_steps,
+                                             save_top_k=c.keep_checkpoints, handle_sigint=c.graceful_ctrl_c))
+    if trainer_kwargs.get("enable_progress_bar", True):
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        callbacks.append(TQDMProgressBar(refresh_rate=1))
+    return callbacks
+
+
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     """The run's config with every interpolation resolved (Hydra's own node left out)."""
     return {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
@@ -89,7 +120,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         ConfigError: a config that cannot run (before anything is built).
     """
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from gpipe_lab.config import validate
     from gpipe_lab.lightning import GPipeStrategy
@@ -104,6 +134,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     datamodule = build_datamodule(cfg)
     module = build_module(cfg, datamodule)
     validate(cfg, num_layers=len(module.layers))
+    ckpt_path = None
+    if cfg.get("ckpt_path") is not None:
+        from gpipe_lab.lightning.resume import resolve_ckpt_path
+
+        ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
+    init_from = init_from_of(cfg)
+    if init_from is not None:
+        from gpipe_lab.lightning.resume import load_initial_weights
+
+        fresh = load_initial_weights(module, init_from)
+        print(f"init_from {init_from}: loaded every weight but {len(fresh)} new one(s) "
+              f"{fresh[:4]}{' ...' if len(fresh) > 4 else ''}")
     options = OmegaConf.to_container(pipeline, resolve=True)
     if isinstance(options["cost"], str) and options["cost"] != "params":
         from gpipe_lab.models import layer_costs
@@ -112,20 +154,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     strategy = GPipeStrategy(**options, seed=cfg.seed)
     logger = build_logger(cfg, output_dir)
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
-             "seed": cfg.seed, "precision": str(cfg.trainer.get("precision"))}
+             "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
+             "init_from": init_from}
     metrics = PipelineMetrics(output_dir, extra_summary=extra)
-    callbacks: list[Any] = [metrics]
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    if trainer_kwargs.get("enable_checkpointing", True):
-        callbacks.append(ModelCheckpoint(dirpath=str(output_dir / "checkpoints"), save_last=True))
-    if trainer_kwargs.get("enable_progress_bar", True):
-        from lightning.pytorch.callbacks import TQDMProgressBar
-
-        callbacks.append(TQDMProgressBar(refresh_rate=1))
+    callbacks: list[Any] = [metrics, *build_callbacks(cfg, output_dir, trainer_kwargs)]
     try:
         trainer = pl.Trainer(**trainer_kwargs, strategy=strategy, logger=logger, callbacks=callbacks,
                              default_root_dir=str(output_dir))
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         if metrics.last_validated_step != trainer.global_step and trainer.limit_val_batches:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the final model's metric
             metrics.write_summary(trainer)

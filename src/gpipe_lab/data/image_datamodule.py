@@ -7,6 +7,9 @@ one each replica reads its own shard through a ``DistributedSampler`` (Lightning
 loader that already has one untouched). With the default size 1 the loaders use plain
 samplers, which Lightning replaces by its own ``DistributedSampler`` when the strategy is
 distributed and ``use_distributed_sampler=True``; both ways work for images.
+
+The training loader is a ``ResumableDataLoader``: a checkpoint taken mid-epoch resumes at
+the exact next batch (its order depends only on (seed, epoch)).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
 
 from gpipe_lab.data.checks import check_positive_int, check_replica
+from gpipe_lab.data.resumable import ResumableDataLoader
 from gpipe_lab.data.synthetic_images import SyntheticImageDataset
 
 
@@ -78,10 +82,15 @@ class ImageDataModule(pl.LightningDataModule):
             sampler = EpochRandomSampler(dataset, seed=self.seed)
         else:
             sampler = SequentialSampler(dataset)
-        return DataLoader(
+        loader = (ResumableDataLoader if train else DataLoader)(
             dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
             drop_last=train and self.drop_last, persistent_workers=self.num_workers > 0,
         )
+        if train:
+            loader.seed = self.seed
+        else:  # its iterators' worker seed from here, not from the global RNG (see data.resumable)
+            loader.generator = torch.Generator().manual_seed(self.seed)
+        return loader
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)

@@ -17,9 +17,11 @@ import random
 from collections.abc import Iterable, Sequence
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader
 
 from gpipe_lab.data.checks import check_positive_int, check_replica
+from gpipe_lab.data.resumable import ResumableDataLoader
 from gpipe_lab.data.synthetic_images import mix_seed
 from gpipe_lab.data.synthetic_language import SyntheticLanguagePair
 from gpipe_lab.data.token_batching import TokenBucketBatchSampler, TranslationDataset, collate_translation
@@ -89,10 +91,15 @@ class TranslationDataModule(pl.LightningDataModule):
     def _loader(self, dataset: TranslationDataset | None, train: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() before asking for a dataloader")
-        return DataLoader(
+        loader = (ResumableDataLoader if train else DataLoader)(
             dataset, batch_sampler=self.batch_sampler(dataset, train), collate_fn=collate_translation,
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
         )
+        if train:  # resumable mid-epoch (see gpipe_lab.data.resumable)
+            loader.seed = self.seed
+        else:  # its iterators' worker seed from here, not from the global RNG
+            loader.generator = torch.Generator().manual_seed(self.seed)
+        return loader
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")

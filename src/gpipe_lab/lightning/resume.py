@@ -1,0 +1,252 @@
+"""Interrupt and resume ``gpipe-train``: checkpoints that resume bitwise, Ctrl-C, ``init_from``.
+
+``ResumableCheckpoint`` (a ``ModelCheckpoint``) writes ``<dir>/last.ckpt`` (and keeps
+``save_top_k`` numbered ``epoch=E-step=S.ckpt`` copies) at the end of a training batch only:
+
+- every ``every_n_train_steps`` optimizer steps (``callbacks.checkpoint_every_n_steps``);
+- at the final step (``max_steps`` or the last batch of ``max_epochs``);
+- on the first Ctrl-C (SIGINT): training stops after the current optimizer step, the
+  checkpoint is written, then ``KeyboardInterrupt`` is raised at the start of the next batch
+  (so that step's metrics are logged), and Lightning shuts down and exits with status 1.
+  A second Ctrl-C stops at once (no new checkpoint). Only for single-process runs (the
+  local transport); distributed runs keep Lightning's own Ctrl-C handling.
+
+A batch-end checkpoint is what Lightning 2.6 resumes exactly: with the training loader's
+position (``gpipe_lab.data.ResumableDataLoader``) it continues at the next batch of the
+same epoch. The global RNG states (torch, CUDA, ``random``, numpy) are saved too and
+restored when training starts; the pipeline's per-(step, stage, micro-batch) generators
+follow from Lightning's restored batch counter (``pipeline_runner``). Together: the same
+losses as an uninterrupted run, bitwise on CPU with the same K and M.
+
+Never saved at an epoch end or on another exception: Lightning 2.6 resumes an epoch-end
+checkpoint with other batches, and an exception can leave a step half done.
+
+``resolve_ckpt_path`` gives ``ckpt_path=last`` a meaning; ``load_initial_weights`` is
+``init_from`` (transfer learning: every weight but the classifier).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+RNG_KEY = "gpipe_lab_rng_states"
+
+
+def rng_states() -> dict[str, Any]:
+    """The global RNG states (torch CPU and CUDA, ``random``, numpy when installed), as
+    tensors and plain Python values (Lightning loads checkpoints with ``weights_only=True``)."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        name, keys, pos, has_gauss, gauss = np.random.get_state()  # plain types: weights_only loads them
+        states["numpy"] = [str(name), torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)]
+    except ImportError:  # pragma: no cover - numpy is a torch dependency in practice
+        pass
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+    if "python" in states:
+        random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "numpy" in states:
+        import numpy as np
+
+        name, keys, pos, has_gauss, gauss = states["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+class ResumableCheckpoint(ModelCheckpoint):
+    """See the module docstring.
+
+    Args:
+        dirpath: the checkpoint directory (``last.ckpt`` and the numbered copies).
+        every_n_train_steps: periodic checkpoints; ``None`` or 0: only at the final step
+            and on Ctrl-C.
+        save_top_k: numbered copies to keep (-1: all, 0: only ``last.ckpt``).
+        handle_sigint: stop cleanly on the first Ctrl-C (see the module docstring).
+    """
+
+    def __init__(self, dirpath: str | Path, every_n_train_steps: int | None = None, save_top_k: int = 1,
+                 handle_sigint: bool = True, **kwargs: Any) -> None:
+        super().__init__(dirpath=str(dirpath), every_n_train_steps=every_n_train_steps or None,
+                         every_n_epochs=0, save_top_k=save_top_k, save_last=True,
+                         enable_version_counter=False, **kwargs)
+        self.handle_sigint = handle_sigint
+        self.interrupt_requested = False
+        self._stop_pending = False
+        self._previous_handler: Any = None
+        self._step_at_batch_start = 0
+        self._rng_to_restore: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ RNG states
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        checkpoint[RNG_KEY] = rng_states()
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        self._rng_to_restore = checkpoint.get(RNG_KEY)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self._rng_to_restore is not None:  # now: after the loaders were set up, before any step
+            set_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
+        self._install_handler(trainer)
+
+    # ------------------------------------------------------------------ Ctrl-C
+    def _install_handler(self, trainer: pl.Trainer) -> None:
+        self.interrupt_requested = self._stop_pending = False
+        if (not self.handle_sigint or trainer.world_size != 1 or getattr(trainer.strategy, "is_distributed", False)
+                or threading.current_thread() is not threading.main_thread()):
+            return
+        self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _restore_handler(self) -> None:
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._previous_handler)
+        self._previous_handler = None
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.interrupt_requested:  # the second Ctrl-C: stop now
+            self._restore_handler()
+            raise KeyboardInterrupt
+        self.interrupt_requested = True
+        print("\nCtrl-C: stopping after the current step and writing the checkpoint "
+              f"{Path(str(self.dirpath)) / 'last.ckpt'} (Ctrl-C again stops at once, without it)",
+              file=sys.stderr, flush=True)
+
+    def _raise_if_stopping(self) -> None:
+        if self._stop_pending:
+            self._stop_pending = False
+            self._restore_handler()
+            raise KeyboardInterrupt
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._raise_if_stopping()
+        self._step_at_batch_start = trainer.global_step
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._raise_if_stopping()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._raise_if_stopping()  # Ctrl-C during the final step: still stop (the checkpoint is there)
+        self._restore_handler()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_handler()
+        super().on_exception(trainer, pl_module, exception)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore_handler()
+        super().teardown(trainer, pl_module, stage)
+
+    # ------------------------------------------------------------------ batch-end saves
+    @staticmethod
+    def is_final_step(trainer: pl.Trainer) -> bool:
+        if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+            return True
+        max_epochs = trainer.max_epochs
+        last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        return bool(max_epochs is not None and max_epochs != -1 and last_batch
+                    and trainer.current_epoch + 1 >= max_epochs)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        stepped = trainer.global_step > self._step_at_batch_start  # not inside an accumulation window
+        if not stepped or not (self.interrupt_requested or self.is_final_step(trainer)):
+            return
+        if self._last_global_step_saved != trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        if self.interrupt_requested:
+            self._stop_pending = True
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Write to ``<file>.partial`` first, then rename: a kill never leaves a truncated file."""
+        partial = f"{filepath}.partial"
+        super()._save_checkpoint(trainer, partial)
+        if trainer.is_global_zero:
+            os.replace(partial, filepath)
+        trainer.strategy.barrier("ResumableCheckpoint.replace")
+        self._last_checkpoint_saved = filepath
+
+
+# ---------------------------------------------------------------------- ckpt_path=last
+def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path, runs_dir: Path | None = None) -> str | None:
+    """``ckpt_path`` for ``Trainer.fit``: a path as given, or ``"last"``: this run directory's
+    ``checkpoints/last.ckpt`` when it exists (``hydra.run.dir=<an old run>``), else the newest
+    ``*/checkpoints/last.ckpt`` under ``runs_dir`` (the app's ``logs/<task>/runs``).
+
+    Raises:
+        FileNotFoundError: ``last`` and no such checkpoint exists.
+    """
+    if ckpt_path is None or str(ckpt_path) != "last":
+        return None if ckpt_path is None else str(ckpt_path)
+    own = output_dir / "checkpoints" / "last.ckpt"
+    if own.exists():
+        return str(own)
+    found = sorted(runs_dir.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime) if runs_dir else []
+    if not found:
+        raise FileNotFoundError(f"ckpt_path=last: no checkpoints/last.ckpt in {output_dir} nor under {runs_dir}")
+    return str(found[-1])
+
+
+# ---------------------------------------------------------------------- init_from
+def load_initial_weights(module: torch.nn.Module, path: str | Path) -> list[str]:
+    """Load every weight of ``path`` (a Lightning checkpoint or a state dict, of the whole
+    module or of its ``layers``) into ``module`` except those of another shape, which may only
+    be the last layer's (the classifier, e.g. for another number of classes).
+
+    Returns the keys left as initialized (the new classifier's).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        RuntimeError: a weight outside the last layer is missing or has another shape.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"init_from: checkpoint file not found: {path}")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = state.get("state_dict", state)
+    own = module.state_dict()
+    prefix = "layers." if any(k.startswith("layers.") for k in own) else ""
+    if prefix and not any(k.startswith(prefix) for k in state):
+        state = {prefix + k: v for k, v in state.items()}
+    layers = getattr(module, "layers", None)
+    last = None
+    if isinstance(layers, torch.nn.Sequential) and len(layers):
+        last = f"{prefix}{[n for n, _ in layers.named_children()][-1]}."
+    keep = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    skipped = sorted(k for k in own if k not in keep)
+    bad = [k for k in skipped if last is None or not k.startswith(last)]
+    if bad:
+        detail = ", ".join(f"{k} {tuple(own[k].shape)} vs {tuple(state[k].shape) if k in state else 'missing'}"
+                           for k in bad[:4])
+        raise RuntimeError(f"init_from {path}: the checkpoint does not match the model outside its last layer "
+                           f"({len(bad)} weights): {detail}")
+    module.load_state_dict(keep, strict=False)
+    return skipped
