@@ -1,19 +1,17 @@
 """``gpipe-train`` under interruption: Ctrl-C and SIGKILL lose nothing, and runs are bitwise repeatable.
 
 Every test starts the real console app (``python -m gpipe_lab.train``) in a subprocess
-with a small AmoebaNet-D config (4 steps per epoch, a checkpoint at every epoch end,
-per-step losses in the CSV logger), bounds it with a deadline, and kills its whole
-process group in ``finally``.
+with a small AmoebaNet-D config (4 steps per epoch, a checkpoint every 3 optimizer steps,
+all of them kept, per-step losses in the CSV logger), bounds it with a deadline, and kills
+its whole process group in ``finally``.
 
 - An uninterrupted 20-step run is the reference (module fixture).
 - The same config again (with ``pipeline.checkpoint=always``): the 20 losses are
   bitwise identical (same seed, same K and M, whatever the re-materialization).
-- SIGKILL after the step-8 checkpoint, then ``ckpt_path=<it>``: the killed run's own steps
-  and the first resumed step have bitwise the reference's losses; the steps after should
-  too, but Lightning's epoch bookkeeping on resume feeds other batches (xfail, see
-  ``LIGHTNING_RESUME_BUG`` and docs/reliability.md).
-- SIGINT after the first checkpoint: the app exits promptly (no hang), leaves a
-  checkpoint, and resuming from it continues (same caveat).
+- SIGKILL after the step-9 checkpoint (mid-epoch), then ``ckpt_path=<it>``: every resumed
+  step has bitwise the reference's loss; ``last.ckpt`` is the newest complete checkpoint.
+- SIGINT (Ctrl-C) mid-epoch: the app finishes the step, writes ``checkpoints/last.ckpt``,
+  exits with status 1 (no hang), and resuming from it continues with the reference's losses.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ APP = [
     f"data.num_train={8 * STEPS_PER_EPOCH}", "data.num_val=8", "data.batch_size=8",
     "model.num_filters=8", "data.image_size=8", "model.image_size=8",
     "pipeline.partitions=2", "pipeline.chunks=4", "seed=3",
+    "callbacks.checkpoint_every_n_steps=3", "callbacks.keep_checkpoints=-1",
 ]
 RUN_DEADLINE = 240.0
 
@@ -97,7 +96,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def checkpoint_at(run_dir: Path, min_step: int) -> Path | None:
-    """The newest epoch checkpoint at a step >= ``min_step`` (ModelCheckpoint deletes older ones)."""
+    """The newest numbered checkpoint at a step >= ``min_step``."""
     found = sorted((int(p.stem.rsplit("step=", 1)[1]), p) for p in (run_dir / "checkpoints").glob("*step=*.ckpt"))
     found = [(step, p) for step, p in found if step >= min_step]
     return found[-1][1] if found else None
@@ -148,42 +147,31 @@ def test_app_same_seed_same_k_m_is_bitwise_identical_over_20_steps(reference, tm
 @pytest.mark.timeout(600)
 def test_sigkill_then_resume_continues_with_the_same_losses(reference, tmp_path):
     killed_dir, resumed_dir = tmp_path / "killed", tmp_path / "resumed"
-    proc = start_app(killed_dir, f"trainer.max_steps={STEPS}")
+    proc = start_app(killed_dir, f"trainer.max_steps={3 * STEPS}")  # longer: it cannot end before the kill
     try:
-        ckpt = wait_for(stable_file(lambda: checkpoint_at(killed_dir, 2 * STEPS_PER_EPOCH)), proc, killed_dir)
+        wait_for(stable_file(lambda: checkpoint_at(killed_dir, 2 * STEPS_PER_EPOCH + 1)), proc, killed_dir)
         os.killpg(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
         stop(proc)
     before = losses(killed_dir)
-    assert all(before[s] == reference[s] for s in before), "the killed run diverged before the kill"
+    assert all(before[s] == reference[s] for s in before if s < STEPS), "the killed run diverged before the kill"
+    newest = checkpoint_at(killed_dir, 0)
+    last = torch.load(killed_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == step_of(newest)  # last.ckpt: the newest, complete (written, then renamed)
 
-    resumed = run_app(resumed_dir, f"trainer.max_steps={STEPS}", f"ckpt_path='{ckpt}'")
+    ckpt = killed_dir / "checkpoints" / "epoch=2-step=9.ckpt"  # mid-epoch: 2 epochs of 4 steps, then 1
     first = step_of(ckpt)
-    assert first % STEPS_PER_EPOCH == 0 and first < STEPS
+    resumed = run_app(resumed_dir, f"trainer.max_steps={STEPS}", f"ckpt_path='{ckpt}'")  # quoted: '=' in the name
     assert sorted(resumed) == list(range(first, STEPS)), resumed
     assert resumed[first] == reference[first], "weights or optimizer state not restored bitwise"
-    expect_same_continuation(resumed, reference)
-
-
-LIGHTNING_RESUME_BUG = (
-    "Lightning 2.6 resumed from an epoch-end checkpoint does not replay the uninterrupted run's epochs: "
-    "without validation the next epoch runs ONE batch, then the epoch after starts (sampler epoch +1); "
-    "with validation the whole next epoch is skipped (set_epoch off by one). Steps after the first "
-    "resumed one therefore see other batches. See docs/reliability.md, 'Resume'."
-)
-
-
-def expect_same_continuation(resumed: dict[int, float], reference: dict[int, float]) -> None:
-    """Every resumed step must have the reference's loss; known not to hold yet (xfail, not skip)."""
-    if resumed != {s: reference[s] for s in resumed}:
-        pytest.xfail(LIGHTNING_RESUME_BUG)
+    assert resumed == {s: reference[s] for s in resumed}  # float equality of every resumed step
 
 
 @pytest.mark.timeout(600)
 def test_sigint_stops_cleanly_and_leaves_a_resumable_checkpoint(reference, tmp_path):
     run_dir, resumed_dir = tmp_path / "interrupted", tmp_path / "resumed"
-    proc = start_app(run_dir, f"trainer.max_steps={STEPS}")
+    proc = start_app(run_dir, f"trainer.max_steps={3 * STEPS}")  # longer: it cannot end before the signal
     try:
         wait_for(stable_file(lambda: checkpoint_at(run_dir, STEPS_PER_EPOCH)), proc, run_dir)
         wait_for(lambda: len(losses(run_dir)) > STEPS_PER_EPOCH, proc, run_dir, timeout=60)  # mid-epoch
@@ -193,17 +181,19 @@ def test_sigint_stops_cleanly_and_leaves_a_resumable_checkpoint(reference, tmp_p
         stop(proc)
     text = console(run_dir)
     assert code == 1 and "Detected KeyboardInterrupt, attempting graceful shutdown" in text, (code, text)
-    assert len(losses(run_dir)) < STEPS
+    assert "Ctrl-C: stopping after the current step" in text, text
     checkpoints = sorted((run_dir / "checkpoints").glob("*.ckpt"))
     assert checkpoints, f"no checkpoint left behind:\n{text}"
     last = run_dir / "checkpoints" / "last.ckpt"
-    ckpt = last if last.exists() else checkpoints[-1]
-    ckpt = Path(shutil.copy(ckpt, tmp_path / "interrupted.ckpt"))  # a name without '='
+    assert last.exists(), f"Ctrl-C did not write last.ckpt:\n{text}"
+    ckpt = Path(shutil.copy(last, tmp_path / "interrupted.ckpt"))
     saved_step = int(torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"])
-    assert saved_step < STEPS
+    assert STEPS_PER_EPOCH < saved_step <= STEPS - STEPS_PER_EPOCH, saved_step  # within the reference's steps
+    before = losses(run_dir)
+    assert sorted(before) == list(range(saved_step)), (saved_step, before)  # every finished step was logged
+    assert before == {s: reference[s] for s in before}
 
-    resumed = run_app(resumed_dir, f"trainer.max_steps={saved_step + STEPS_PER_EPOCH}", f"ckpt_path='{ckpt}'")
-    assert resumed, console(resumed_dir)
-    first = min(resumed)
-    assert first == saved_step and resumed[first] == reference[first]
-    expect_same_continuation(resumed, reference)
+    resumed = run_app(resumed_dir, f"trainer.max_steps={saved_step + STEPS_PER_EPOCH}", f"ckpt_path={ckpt}")
+    assert sorted(resumed) == list(range(saved_step, saved_step + STEPS_PER_EPOCH)), (saved_step, resumed)
+    assert resumed[saved_step] == reference[saved_step]
+    assert resumed == {s: reference[s] for s in resumed}  # float equality of every resumed step
