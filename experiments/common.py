@@ -1,8 +1,12 @@
-"""Shared helpers of the experiment scripts: arguments, provenance, markdown tables, wandb.
+"""Shared helpers of the experiment scripts: configs, arguments, provenance, markdown tables, wandb.
 
 Every script takes ``--out DIR`` (where the markdown, JSON and PNG files go;
 default ``results/``), ``--tiny`` (a seconds-long smoke run at toy sizes) and
 ``--wandb`` (also log the table and plots to an offline wandb run under DIR).
+Its settings come from Hydra ``experiment=`` configs (``conf/experiment/paper_*.yaml``,
+composed with ``compose_experiment``; the script-only settings are in their
+``experiment:`` block); Hydra-style ``key=value`` arguments override them, and
+``--tiny`` is a fixed set of such overrides applied first.
 """
 
 from __future__ import annotations
@@ -18,17 +22,72 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+CONF = ROOT / "conf"
 
 
-def parser(description: str) -> argparse.ArgumentParser:
-    """An ``ArgumentParser`` with the common ``--out``, ``--tiny`` and ``--wandb`` options."""
+def experiment_names() -> list[str]:
+    """The names of every ``conf/experiment/*.yaml``."""
+    return sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def compose_experiment(name: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """``train.yaml`` composed with ``experiment=<name>``, ``logger=none`` and ``overrides`` (no run).
+
+    Raises:
+        ValueError: ``name`` is not a file of ``conf/experiment/`` (the message lists them).
+        hydra.errors.HydraException: a bad override (Hydra's message names the key).
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    names = experiment_names()
+    if name not in names:
+        raise ValueError(f"unknown experiment {name!r}; allowed: {', '.join(names)}")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        return compose("train", overrides=[f"experiment={name}", "logger=none", *overrides])
+
+
+def parser(description: str, experiments: Sequence[str] = (), multirun: bool = False) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` with the common ``--out``, ``--tiny`` and ``--wandb`` options.
+
+    With ``experiments`` (the configs the script reads by default) it also takes
+    ``--experiment NAME`` (repeatable: only these) and Hydra ``key=value`` overrides;
+    with ``multirun`` also ``--from-multirun DIR [DIR ...]`` (gpipe-train -m output).
+    """
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", type=Path, default=RESULTS, help="output directory (default: results/)")
     p.add_argument("--tiny", action="store_true", help="seconds-long smoke run at toy sizes")
     p.add_argument("--wandb", action="store_true", help="log the table and plots to wandb (offline)")
+    if experiments:
+        p.add_argument("--experiment", action="append", choices=experiment_names(), metavar="NAME",
+                       help=f"experiment config(s) to run (default: {', '.join(experiments)})")
+        p.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="Hydra overrides of the experiment config(s), e.g. experiment.steps=1")
+    if multirun:
+        p.add_argument("--from-multirun", nargs="+", type=Path, metavar="DIR",
+                       help="build the table from gpipe-train -m runs under DIR (their summary.json) instead")
     return p
+
+
+def configs(args: argparse.Namespace, defaults: Sequence[str], tiny: dict[str, Sequence[str]] | None = None,
+            ) -> dict[str, DictConfig]:
+    """Compose each selected experiment (``--experiment`` or ``defaults``): ``--tiny``'s overrides
+    (``tiny[name]``) first, then the command line's.
+
+    Raises:
+        ValueError: an override that is not ``key=value``, or an unknown experiment name.
+    """
+    bad = [o for o in getattr(args, "overrides", []) if "=" not in o]
+    if bad:
+        raise ValueError(f"override {bad[0]!r} is not key=value (e.g. experiment.steps=1)")
+    names = getattr(args, "experiment", None) or list(defaults)
+    first = (tiny or {}) if args.tiny else {}
+    return {n: compose_experiment(n, [*first.get(n, ()), *args.overrides]) for n in names}
 
 
 def provenance(argv: Sequence[str] | None = None) -> str:

@@ -2,27 +2,37 @@
 
     python experiments/table1_capacity.py            # results/table1_capacity.md (about a minute)
     python experiments/table1_capacity.py --tiny --out /tmp/t1
+    python experiments/table1_capacity.py experiment.amoebanet.memory_gib=16   # any config key
 
 Everything is planned on the meta device with ``gpipe_lab.planner.capacity``:
 parameter counts are exact, activation bytes are what PyTorch's autograd saves.
+The settings (columns [K, L, D], memory, bytes per parameter, batch, micro-batches,
+search range) are the ``experiment`` block of ``conf/experiment/paper_table1_capacity.yaml``.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import fmt_bytes, fmt_count, log_wandb, md_table, parser, provenance, write  # noqa: E402
+from common import configs, fmt_bytes, fmt_count, log_wandb, md_table, parser, provenance, write  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-from gpipe_lab.planner.capacity import (  # noqa: E402
-    GiB,
-    best_plan,
-    layer_records,
-    max_amoebanet_filters,
-    max_transformer_layers,
-)
+from gpipe_lab.planner.capacity import GiB, Plan, best_plan, layer_records  # noqa: E402
+
+EXPERIMENT = "paper_table1_capacity"
+#: ``--tiny``: toy sizes (3-cell AmoebaNets, 8-layer Transformers on at most 4 partitions).
+TINY = {EXPERIMENT: [
+    "experiment.amoebanet.image_size=32", "experiment.amoebanet.batch=8", "experiment.amoebanet.search_step=8",
+    "experiment.amoebanet.search_upper=64", "experiment.transformer.seq_len=64", "experiment.transformer.batch=4",
+    "experiment.transformer.search_upper=64", "experiment.microbatch_sweep=[1,8]",
+    "experiment.amoebanet.columns={Naive-1:[1,3,8],Pipeline-1:[1,3,8],Pipeline-2:[2,3,16],Pipeline-4:[4,3,16],"
+    "Pipeline-8:[8,3,16]}",
+    "experiment.transformer.columns={Naive-1:[1,3],Pipeline-1:[1,8],Pipeline-8:[4,8],Pipeline-32:[4,8],"
+    "Pipeline-128:[4,8]}"]}
 
 AMOEBA_PAPER = {  # column: (K, L, D, params, param memory, peak activation) as printed
     "Naive-1": (1, 18, 208, "82M", "1.05GB", "6.26GB"), "Pipeline-1": (1, 18, 416, "318M", "3.8GB", "3.46GB"),
@@ -35,33 +45,67 @@ TRANSFORMER_PAPER = {  # column: (K, layers, params, param memory, peak activati
     "Pipeline-128": (128, 1663, "83.9B", "937.9G", "796.1G")}
 
 
-def amoebanet_table(image: int, batch: int, memory: float, tiny: bool) -> tuple[list[str], list[list[str]]]:
+def largest(fits: Callable[[int], bool], high: int) -> int:
+    """Largest n in [1, high] with ``fits(n)`` (monotone), or 0 if none."""
+    low, best = 1, 0
+    while low <= high:
+        mid = (low + high) // 2
+        if fits(mid):
+            best, low = mid, mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
+def column(block: DictConfig, name: str, paper: dict, width: int) -> list[int]:
+    """The config's ``[K, L(, D)]`` of paper column ``name``.
+
+    Raises:
+        ValueError: a column the paper does not have, or not ``width`` integers.
+    """
+    if name not in paper:
+        raise ValueError(f"experiment.*.columns: unknown column {name!r}; allowed: {', '.join(paper)}")
+    value = list(block.columns[name])
+    if len(value) != width or not all(isinstance(v, int) and v > 0 for v in value):
+        raise ValueError(f"experiment.*.columns.{name}: expected {width} positive integers, got {value}")
+    return value
+
+
+def amoeba_plan(a: DictConfig, L: int, D: int, k: int, micro: int, remat: bool, scale: float = 1.0) -> Plan:
+    """The best ``k``-way plan of AmoebaNet-D(L, D) under block ``a``'s memory and batch."""
+    recs = layer_records(a.family, num_layers=L, num_filters=D, image_size=a.image_size)
+    return best_plan(recs, k, a.memory_gib * GiB, a.batch, micro, remat, a.bytes_per_param, scale)
+
+
+def largest_filters(a: DictConfig, L: int, k: int, micro: int, remat: bool, scale: float = 1.0) -> int:
+    """Largest D (a multiple of ``a.search_step``) such that AmoebaNet-D(L, D) fits (0 if none)."""
+    step = a.search_step
+    return largest(lambda u: amoeba_plan(a, L, u * step, k, micro, remat, scale).fits, a.search_upper // step) * step
+
+
+def amoebanet_table(a: DictConfig) -> tuple[list[str], list[list[str]]]:
     """Rows of the AmoebaNet half (paper config, ours at that config, our largest)."""
-    header = ["8 GiB accelerators", *AMOEBA_PAPER]
+    header = [f"{a.memory_gib:g} GiB accelerators", *a.columns]
     rows: dict[str, list[str]] = {k: [] for k in (
         "paper (L, D)", "paper # params", "ours # params (exact count)", "paper param memory",
-        "ours param memory (12 B/param, GiB)", "paper peak activation", "ours peak activation, sum (max/stage)",
+        f"ours param memory ({a.bytes_per_param:g} B/param, GiB)", "paper peak activation",
+        "ours peak activation, sum (max/stage)",
         "ours: paper config fits?", "ours largest D at the paper's L (fp32 act.)", "  its # params",
         "ours largest D at the paper's L (bf16 act.)", "ours largest D at the paper's L (fp32, M = N/4)")}
-    for col, (k, L, D, p_params, p_mem, p_act) in AMOEBA_PAPER.items():
+    for col in a.columns:
+        k, L, D = column(a, col, AMOEBA_PAPER, 3)
+        pk, pL, pD, p_params, p_mem, p_act = AMOEBA_PAPER[col]
         naive = col.startswith("Naive")
-        micro, remat = (1, False) if naive else (batch, True)
-        if tiny:
-            L, D = 3, max(8, D // 32 // 8 * 8)
-        recs = layer_records("amoebanet_d", num_layers=L, num_filters=D, image_size=image)
-        plan = best_plan(recs, k, memory, batch, micro, remat)
-        step = 8 if tiny else 16
-        best = max_amoebanet_filters(L, k, memory, batch, micro, remat, step=step, image_size=image,
-                                     upper=64 if tiny else 2048)
-        best16 = max_amoebanet_filters(L, k, memory, batch, micro, remat, step=step, image_size=image,
-                                       upper=64 if tiny else 2048, activation_scale=0.5)
-        quarter = max_amoebanet_filters(L, k, memory, batch, micro if naive else batch // 4, remat, step=step,
-                                        image_size=image, upper=64 if tiny else 2048)
+        micro, remat = (1, False) if naive else (a.microbatches or a.batch, True)
+        plan = amoeba_plan(a, L, D, k, micro, remat)
+        best, best16 = largest_filters(a, L, k, micro, remat), largest_filters(a, L, k, micro, remat, 0.5)
+        quarter = largest_filters(a, L, k, micro if naive else a.batch // 4, remat)
         best_params = sum(r.params for r in layer_records(
-            "amoebanet_d", num_layers=L, num_filters=best, image_size=image)) if best else 0
+            a.family, num_layers=L, num_filters=best, image_size=a.image_size)) if best else 0
         acts = [p.activation_bytes for p in plan.partitions]
+        planned = "" if (k, L, D) == (pk, pL, pD) else f" (planned: K={k}, ({L}, {D}))"
         for key, value in zip(rows, (
-                f"({L}, {D})", p_params, f"{plan.params:,} ({fmt_count(plan.params)})", p_mem,
+                f"({pL}, {pD}){planned}", p_params, f"{plan.params:,} ({fmt_count(plan.params)})", p_mem,
                 fmt_bytes(sum(p.parameter_bytes for p in plan.partitions)), p_act,
                 f"{fmt_bytes(sum(acts))} ({fmt_bytes(max(acts))})",
                 f"{'yes' if plan.fits else 'no'} ({fmt_bytes(plan.peak_bytes)} peak)",
@@ -71,31 +115,45 @@ def amoebanet_table(image: int, batch: int, memory: float, tiny: bool) -> tuple[
     return header, [[k, *v] for k, v in rows.items()]
 
 
-def transformer_table(seq: int, batch: int, memory: float, tiny: bool) -> tuple[list[str], list[list[str]]]:
+def transformer_plan(t: DictConfig, layers: int, k: int, micro: int, remat: bool, scale: float = 1.0) -> Plan | None:
+    """The best ``k``-way plan of a ``layers``-layer Transformer-L, or None with fewer layers than K."""
+    recs = layer_records(t.family, num_layers=layers, seq_len=t.seq_len)
+    if len(recs) < k:
+        return None
+    return best_plan(recs, k, t.memory_gib * GiB, t.batch, micro, remat, t.bytes_per_param, scale)
+
+
+def most_layers(t: DictConfig, k: int, micro: int, remat: bool, scale: float = 1.0) -> int:
+    """Most layers of Transformer ``t.family`` whose best ``k``-way plan fits (0 if none)."""
+    def fits(n: int) -> bool:
+        found = transformer_plan(t, n, k, micro, remat, scale)
+        return found is not None and found.fits
+    return largest(fits, t.search_upper)
+
+
+def transformer_table(t: DictConfig) -> tuple[list[str], list[list[str]]]:
     """Rows of the Transformer-L half."""
-    header = ["16 GiB accelerators", *TRANSFORMER_PAPER]
+    header = [f"{t.memory_gib:g} GiB accelerators", *t.columns]
     rows: dict[str, list[str]] = {k: [] for k in (
         "paper layers", "paper # params", "ours # params (exact count)", "paper param memory",
-        "ours param memory (12 B/param, GiB)", "paper peak activation", "ours peak activation, sum (max/stage)",
+        f"ours param memory ({t.bytes_per_param:g} B/param, GiB)", "paper peak activation",
+        "ours peak activation, sum (max/stage)",
         "ours: paper config fits?", "ours largest (fp32 act.) layers", "  its # params",
         "ours largest (bf16 act.) layers", "ours largest (fp32, M = N/4) layers")}
-    for col, (k, layers, p_params, p_mem, p_act) in TRANSFORMER_PAPER.items():
+    for col in t.columns:
+        k, layers = column(t, col, TRANSFORMER_PAPER, 2)
+        pk, p_layers, p_params, p_mem, p_act = TRANSFORMER_PAPER[col]
         naive = col.startswith("Naive")
-        micro, remat = (1, False) if naive else (batch, True)
-        if tiny:
-            k, layers = min(k, 4), min(layers, 8)
-        recs = layer_records("transformer_l", num_layers=layers, seq_len=seq)
-        plan = best_plan(recs, k, memory, batch, micro, remat)
-        upper = 64 if tiny else 4096
-        best = max_transformer_layers(k, memory, batch, micro, remat, seq_len=seq, upper=upper)
-        best16 = max_transformer_layers(k, memory, batch, micro, remat, seq_len=seq, upper=upper,
-                                        activation_scale=0.5)
-        quarter = max_transformer_layers(k, memory, batch, micro if naive else batch // 4, remat, seq_len=seq,
-                                         upper=upper)
-        best_params = sum(r.params for r in layer_records("transformer_l", num_layers=best, seq_len=seq))
+        micro, remat = (1, False) if naive else (t.microbatches or t.batch, True)
+        plan = transformer_plan(t, layers, k, micro, remat)
+        assert plan is not None, f"{col}: {layers} layers cannot be cut into {k} partitions"
+        best, best16 = most_layers(t, k, micro, remat), most_layers(t, k, micro, remat, 0.5)
+        quarter = most_layers(t, k, micro if naive else t.batch // 4, remat)
+        best_params = sum(r.params for r in layer_records(t.family, num_layers=best, seq_len=t.seq_len)) if best else 0
         acts = [p.activation_bytes for p in plan.partitions]
+        planned = "" if (k, layers) == (pk, p_layers) else f" (planned: {layers}, K={k})"
         for key, value in zip(rows, (
-                layers, p_params, f"{plan.params:,} ({fmt_count(plan.params)})", p_mem,
+                f"{p_layers}{planned}", p_params, f"{plan.params:,} ({fmt_count(plan.params)})", p_mem,
                 fmt_bytes(sum(p.parameter_bytes for p in plan.partitions)), p_act,
                 f"{fmt_bytes(sum(acts))} ({fmt_bytes(max(acts))})",
                 f"{'yes' if plan.fits else 'no'} ({fmt_bytes(plan.peak_bytes)} peak)",
@@ -104,18 +162,16 @@ def transformer_table(seq: int, batch: int, memory: float, tiny: bool) -> tuple[
     return header, [[k, *v] for k, v in rows.items()]
 
 
-def microbatch_sensitivity(image: int, batch: int, tiny: bool) -> tuple[list[str], list[list[str]]]:
-    """Peak activation (sum over stages) of the paper's Pipeline-k AmoebaNet configs against M."""
-    ms = [1, 8, 32, batch] if not tiny else [1, batch]
+def microbatch_sensitivity(a: DictConfig, ms: list[int]) -> tuple[list[str], list[list[str]]]:
+    """Peak activation (sum over stages) of the Pipeline-k AmoebaNet columns against M."""
     header = ["config", *(f"M={m}" for m in ms), "paper"]
     rows = []
-    for col, (k, L, D, _, _, p_act) in list(AMOEBA_PAPER.items())[1:]:
-        if tiny:
-            L, D = 3, max(8, D // 32 // 8 * 8)
-        recs = layer_records("amoebanet_d", num_layers=L, num_filters=D, image_size=image)
-        acts = [sum(p.activation_bytes for p in best_plan(recs, k, 8 * GiB, batch, m, True).partitions)
-                for m in ms]
-        rows.append([f"{col} ({L}, {D})", *(fmt_bytes(a) for a in acts), p_act])
+    for col in a.columns:
+        if col.startswith("Naive"):
+            continue
+        k, L, D = column(a, col, AMOEBA_PAPER, 3)
+        acts = [sum(p.activation_bytes for p in amoeba_plan(a, L, D, k, m, True).partitions) for m in ms]
+        rows.append([f"{col} ({L}, {D})", *(fmt_bytes(x) for x in acts), AMOEBA_PAPER[col][-1]])
     return header, rows
 
 
@@ -123,31 +179,40 @@ NOTES = Path(__file__).with_name("table1_notes.md")
 
 
 def main() -> None:
-    """Regenerate ``table1_capacity.md`` (+ ``.json``) under ``--out``."""
-    args = parser(__doc__.split("\n")[0]).parse_args()
-    image, seq = (32, 64) if args.tiny else (224, 1024)
-    a_batch, t_batch = (8, 4) if args.tiny else (128, 32)
-    a_head, a_rows = amoebanet_table(image, a_batch, 8 * GiB, args.tiny)
-    t_head, t_rows = transformer_table(seq, t_batch, 16 * GiB, args.tiny)
-    m_head, m_rows = microbatch_sensitivity(image, a_batch, args.tiny)
+    """Regenerate ``table1_capacity.md`` (+ ``.json``) under ``--out``.
+
+    Raises:
+        ValueError: an unknown column or a bad override (naming it).
+    """
+    args = parser(__doc__.split("\n")[0], [EXPERIMENT]).parse_args()
+    cfg = configs(args, [EXPERIMENT], TINY)[EXPERIMENT].experiment
+    a, t = cfg.amoebanet, cfg.transformer
+    a_head, a_rows = amoebanet_table(a)
+    t_head, t_rows = transformer_table(t)
+    ms = sorted({*cfg.microbatch_sweep})
+    m_head, m_rows = microbatch_sensitivity(a, [m for m in ms if a.batch % m == 0])
+    a_micro = a.microbatches or a.batch
+    t_micro = t.microbatches or t.batch
     md = [
         "# Table 1 — the largest model that fits (planned on the meta device)", "", provenance(), "",
         f"{'TINY smoke run (toy sizes, not the paper configs). ' if args.tiny else ''}"
         "Paper columns copied from the paper as printed; ours computed by `gpipe_lab.planner.capacity` "
         "from activation shapes measured on the meta device (saved-tensor hooks), float32, "
-        "PyTorch eager. Memory in GiB (2^30 bytes); accelerators modelled as exactly 8 / 16 GiB.", "",
-        f"## AmoebaNet-D, {image}x{image}, mini-batch {a_batch}, RMSProp (12 B/param)", "",
+        f"PyTorch eager. Memory in GiB (2^30 bytes); accelerators modelled as exactly {a.memory_gib:g} / "
+        f"{t.memory_gib:g} GiB. Settings: `conf/experiment/{EXPERIMENT}.yaml`.", "",
+        f"## AmoebaNet-D, {a.image_size}x{a.image_size}, mini-batch {a.batch}, RMSProp ({a.bytes_per_param:g} B/param)", "",
         f"Naive-1: one device, no re-materialization, whole batch. Pipeline-k: k partitions, "
-        f"re-materialization, M = {a_batch} micro-batches (one image each, as torchgpipe's memory "
-        "benchmark); balance chosen to minimise the largest partition.", "",
+        f"re-materialization, M = {a_micro} micro-batches"
+        f"{' (one image each, as torchgpipe' + chr(39) + 's memory benchmark)' if a_micro == a.batch else ''}; "
+        "balance chosen to minimise the largest partition.", "",
         md_table(a_head, a_rows), "",
-        f"## Transformer-L (d 2048, FFN 8192, 32 heads, vocab 32k), seq {seq}, batch {t_batch}", "",
-        f"Pipeline-k: M = {t_batch} micro-batches (one sequence each). The paper's Naive-1 memory "
-        "cells look swapped (282.2M x 12 B = 3.15 GiB is the parameter memory).", "",
+        f"## Transformer-L (d 2048, FFN 8192, 32 heads, vocab 32k), seq {t.seq_len}, batch {t.batch}", "",
+        f"Pipeline-k: M = {t_micro} micro-batches{' (one sequence each)' if t_micro == t.batch else ''}. "
+        "The paper's Naive-1 memory cells look swapped (282.2M x 12 B = 3.15 GiB is the parameter memory).", "",
         md_table(t_head, t_rows), "",
         "## Peak activation of the paper's Pipeline-k AmoebaNet configs against M (sum over stages)", "",
         md_table(m_head, m_rows), "",
-        NOTES.read_text() if NOTES.exists() else ""]
+        NOTES.read_text() if NOTES.exists() and not args.tiny else ""]
     path = write(args.out, "table1_capacity.md", "\n".join(md),
                  {"amoebanet": [a_head, *a_rows], "transformer": [t_head, *t_rows],
                   "microbatches": [m_head, *m_rows]})
