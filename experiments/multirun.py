@@ -69,5 +69,33 @@ def load_runs(dirs: Sequence[str | Path], experiments: Sequence[str] | None = No
 
 
 def run_dirs_note(dirs: Sequence[str | Path], runs: Sequence[Run]) -> str:
-    """One markdown sentence naming the multirun folders and how many jobs they held."""
-    return f"Collected from {len(runs)} gpipe-train job(s) under {', '.join(f'`{d}`' for d in dirs)}."
+    """Markdown naming the multirun folders, how many jobs they held, and each experiment's model."""
+    models = {}
+    for run in runs:
+        model = {k: v for k, v in (run.get("model") or {}).items() if k != "name"}
+        models.setdefault(run.experiment, f"`{run.get('model.name')}` {model}")
+    return (f"Collected from {len(runs)} gpipe-train job(s) under {', '.join(f'`{d}`' for d in dirs)} "
+            f"({'; '.join(f'{e}: {m}' for e, m in models.items())}; model of the first job of each).")
+
+
+def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """One row per job in the shape of ``throughput_lib.run_grid``'s (measured only, by gpipe-train).
+
+    Raises:
+        ValueError: a job whose config has no ``experiment.label`` (not a ``paper_table*`` run).
+    """
+    rows = []
+    for run in runs:
+        label = run.get("experiment.label")
+        if label is None:
+            raise ValueError(f"job {run.path} (experiment={run.experiment}) has no experiment.label: "
+                             "not a paper_table2_* / paper_table3_* run")
+        s = run.summary
+        sps = s.get("samples_per_s")
+        rows.append({"workload": label, "experiment": run.experiment, "K": s.get("K"), "M": s.get("M"),
+                     "batch": s.get("batch_size"), "balance": s.get("balance"), "measured_s": None,
+                     "simulated_s": None, "measured_sps": sps, "simulated_sps": None,
+                     "measured_bubble": s.get("bubble_measured"), "bubble_theory": s.get("bubble_theory"),
+                     "final_train_loss": s.get("final_train_loss"), "steps": s.get("steps"),
+                     "job": str(run.path)})
+    return rows

@@ -2,43 +2,46 @@
 
     python experiments/table2_throughput.py              # results/table2_throughput.md (+ .png)
     python experiments/table2_throughput.py --tiny --out /tmp/t2
+    python experiments/table2_throughput.py --experiment paper_table2_amoebanet experiment.chunks=[1,4]
+    gpipe-train -m experiment=paper_table2_amoebanet pipeline.partitions=1,2 pipeline.chunks=1,4,32
+    python experiments/table2_throughput.py --from-multirun logs/train/multiruns/<time>
 
-K = 1, 2 run for real on CPU stages (GPipe, one thread per stage, local
-transport). K = 4, 8 cannot run in parallel on 2 cores: they are predicted by
-the planner's simulator from per-layer forward / backward / recompute times
-measured here on one thread at the same micro-batch size, summed over the
-balance the engine gets (by per-layer FLOPs, as Lingvo), with the stage hand-over
-delay measured at K = 2. On a machine with K GPUs the same engine measures
-every K: ``--gpu`` measures each K with ``cuda:0..K-1`` (not exercised here: no GPU).
+The workloads and the K / M grid are the ``experiment`` blocks of
+``conf/experiment/paper_table2_{amoebanet,transformer}.yaml``. K in ``measured_k``
+run for real on CPU stages (GPipe, one thread per stage, local transport). K in
+``simulated_k`` cannot run in parallel on 2 cores: they are predicted by the
+planner's simulator from per-layer forward / backward / recompute times measured
+here on one thread at the same micro-batch size, summed over the balance the engine
+gets (by per-layer FLOPs, as Lingvo), with the stage hand-over delay measured at
+K = 2. On a machine with K GPUs ``--gpu`` measures each K with ``cuda:0..K-1`` (not
+exercised here: no GPU). ``--from-multirun`` builds the table from gpipe-train runs
+(their ``summary.json`` samples/s) instead of measuring.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import log_wandb, md_table, parser, provenance, write  # noqa: E402
-from throughput_lib import Workload, run_grid  # noqa: E402
+from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
+from multirun import load_runs, run_dirs_note, throughput_rows  # noqa: E402
+from throughput_lib import run_grid, workload_of  # noqa: E402
 
 PAPER = {  # (model, M) -> K=2, K=4, K=8
     ("amoeba", 1): (1, 1.13, 1.38), ("amoeba", 4): (1.07, 1.26, 1.72), ("amoeba", 32): (1.21, 1.84, 3.48),
     ("transformer", 1): (1, 1.07, 1.3), ("transformer", 4): (1.7, 3.2, 4.8), ("transformer", 32): (1.8, 3.4, 6.3)}
 NAMES = {"amoeba": "AmoebaNet-D(18, 256)", "transformer": "Transformer-48"}
-
-
-def workloads(tiny: bool) -> list[Workload]:
-    """CPU-sized analogues of AmoebaNet-D(18, 256) and Transformer-48 (48 Transformer-L layers)."""
-    if tiny:
-        return [Workload("amoeba", "amoebanet_d", dict(num_layers=3, num_filters=8, image_size=32,
-                                                       num_classes=10), 64),
-                Workload("transformer", "transformer_l", dict(num_layers=8, d_model=32, ffn_dim=64, num_heads=2,
-                                                              vocab_size=64, seq_len=8, dropout=0.0), 32)]
-    return [Workload("amoeba", "amoebanet_d", dict(num_layers=18, num_filters=16, image_size=32,
-                                                   num_classes=10), 64),
-            Workload("transformer", "transformer_l", dict(num_layers=48, d_model=64, ffn_dim=256, num_heads=4,
-                                                          vocab_size=512, seq_len=32, dropout=0.0), 64)]
+EXPERIMENTS = ["paper_table2_amoebanet", "paper_table2_transformer"]
+_TINY_COMMON = ["experiment.steps=1", "experiment.repeat=1"]
+#: ``--tiny``: toy networks, one timed step.
+TINY = {"paper_table2_amoebanet": ["model.num_layers=3", "model.num_filters=8", *_TINY_COMMON],
+        "paper_table2_transformer": [
+            "model.d_model=32", "model.ffn_dim=64", "model.num_heads=2", "data.batch_size=32",
+            "experiment.workload.sizes.num_layers=8", "experiment.workload.sizes.vocab_size=64",
+            "experiment.workload.sizes.seq_len=8", *_TINY_COMMON]}
 
 
 def normalized(rows: list[dict], key: str) -> dict[tuple[str, int, int], float]:
@@ -46,6 +49,11 @@ def normalized(rows: list[dict], key: str) -> dict[tuple[str, int, int], float]:
     base = {r["workload"]: r[key] for r in rows if r["K"] == 2 and r["M"] == 1 and r[key]}
     return {(r["workload"], r["K"], r["M"]): r[key] / base[r["workload"]] for r in rows
             if r[key] and r["workload"] in base}
+
+
+def paper(label: str, m: int) -> list[object]:
+    """The paper's K=2, 4, 8 cells of this row ('-' for an M the paper did not run)."""
+    return list(PAPER.get((label, m), ("-", "-", "-")))
 
 
 def plot(rows: list[dict], path: Path, ms: list[int], ks: list[int]) -> Path:
@@ -56,14 +64,18 @@ def plot(rows: list[dict], path: Path, ms: list[int], ks: list[int]) -> Path:
     import matplotlib.pyplot as plt
 
     meas, sim = normalized(rows, "measured_sps"), normalized(rows, "simulated_sps")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, name in zip(axes, NAMES):
+    labels = [n for n in NAMES if any(r["workload"] == n for r in rows)]
+    fig, axes = plt.subplots(1, len(labels), figsize=(5 * len(labels), 4), squeeze=False)
+    for ax, name in zip(axes[0], labels):
         for i, k in enumerate(ks):
             color = f"C{i}"
             ours = [meas.get((name, k, m), sim.get((name, k, m))) for m in ms]
             kind = "measured" if (name, k, ms[0]) in meas else "simulated"
             ax.plot(ms, ours, "o-", color=color, label=f"K={k} ours ({kind})")
-            ax.plot(ms, [PAPER[(name, m)][i] for m in ms], "s--", color=color, alpha=0.6, label=f"K={k} paper")
+            if k in (2, 4, 8):
+                pm = [m for m in ms if (name, m) in PAPER]
+                ax.plot(pm, [PAPER[(name, m)][(2, 4, 8).index(k)] for m in pm], "s--", color=color, alpha=0.6,
+                        label=f"K={k} paper")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batches M")
         ax.set_ylabel("throughput / (K=2, M=1)")
@@ -75,50 +87,103 @@ def plot(rows: list[dict], path: Path, ms: list[int], ks: list[int]) -> Path:
     return path
 
 
+def f2(value: float | None, tag: str = "") -> str:
+    """Two decimals (and a tag), or '-'."""
+    return "-" if value is None else f"{value:.2f}{tag}"
+
+
+def cell(meas: dict, sim: dict, key: tuple[str, int, int], kind: str, measured_k: bool) -> str:
+    """A normalized cell: the measured value, or the simulated one (measured with ``--gpu`` when there is one)."""
+    if kind == "measured":
+        return f2(meas.get(key))
+    if not measured_k and key in meas:
+        return f2(meas[key], " (measured)")
+    return f2(sim.get(key))
+
+
+def measured_table(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], list[str], list[list[object]], str]:
+    """Run the configured grids; returns rows, the table, and the markdown describing it."""
+    rows, header, table = [], None, []
+    works = []
+    for cfg in cfgs.values():
+        e = cfg.experiment
+        work = workload_of(e)
+        works.append(work)
+        grid = run_grid(work, list(e.measured_k), list(e.simulated_k), list(e.chunks), e.steps, e.repeat, args.gpu)
+        rows += grid
+        meas, sim = normalized(grid, "measured_sps"), normalized(grid, "simulated_sps")
+        ks = sorted({*e.measured_k, *e.simulated_k} - {1})
+        cols = [(k, "measured") for k in ks if k in e.measured_k]
+        cols = sorted(cols + [(k, "simulated") for k in ks], key=lambda c: (c[0], c[1] != "measured"))
+        header = header or ["model (ours)", "M", *(f"K={k} {kind}" for k, kind in cols),
+                            "paper K=2", "paper K=4", "paper K=8"]
+        for m in e.chunks:
+            cells = [cell(meas, sim, (work.label, k, m), kind, k in e.measured_k) for k, kind in cols]
+            table.append([f"{NAMES[work.label]} analogue", m, *cells, *paper(work.label, m)])
+    sizes = "; ".join(f"{w.label}: `{w.preset}` {w.sizes}, mini-batch {w.batch}" for w in works)
+    text = (f"Throughput = samples/s, normalized to K=2, M=1 of the same kind (measured / simulated). "
+            f"Ours: CPU analogues at sizes this 2-core CPU can run ({sizes}); fixed mini-batch for every M; "
+            "checkpoint `except_last`. Measured K on CPU stages with one thread each (wall-clock: rerun on a "
+            "quiet machine before quoting); the other K simulated from per-layer times. Settings: "
+            f"{', '.join(f'`conf/experiment/{n}.yaml`' for n in cfgs)}.")
+    return rows, header or [], table, text
+
+
+def multirun_table(dirs: list[Path]) -> tuple[list[dict], list[str], list[list[object]], str]:
+    """The table from gpipe-train jobs of ``paper_table2_*`` under ``dirs``."""
+    runs = load_runs(dirs, EXPERIMENTS)
+    rows = throughput_rows(runs)
+    meas = normalized(rows, "measured_sps")
+    ks = sorted({r["K"] for r in rows if r["K"] != 1} or {1})
+    header = ["model (ours)", "M", *(f"K={k} gpipe-train" for k in ks), "paper K=2", "paper K=4", "paper K=8"]
+    table = [[f"{NAMES[label]} analogue", m, *(f2(meas.get((label, k, m))) for k in ks), *paper(label, m)]
+             for label in NAMES for m in sorted({r["M"] for r in rows if r["workload"] == label})]
+    text = (f"{run_dirs_note(dirs, runs)} Throughput = `samples_per_s` of each job's summary.json (mean over "
+            "the steps after the first, through Lightning and GPipeStrategy), normalized to K=2, M=1 of the "
+            "same model ('-' where that job is missing). Wall-clock: rerun on a quiet machine before quoting.")
+    return rows, header, table, text
+
+
 def main() -> None:
-    """Measure, simulate, and write ``table2_throughput.md`` / ``.json`` / ``.png`` under ``--out``."""
-    p = parser(__doc__.split("\n")[0])
+    """Measure (or collect), and write ``table2_throughput.md`` / ``.json`` / ``.png`` under ``--out``.
+
+    Raises:
+        ValueError: a bad override, an unknown experiment, or a multirun folder without paper_table2_* jobs.
+    """
+    p = parser(__doc__.split("\n")[0], EXPERIMENTS, multirun=True)
     p.add_argument("--gpu", action="store_true", help="measure every K with enough CUDA GPUs (cuda:0..K-1)")
     args = p.parse_args()
-    ms, ks = [1, 4, 32], [2, 4, 8]
-    steps, repeat = (1, 1) if args.tiny else (3, 3)
-    rows = []
-    for work in workloads(args.tiny):
-        rows += run_grid(work, [1, 2], [4, 8], ms, steps, repeat, args.gpu)
-    meas, sim = normalized(rows, "measured_sps"), normalized(rows, "simulated_sps")
-    header = ["model (ours)", "M", "K=2 measured", "K=2 simulated", "K=4 simulated", "K=8 simulated",
-              "paper K=2", "paper K=4", "paper K=8"]
-    table = []
-    for work in workloads(args.tiny):
-        for m in ms:
-            p = PAPER[(work.label, m)]
-            keys = [(work.label, k, m) for k in ks]
-            table.append([f"{NAMES[work.label]} analogue", m, f"{meas[keys[0]]:.2f}", f"{sim[keys[0]]:.2f}",
-                          *(f"{meas[key]:.2f} (measured)" if key in meas else f"{sim[key]:.2f}"
-                            for key in keys[1:]), *p])
-    v_header = ["model", "K", "M", "balance", "measured s/step", "simulated s/step", "error",
-                "measured bubble", "simulated bubble", "theory (K-1)/(M+K-1)"]
-    validation = [[r["workload"], r["K"], r["M"], r["balance"], f"{r['measured_s']:.3f}",
-                   f"{r['simulated_s']:.3f}", f"{(r['simulated_s'] - r['measured_s']) / r['measured_s']:+.1%}",
-                   f"{r['measured_bubble']:.3f}", f"{r['simulated_bubble']:.3f}",
-                   f"{(r['K'] - 1) / (r['M'] + r['K'] - 1):.3f}"] for r in rows if r["measured_s"]]
-    png = plot(rows, args.out / "table2_throughput.png", ms, ks) if args.out.mkdir(
-        parents=True, exist_ok=True) is None else None
-    sizes = "; ".join(f"{w.label}: `{w.preset}` {w.sizes}, mini-batch {w.batch}" for w in workloads(args.tiny))
+    if args.from_multirun:
+        rows, header, table, text = multirun_table(args.from_multirun)
+    else:
+        rows, header, table, text = measured_table(args, configs(args, EXPERIMENTS, TINY))
+    args.out.mkdir(parents=True, exist_ok=True)
+    ms = sorted({r["M"] for r in rows})
+    ks = sorted({r["K"] for r in rows if r["K"] != 1})
+    png = plot(rows, args.out / "table2_throughput.png", ms, ks)
     md = ["# Table 2 — normalized training throughput (K partitions, M micro-batches)", "", provenance(), "",
-          f"{'TINY smoke run. ' if args.tiny else ''}Throughput = samples/s, normalized to K=2, M=1 of the "
-          "same kind (measured / simulated). Ours: CPU analogues at sizes this 2-core CPU can run "
-          f"({sizes}); fixed mini-batch for every M; checkpoint `except_last`. K=2 measured on two CPU "
-          "stages with one thread each (wall-clock: rerun on a quiet "
-          "machine before quoting); K=4, 8 simulated from per-layer times.", "",
-          md_table(header, table), "", "![throughput vs M](table2_throughput.png)", "",
-          "## Simulator validation: measured vs simulated step time", "",
-          md_table(v_header, validation), ""]
-    md += [Path(__file__).with_name("throughput_notes.md").read_text()] if not args.tiny else []
+          f"{'TINY smoke run. ' if args.tiny else ''}{text}", "",
+          md_table(header, table), "", "![throughput vs M](table2_throughput.png)", ""]
+    tables = {"throughput": (header, table)}
+    if not args.from_multirun:
+        v_header = ["model", "K", "M", "balance", "measured s/step", "simulated s/step", "error",
+                    "measured bubble", "simulated bubble", "theory (K-1)/(M+K-1)"]
+        validation = [[r["workload"], r["K"], r["M"], r["balance"], f"{r['measured_s']:.3f}",
+                       f"{r['simulated_s']:.3f}", f"{(r['simulated_s'] - r['measured_s']) / r['measured_s']:+.1%}",
+                       f"{r['measured_bubble']:.3f}", f"{r['simulated_bubble']:.3f}",
+                       f"{(r['K'] - 1) / (r['M'] + r['K'] - 1):.3f}"] for r in rows if r["measured_s"]]
+        md += ["## Simulator validation: measured vs simulated step time", "", md_table(v_header, validation), ""]
+        tables["validation"] = (v_header, validation)
+    else:
+        j_header = ["job", "experiment", "K", "M", "samples/s", "bubble measured", "bubble theory", "final loss"]
+        jobs = [[Path(r["job"]).name, r["experiment"], r["K"], r["M"], f2(r["measured_sps"]),
+                 f2(r["measured_bubble"]), f2(r["bubble_theory"]), f2(r["final_train_loss"])] for r in rows]
+        md += ["## The jobs", "", md_table(j_header, jobs), ""]
+        tables["jobs"] = (j_header, jobs)
+    md += [Path(__file__).with_name("throughput_notes.md").read_text()] if not args.tiny and not args.from_multirun else []
     data = [{k: v for k, v in r.items() if "timeline" not in k} for r in rows]
     path = write(args.out, "table2_throughput.md", "\n".join(md), data)
-    log_wandb(args.wandb, args.out, "table2_throughput", {"throughput": (header, table),
-                                                          "validation": (v_header, validation)}, [png])
+    log_wandb(args.wandb, args.out, "table2_throughput", tables, [png])
     print(path)
 
 

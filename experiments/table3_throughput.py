@@ -2,13 +2,17 @@
 
     python experiments/table3_throughput.py              # results/table3_throughput.md (+ .png)
     python experiments/table3_throughput.py --tiny --out /tmp/t3
+    gpipe-train -m experiment=paper_table3_amoebanet pipeline.partitions=1,2
+    python experiments/table3_throughput.py --from-multirun logs/train/multiruns/<time>
 
-Same method as Table 2 (``table2_throughput.py``): K = 2 measured on two CPU
-stages (one thread each), K = 4, 8 simulated from per-layer times measured here;
-the paper's models are halved (AmoebaNet-D(18, 128), Transformer-24), and so are
-our analogues. Stages here hand tensors over in shared memory: the paper's point
-that PCI-E transfers do not hurt (only boundary activations cross devices) is
-checked by the measured hand-over delay, not by a PCI-E link.
+Same method as Table 2 (``table2_throughput.py``), settings from the ``experiment``
+blocks of ``conf/experiment/paper_table3_{amoebanet,transformer}.yaml``: K = 2
+measured on two CPU stages (one thread each), K = 4, 8 simulated from per-layer
+times measured here; the paper's models are halved (AmoebaNet-D(18, 128),
+Transformer-24), and so are our analogues. Stages here hand tensors over in shared
+memory: the paper's point that PCI-E transfers do not hurt (only boundary
+activations cross devices) is checked by the measured hand-over delay, not by a
+PCI-E link. ``--from-multirun`` builds the table from gpipe-train runs instead.
 """
 
 from __future__ import annotations
@@ -18,40 +22,48 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import log_wandb, md_table, parser, provenance, write  # noqa: E402
-from throughput_lib import Workload, run_grid  # noqa: E402
+from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
+from multirun import load_runs, run_dirs_note, throughput_rows  # noqa: E402
+from throughput_lib import run_grid, workload_of  # noqa: E402
 
 PAPER = {"amoeba": (1, 1.7, 2.7), "transformer": (1, 1.8, 3.3)}
 NAMES = {"amoeba": "AmoebaNet-D(18, 128)", "transformer": "Transformer-24"}
+EXPERIMENTS = ["paper_table3_amoebanet", "paper_table3_transformer"]
+_TINY_COMMON = ["experiment.steps=1", "experiment.repeat=1"]
+#: ``--tiny``: toy networks, one timed step.
+TINY = {"paper_table3_amoebanet": ["model.num_layers=3", "model.num_filters=8", *_TINY_COMMON],
+        "paper_table3_transformer": [
+            "model.d_model=32", "model.ffn_dim=64", "model.num_heads=2", "data.batch_size=32",
+            "experiment.workload.sizes.num_layers=8", "experiment.workload.sizes.vocab_size=64",
+            "experiment.workload.sizes.seq_len=8", *_TINY_COMMON]}
 
 
-def workloads(tiny: bool) -> list[Workload]:
-    """Half-size analogues of Table 2's CPU workloads."""
-    if tiny:
-        return [Workload("amoeba", "amoebanet_d", dict(num_layers=3, num_filters=8, image_size=32,
-                                                       num_classes=10), 64),
-                Workload("transformer", "transformer_l", dict(num_layers=8, d_model=32, ffn_dim=64, num_heads=2,
-                                                              vocab_size=64, seq_len=8, dropout=0.0), 32)]
-    return [Workload("amoeba", "amoebanet_d", dict(num_layers=18, num_filters=8, image_size=32,
-                                                   num_classes=10), 64),
-            Workload("transformer", "transformer_l", dict(num_layers=24, d_model=64, ffn_dim=256, num_heads=4,
-                                                          vocab_size=512, seq_len=32, dropout=0.0), 64)]
+def speedups(rows: list[dict], key: str) -> dict[tuple[str, int], float]:
+    """``key`` (samples/s) of every (workload, K) at the largest M, over that workload's K=2."""
+    out = {}
+    for label in {r["workload"] for r in rows}:
+        mine = {r["K"]: r[key] for r in rows if r["workload"] == label and r[key]
+                and r["M"] == max(x["M"] for x in rows if x["workload"] == label)}
+        if 2 in mine:
+            out.update({(label, k): v / mine[2] for k, v in mine.items()})
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    """Speed-up over K=2 against K: ours and the paper's."""
+    """Speed-up over K=2 against K: ours (simulated, or gpipe-train's measured) and the paper's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, name in zip(axes, NAMES):
-        mine = {r["K"]: r["simulated_sps"] for r in rows if r["workload"] == name}
-        ks = sorted(mine)
-        ax.plot(ks, [mine[k] / mine[2] for k in ks], "o-", label="ours (simulated from measured layer times)")
-        meas = [r for r in rows if r["workload"] == name and r["measured_sps"] and r["K"] == 2]
-        ax.plot([2], [1.0], "k^", label="ours K=2 measured (basis)" if meas else "basis")
+    labels = [n for n in NAMES if any(r["workload"] == n for r in rows)]
+    sim, meas = speedups(rows, "simulated_sps"), speedups(rows, "measured_sps")
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.5 * len(labels), 3.5), squeeze=False)
+    for ax, name in zip(axes[0], labels):
+        for ours, what in ((sim, "ours (simulated from measured layer times)"), (meas, "ours (measured)")):
+            ks = sorted(k for (n, k) in ours if n == name)
+            if ks:
+                ax.plot(ks, [ours[(name, k)] for k in ks], "o-", label=what)
         ax.plot([2, 4, 8], PAPER[name], "s--", label="paper (P100, PCI-E)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("partitions K")
@@ -64,40 +76,82 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def main() -> None:
-    """Measure, simulate and write ``table3_throughput.md`` / ``.json`` / ``.png`` under ``--out``."""
-    p = parser(__doc__.split("\n")[0])
-    p.add_argument("--gpu", action="store_true", help="measure every K with enough CUDA GPUs (cuda:0..K-1)")
-    args = p.parse_args()
-    steps, repeat = (1, 1) if args.tiny else (3, 3)
-    rows = []
-    for work in workloads(args.tiny):
-        rows += run_grid(work, [2], [4, 8], [32], steps, repeat, args.gpu)
+def f2(value: float | None, tag: str = "") -> str:
+    """Two decimals (and a tag), or '-'."""
+    return "-" if value is None else f"{value:.2f}{tag}"
+
+
+def measured(args: object, cfgs: dict) -> tuple[list[dict], list[str], list[list[object]], str]:
+    """Run the configured grids; returns rows, the table and the markdown around it."""
+    rows, table, validation, works = [], [], [], []
+    for cfg in cfgs.values():
+        e = cfg.experiment
+        work = workload_of(e)
+        works.append(work)
+        grid = run_grid(work, list(e.measured_k), list(e.simulated_k), list(e.chunks), e.steps, e.repeat,
+                        args.gpu)  # type: ignore[attr-defined]
+        rows += grid
+        r = {row["K"]: row for row in grid if row["M"] == max(e.chunks)}
+        base = r[2]["simulated_sps"]
+        table.append([f"{NAMES[work.label]} analogue (M={max(e.chunks)})", f2(r[2]["measured_sps"]),
+                      *(f"{r[k]['simulated_sps'] / base:.2f}" if k == 2 or not r[k]["measured_sps"] else
+                        f"{r[k]['measured_sps'] / r[2]['measured_sps']:.2f} (measured)" for k in (2, 4, 8) if k in r),
+                      *PAPER[work.label]])
+        if r[2]["measured_s"]:
+            err = (r[2]["simulated_s"] - r[2]["measured_s"]) / r[2]["measured_s"]
+            validation.append([work.label, r[2]["balance"], f"{r[2]['measured_s']:.3f}",
+                               f"{r[2]['simulated_s']:.3f}", f"{err:+.1%}", f"{r[2]['hop_s'] * 1e3:.2f} ms"])
     header = ["model (ours)", "K=2 measured (samples/s)", "K=2 simulated", "K=4 simulated", "K=8 simulated",
               "paper K=2", "paper K=4", "paper K=8"]
-    table, validation = [], []
-    for work in workloads(args.tiny):
-        r = {row["K"]: row for row in rows if row["workload"] == work.label}
-        base = r[2]["simulated_sps"]
-        table.append([f"{NAMES[work.label]} analogue (M=32)", f"{r[2]['measured_sps']:.1f}",
-                      *(f"{r[k]['simulated_sps'] / base:.2f}" if k == 2 or not r[k]["measured_sps"] else
-                        f"{r[k]['measured_sps'] / r[2]['measured_sps']:.2f} (measured)" for k in (2, 4, 8)),
-                      *PAPER[work.label]])
-        err = (r[2]["simulated_s"] - r[2]["measured_s"]) / r[2]["measured_s"]
-        validation.append([work.label, r[2]["balance"], f"{r[2]['measured_s']:.3f}", f"{r[2]['simulated_s']:.3f}",
-                           f"{err:+.1%}", f"{r[2]['hop_s'] * 1e3:.2f} ms"])
+    sizes = "; ".join(f"{w.label}: `{w.preset}` {w.sizes}, mini-batch {w.batch}" for w in works)
+    text = (f"Normalized to K=2. Ours: {sizes}. K=2 measured on two CPU stages (wall-clock: rerun on a quiet "
+            "machine before quoting); K=4, 8 simulated from per-layer times measured here, FLOPs balance, "
+            f"hand-over delay measured at K=2. Settings: {', '.join(f'`conf/experiment/{n}.yaml`' for n in cfgs)}.\n\n"
+            + md_table(header, table) + "\n\n![speed-up vs K](table3_throughput.png)\n\n"
+            "## K=2: measured vs simulated step\n\n"
+            + md_table(["model", "balance", "measured s/step", "simulated s/step", "error", "hand-over delay"],
+                       validation))
+    return rows, header, table, text
+
+
+def collected(dirs: list[Path]) -> tuple[list[dict], list[str], list[list[object]], str]:
+    """The table from gpipe-train jobs of ``paper_table3_*`` under ``dirs`` (largest M of each model)."""
+    runs = load_runs(dirs, EXPERIMENTS)
+    rows = throughput_rows(runs)
+    speed = speedups(rows, "measured_sps")
+    ks = sorted({r["K"] for r in rows})
+    header = ["model (ours)", "M", *(f"K={k} gpipe-train" for k in ks), "paper K=2", "paper K=4", "paper K=8"]
+    table = [[f"{NAMES[label]} analogue", max(r["M"] for r in rows if r["workload"] == label),
+              *(f2(speed.get((label, k))) for k in ks), *PAPER[label]]
+             for label in NAMES if any(r["workload"] == label for r in rows)]
+    j_header = ["job", "experiment", "K", "M", "samples/s", "bubble measured", "bubble theory", "final loss"]
+    jobs = [[Path(r["job"]).name, r["experiment"], r["K"], r["M"], f2(r["measured_sps"]),
+             f2(r["measured_bubble"]), f2(r["bubble_theory"]), f2(r["final_train_loss"])] for r in rows]
+    text = (f"{run_dirs_note(dirs, runs)} Throughput = `samples_per_s` of each job's summary.json (through "
+            "Lightning and GPipeStrategy) at the largest M, normalized to K=2 of the same model ('-' where "
+            "missing). Wall-clock: rerun on a quiet machine before quoting.\n\n" + md_table(header, table)
+            + "\n\n![speed-up vs K](table3_throughput.png)\n\n## The jobs\n\n" + md_table(j_header, jobs))
+    return rows, header, table, text
+
+
+def main() -> None:
+    """Measure (or collect) and write ``table3_throughput.md`` / ``.json`` / ``.png`` under ``--out``.
+
+    Raises:
+        ValueError: a bad override, an unknown experiment, or a multirun folder without paper_table3_* jobs.
+    """
+    p = parser(__doc__.split("\n")[0], EXPERIMENTS, multirun=True)
+    p.add_argument("--gpu", action="store_true", help="measure every K with enough CUDA GPUs (cuda:0..K-1)")
+    args = p.parse_args()
+    if args.from_multirun:
+        rows, header, table, text = collected(args.from_multirun)
+    else:
+        rows, header, table, text = measured(args, configs(args, EXPERIMENTS, TINY))
     args.out.mkdir(parents=True, exist_ok=True)
     png = plot(rows, args.out / "table3_throughput.png")
-    sizes = "; ".join(f"{w.label}: `{w.preset}` {w.sizes}, mini-batch {w.batch}" for w in workloads(args.tiny))
     md = ["# Table 3 — throughput at M = 32 against K (paper: P100 GPUs over PCI-E)", "", provenance(), "",
-          f"{'TINY smoke run. ' if args.tiny else ''}Normalized to K=2. Ours: {sizes}. K=2 measured on two "
-          "CPU stages (wall-clock: rerun on a quiet machine before quoting); K=4, 8 simulated "
-          "from per-layer times measured here, FLOPs balance, hand-over delay measured at K=2.", "",
-          md_table(header, table), "", "![speed-up vs K](table3_throughput.png)", "",
-          "## K=2: measured vs simulated step", "",
-          md_table(["model", "balance", "measured s/step", "simulated s/step", "error", "hand-over delay"],
-                   validation), ""]
-    md += [Path(__file__).with_name("throughput_notes.md").read_text()] if not args.tiny else []
+          f"{'TINY smoke run. ' if args.tiny else ''}{text}", ""]
+    md += [Path(__file__).with_name("throughput_notes.md").read_text()] if not args.tiny and not args.from_multirun else []
     data = [{k: v for k, v in row.items() if "timeline" not in k} for row in rows]
     path = write(args.out, "table3_throughput.md", "\n".join(md), data)
     log_wandb(args.wandb, args.out, "table3_throughput", {"throughput": (header, table)}, [png])

@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -201,3 +202,23 @@ def run_grid(work: Workload, measured_k: list[int], simulated_k: list[int], chun
                          "simulated_bubble": sim_timeline.measured_bubble(),
                          "timeline": timeline, "sim_timeline": sim_timeline})
     return rows
+
+
+def workload_of(block: Any) -> Workload:
+    """A ``Workload`` from a config block ``{label, preset, sizes, batch}`` (label from the block's parent
+    when it has none: pass ``experiment`` with ``experiment.label`` and ``experiment.workload``).
+
+    Raises:
+        KeyError: a block without ``preset``, ``sizes`` or ``batch``.
+    """
+    from omegaconf import OmegaConf
+
+    if "workload" in block:
+        label, block = block.label, block.workload
+    else:
+        label = block.label
+    data = OmegaConf.to_container(block, resolve=True) if not isinstance(block, dict) else block
+    missing = [k for k in ("preset", "sizes", "batch") if k not in data]
+    if missing:
+        raise KeyError(f"workload {label!r}: missing {missing} (needs preset, sizes, batch)")
+    return Workload(str(label), str(data["preset"]), dict(data["sizes"]), int(data["batch"]))
