@@ -2,8 +2,12 @@
 
     python experiments/overheads.py              # results/overheads.md + overheads_timeline_*.png
     python experiments/overheads.py --tiny --out /tmp/ov
+    python experiments/overheads.py experiment.chunks=[8] experiment.workloads.transformer.batch=32
 
-Measured on two CPU stages (one thread each) from the engine's timeline: each
+Settings (workloads, K, the M list, timed steps) are the ``experiment`` block of
+``conf/experiment/paper_overheads.yaml``.
+
+Measured on K CPU stages (one thread each) from the engine's timeline: each
 stage's events F, B, R (recompute) and ``wait`` (blocked on the neighbour).
 Shares are of the total stage-time K x wall:
 - recompute = time in R / (K wall);
@@ -24,11 +28,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import log_wandb, md_table, parser, provenance, write  # noqa: E402
-from table2_throughput import workloads  # noqa: E402
-from throughput_lib import hop_seconds, layer_times, measure_step, simulate_step  # noqa: E402
+from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
+from throughput_lib import Workload, hop_seconds, layer_times, measure_step, simulate_step, workload_of  # noqa: E402
 
 from gpipe_lab.plotting.timeline import plot_timeline  # noqa: E402
+
+EXPERIMENT = "paper_overheads"
+#: ``--tiny``: toy networks (Table 2's tiny ones), one timed step.
+TINY = {EXPERIMENT: [
+    "model.num_layers=3", "model.num_filters=8", "experiment.steps=1", "experiment.repeat=1",
+    "experiment.workloads.transformer.batch=32", "experiment.workloads.transformer.sizes={num_layers:8,"
+    "d_model:32,ffn_dim:64,num_heads:2,vocab_size:64,seq_len:8,dropout:0.0}"]}
 
 
 def update_seconds(model: torch.nn.Module) -> float:
@@ -47,37 +57,41 @@ def update_seconds(model: torch.nn.Module) -> float:
         torch.set_num_threads(threads)
 
 
-def breakdown(work: object, chunks: int, steps: int, repeat: int, out: Path) -> tuple[dict, Path]:
-    """One row of shares for ``work`` at K=2, M=``chunks``, and its timeline picture."""
-    seconds, tl, balance = measure_step(work, 2, chunks, steps)  # type: ignore[arg-type]
+def breakdown(work: Workload, chunks: int, steps: int, repeat: int, out: Path, k: int = 2) -> tuple[dict, Path]:
+    """One row of shares for ``work`` at K=``k``, M=``chunks``, and its timeline picture."""
+    seconds, tl, balance = measure_step(work, k, chunks, steps)
     busy, wall = tl.busy(), tl.wall
-    total = 2 * wall
+    total = k * wall
     hop = hop_seconds(tl)
-    sim_s, sim_tl = simulate_step(layer_times(work, work.batch // chunks, repeat), balance, chunks, hop)  # type: ignore[attr-defined]
-    hops_on_path = 2 * (chunks + 1)  # fill and drain each cross the boundary once per micro-batch + ends
-    update = update_seconds(work.model())  # type: ignore[attr-defined]
-    row = {"workload": work.label, "K": 2, "M": chunks, "balance": balance, "wall_s": wall,  # type: ignore[attr-defined]
+    sim_s, sim_tl = simulate_step(layer_times(work, work.batch // chunks, repeat), balance, chunks, hop)
+    hops_on_path = 2 * (chunks + k - 1)  # fill and drain each cross the boundaries once per micro-batch + ends
+    update = update_seconds(work.model())
+    row = {"workload": work.label, "K": k, "M": chunks, "balance": balance, "wall_s": wall,
            "recompute": tl.time_in("R") / total, "forward": tl.time_in("F") / total,
            "backward": tl.time_in("B") / total, "wait": tl.time_in("wait") / total,
-           "bubble_measured": tl.measured_bubble(), "bubble_theory": 1 / (chunks + 1),
-           "bubble_simulated": sim_tl.measured_bubble(), "imbalance": 1 - (sum(busy) / 2) / max(busy),
+           "bubble_measured": tl.measured_bubble(), "bubble_theory": (k - 1) / (chunks + k - 1),
+           "bubble_simulated": sim_tl.measured_bubble(), "imbalance": 1 - (sum(busy) / k) / max(busy),
            "handover_ms": hop * 1e3, "handover_share": min(1.0, hop * hops_on_path / wall),
            "update_share": update / (seconds + update), "simulated_wall_s": sim_s}
-    png = out / f"overheads_timeline_{work.label}_m{chunks}.png"  # type: ignore[attr-defined]
-    plot_timeline(tl, png, title=f"{work.label} analogue, K=2, M={chunks}: measured (top) vs simulated",  # type: ignore[attr-defined]
+    png = out / f"overheads_timeline_{work.label}_m{chunks}.png"
+    plot_timeline(tl, png, title=f"{work.label} analogue, K={k}, M={chunks}: measured (top) vs simulated",
                   predicted=sim_tl)
     return row, png
 
 
 def main() -> None:
-    """Write ``overheads.md`` / ``.json`` and the timeline pictures under ``--out``."""
-    args = parser(__doc__.split("\n")[0]).parse_args()
+    """Write ``overheads.md`` / ``.json`` and the timeline pictures under ``--out``.
+
+    Raises:
+        ValueError: a bad override (naming it).
+    """
+    args = parser(__doc__.split("\n")[0], [EXPERIMENT]).parse_args()
+    e = configs(args, [EXPERIMENT], TINY)[EXPERIMENT].experiment
     args.out.mkdir(parents=True, exist_ok=True)
-    steps, repeat = (1, 1) if args.tiny else (3, 3)
     rows, images = [], []
-    for work in workloads(args.tiny):
-        for m in (4, 32):
-            row, png = breakdown(work, m, steps, repeat, args.out)
+    for label, block in e.workloads.items():
+        for m in e.chunks:
+            row, png = breakdown(workload_of(block, str(label)), m, e.steps, e.repeat, args.out, e.partitions)
             rows.append(row)
             images.append(png)
     pct = "{:.1%}".format
@@ -90,11 +104,12 @@ def main() -> None:
     paper = [["paper (TPU, §3.1)", "-", "-", "up to 23%", "slightly below theory", "(K-1)/(M+K-1)", "-",
               "3.2% (K=2)", "-", "small (only boundary activations cross)", "small", "-"]]
     pics = "\n".join(f"![{p.stem}]({p.name})" for p in images)
-    md = ["# Overheads of a K=2 pipeline step", "", provenance(), "",
+    md = [f"# Overheads of a K={e.partitions} pipeline step", "", provenance(), "",
           f"{'TINY smoke run. ' if args.tiny else ''}Shares of the total stage-time (K x wall) from the "
-          "engine's measured timeline on two CPU stages (one thread each), checkpoint `except_last`, "
+          f"engine's measured timeline on {e.partitions} CPU stages (one thread each), checkpoint `except_last`, "
           "FLOPs balance; models = Table 2's CPU analogues. Wall-clock figures: the load "
-          "average at generation time is in the provenance line; rerun on a quiet machine before quoting.", "",
+          "average at generation time is in the provenance line; rerun on a quiet machine before quoting. "
+          f"Settings: `conf/experiment/{EXPERIMENT}.yaml`.", "",
           md_table(header, paper + table), "", pics, ""]
     md += [Path(__file__).with_name("overheads_notes.md").read_text()] if not args.tiny else []
     path = write(args.out, "overheads.md", "\n".join(md), rows)

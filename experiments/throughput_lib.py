@@ -204,19 +204,17 @@ def run_grid(work: Workload, measured_k: list[int], simulated_k: list[int], chun
     return rows
 
 
-def workload_of(block: Any) -> Workload:
-    """A ``Workload`` from a config block ``{label, preset, sizes, batch}`` (label from the block's parent
-    when it has none: pass ``experiment`` with ``experiment.label`` and ``experiment.workload``).
+def workload_of(block: Any, label: str | None = None) -> Workload:
+    """A ``Workload`` from a config block ``{preset, sizes, batch}`` named ``label``, or from an
+    ``experiment`` block holding ``label`` and ``workload``.
 
     Raises:
         KeyError: a block without ``preset``, ``sizes`` or ``batch``.
     """
     from omegaconf import OmegaConf
 
-    if "workload" in block:
+    if label is None:
         label, block = block.label, block.workload
-    else:
-        label = block.label
     data = OmegaConf.to_container(block, resolve=True) if not isinstance(block, dict) else block
     missing = [k for k in ("preset", "sizes", "batch") if k not in data]
     if missing:
