@@ -1,9 +1,11 @@
 """The GPipe engine: pure PyTorch (+ torch.distributed); no Lightning, Hydra or wandb."""
 
 from gpipe_lab.pipeline import zero_bubble  # noqa: F401 - registers the zb-h1 and zb-h2 schedules
+from gpipe_lab.pipeline.allocator import retain_freed_memory
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.dropout import StageDropout, convert_dropout
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
+from gpipe_lab.pipeline.finite import all_finite
 from gpipe_lab.pipeline.gpipe import (
     CHECKPOINT_MODES,
     NONFINITE_POLICIES,
@@ -29,5 +31,5 @@ __all__ = [
     "PipelineTimeoutError", "StageDropout", "Timeline", "analytic_bubble", "balance_by_cost",
     "balance_by_time", "checkpointed_microbatches", "convert_dropout", "get_schedule",
     "gpipe_schedule", "layer_costs", "one_f_one_b_schedule", "register_schedule",
-    "validate_schedule",
+    "validate_schedule", "retain_freed_memory", "all_finite",
 ]

@@ -18,8 +18,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from gpipe_lab.pipeline.allocator import retain_freed_memory
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.dropout import convert_dropout
+from gpipe_lab.pipeline.finite import NONFINITE_POLICIES, NonFiniteError, all_finite
 from gpipe_lab.pipeline.local import LocalTransport
 from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, split, unwrap
 from gpipe_lab.pipeline.partition import balance_by_cost, check_balance, layer_costs, split_module
@@ -28,11 +30,6 @@ from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
 from gpipe_lab.pipeline.timeline import Timeline
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
-
-
-class NonFiniteError(FloatingPointError):
-    """The loss or a stage's gradients are NaN or infinite (policy ``nonfinite="raise"``)."""
 
 
 def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset[int]:
@@ -88,6 +85,9 @@ class GPipe(nn.Module):
             set), or ``"ignore"``.
         track_memory: count saved-activation bytes per stage (``memory()``) with
             saved-tensor hooks; costs ~30 µs per action on tiny layers.
+        retain_cpu_memory: with CPU stages, make glibc keep freed memory for the next
+            step instead of returning it to the OS (``allocator.retain_freed_memory``,
+            process-wide); without it every step page-faults its activations back in.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
@@ -100,7 +100,8 @@ class GPipe(nn.Module):
                  chunks: int = 1, checkpoint: str = "except_last", schedule: str = "gpipe",
                  deferred_batch_norm: bool = False, cost: object = None, seed: int | None = None,
                  threads_per_stage: int | None = None, timeout: float = 300.0,
-                 nonfinite: str = "raise", track_memory: bool = True) -> None:
+                 nonfinite: str = "raise", track_memory: bool = True,
+                 retain_cpu_memory: bool = True) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe needs an nn.Sequential, got {type(module).__name__}")
@@ -143,6 +144,8 @@ class GPipe(nn.Module):
             part.to(device)
         self.seed = int(torch.initial_seed() if seed is None else seed)
         cpu_stages = sum(d.type == "cpu" for d in self.devices)
+        if cpu_stages and retain_cpu_memory:
+            retain_freed_memory()
         self.threads_per_stage = threads_per_stage or max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
         self.stages = [StageRuntime(k, len(self.balance), part, dev, self.seed)
                        for k, (part, dev) in enumerate(zip(self.partitions, self.devices))]
@@ -251,8 +254,7 @@ class GPipe(nn.Module):
         problem = None if bool(torch.isfinite(loss)) else f"loss is {loss.item()} (computed on stage {self.num_stages - 1})"
         if problem is None:
             for k, part in enumerate(self.partitions):
-                found = [p.grad.isfinite().all() for p in part.parameters() if p.grad is not None]
-                if found and not bool(torch.stack(found).all()):
+                if not all_finite(p.grad for p in part.parameters()):
                     problem = f"gradients of stage {k} are not finite"
                     break
         if problem is None:

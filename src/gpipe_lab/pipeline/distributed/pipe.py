@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gpipe_lab.pipeline.allocator import retain_freed_memory
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.distributed.executor import RankExecutor
 from gpipe_lab.pipeline.distributed.failure import AbortChannel, wait_works
@@ -28,7 +29,8 @@ from gpipe_lab.pipeline.distributed.setup import resolve_balance, resolve_device
 from gpipe_lab.pipeline.distributed.state import gather_full_state_dict, local_state_dict
 from gpipe_lab.pipeline.distributed.topology import build_topology
 from gpipe_lab.pipeline.dropout import convert_dropout
-from gpipe_lab.pipeline.gpipe import NONFINITE_POLICIES, NonFiniteError, checkpointed_microbatches
+from gpipe_lab.pipeline.finite import NONFINITE_POLICIES, NonFiniteError, all_finite
+from gpipe_lab.pipeline.gpipe import checkpointed_microbatches
 from gpipe_lab.pipeline.interleaved import rank_schedule
 from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, split, unwrap
 from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
@@ -48,7 +50,7 @@ class DistributedGPipe(nn.Module):
     ``"skip"``, ``"ignore"``), decided by ALL ranks together: each rank's verdict on
     its loss and its stages' gradients travels with the loss all-reduce, so every rank
     raises the same ``NonFiniteError`` (naming the step and the stage), or every rank
-    drops its gradients and sets ``last_step_skipped``.
+    drops its gradients and sets ``last_step_skipped``. ``retain_cpu_memory`` is ``GPipe``'s too.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -63,7 +65,7 @@ class DistributedGPipe(nn.Module):
                  seed: int | None = None, device: str | torch.device | None = None,
                  data_parallel_size: int | None = None, timeout: float = 300.0, virtual_stages: int = 1,
                  init_fn: InitFn | None = None, bucket_bytes: int = BUCKET_BYTES,
-                 nonfinite: str = "raise") -> None:
+                 nonfinite: str = "raise", retain_cpu_memory: bool = True) -> None:
         super().__init__()
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"unknown nonfinite policy {nonfinite!r}; allowed: {list(NONFINITE_POLICIES)}")
@@ -80,6 +82,8 @@ class DistributedGPipe(nn.Module):
         self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
         self.schedule, self.timeout, self.virtual_stages = schedule, float(timeout), virtual_stages
         self.device = resolve_device(device)
+        if self.device.type == "cpu" and retain_cpu_memory:
+            retain_freed_memory()
         self.seed = shared_seed(seed, self.device)
         if deferred_batch_norm:
             DeferredBatchNorm.convert(full)
@@ -254,8 +258,7 @@ class DistributedGPipe(nn.Module):
         if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
             shared[1] = 1.0
         for j, runtime in self.runtimes.items():
-            found = [p.grad.isfinite().all() for p in runtime.module.parameters() if p.grad is not None]
-            if found and not bool(torch.stack(found).all()):
+            if not all_finite(p.grad for p in runtime.module.parameters()):
                 shared[2 + j] = 1.0
 
     def _apply_policy(self, total: Tensor, verdict: Tensor) -> None:
