@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpipe_lab.models import build, layer_costs, token_cross_entropy
-from gpipe_lab.pipeline import balance_by_cost
+from gpipe_lab.pipeline import balance_by_cost, retain_freed_memory
 
 CHECKPOINTS = ("never", "except_last", "always")
 
@@ -150,6 +150,16 @@ def robust_time(fn: Callable[[], object], repeats: int, warmup: int,
         if i >= warmup:
             times.append(elapsed)
     return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}
+
+
+def prepare_process() -> bool:
+    """Give every contender in this process the engine's allocator setting; returns whether it applies.
+
+    ``GPipe`` / ``DistributedGPipe`` make glibc keep freed memory (``retain_freed_memory``,
+    process-wide). Setting it before anything is timed gives the unpipelined baseline and
+    torch.distributed.pipelining the same allocator, so the comparison is of the engines.
+    """
+    return retain_freed_memory()
 
 
 def load_average() -> list[float]:

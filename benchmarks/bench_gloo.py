@@ -2,7 +2,11 @@
 
 Each rank holds one stage and one intra-op thread. Both frameworks get the same
 workload (same seed: same weights, same batch) and the same balance. A step is
-timed on rank 0 between two barriers; the median over repeats is kept.
+timed on rank 0 between two barriers; the median over repeats is kept. Cases
+that differ only by framework are built together and their steps alternate
+(order flipped every round), so that the ratio ours/torch is not skewed by
+the machine's drift. Both frameworks run with the same allocator setting
+(``prepare_process``).
 
 torch.distributed.pipelining runs ``ScheduleGPipe`` / ``Schedule1F1B`` without
 re-materialization (it has none of its own), so it is compared with our
@@ -13,12 +17,12 @@ only on our transport.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from bench_common import SIZES, make_workload
+from bench_common import SIZES, make_workload, prepare_process
 
 from gpipe_lab.pipeline.distributed import DistributedGPipe
 from gpipe_lab.pipeline.distributed.launch import run_local
@@ -35,41 +39,34 @@ class GlooCase:
     checkpoint: str = "never"
 
 
-def _time_steps(step, repeats: int, warmup: int) -> dict[str, float]:
-    times = []
-    for i in range(warmup + max(1, repeats)):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    times.sort()
+def _summary(times: list[float]) -> dict[str, float]:
+    times = sorted(times)
     return {"median": times[len(times) // 2], "min": times[0], "max": times[-1], "n": len(times)}
 
 
-def _ours(case: GlooCase, sizes_name: str, rank: int) -> dict[str, object]:
-    sizes = SIZES[sizes_name]
-    work = make_workload(case.workload, sizes)
+def _ours(case: GlooCase, sizes_name: str, rank: int) -> tuple[Callable[[], None], Callable[[], dict]]:
+    """A step function of our ``DistributedGPipe`` and what to report after the timing."""
+    work = make_workload(case.workload, SIZES[sizes_name])
     pipe = DistributedGPipe(work.module, balance=work.balance, chunks=case.chunks, checkpoint=case.checkpoint,
                             schedule=case.schedule, seed=0)
     first, last = pipe.stage_index == 0, pipe.is_last_stage
-    bubbles: list[float] = []
 
     def step() -> None:
         pipe.train_step(work.inputs if first else None, work.targets if last else None, work.loss_fn)
         pipe.zero_grad(set_to_none=True)
 
-    timing = _time_steps(step, sizes.repeats, sizes.warmup)
-    bubbles.append(pipe.gather_timeline().measured_bubble())
-    return {"step": timing, "bubble": bubbles[-1], "memory": pipe.memory() if rank == 0 else None}
+    def report() -> dict:
+        return {"bubble": pipe.gather_timeline().measured_bubble(),
+                "memory": pipe.memory() if rank == 0 else None}
+
+    return step, report
 
 
-def _torch(case: GlooCase, sizes_name: str, rank: int) -> dict[str, object]:
+def _torch(case: GlooCase, sizes_name: str, rank: int) -> tuple[Callable[[], None], Callable[[], dict]]:
+    """A step function of torch.distributed.pipelining on the same workload."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    sizes = SIZES[sizes_name]
-    work = make_workload(case.workload, sizes)
+    work = make_workload(case.workload, SIZES[sizes_name])
     start = sum(work.balance[:rank])
     part = work.module[start:start + work.balance[rank]]
     stage = PipelineStage(part, rank, len(work.balance), torch.device("cpu"))
@@ -86,19 +83,43 @@ def _torch(case: GlooCase, sizes_name: str, rank: int) -> dict[str, object]:
             schedule.step()
         part.zero_grad(set_to_none=True)
 
-    return {"step": _time_steps(step, sizes.repeats, sizes.warmup)}
+    return step, dict
+
+
+def _run_group(group: Sequence[GlooCase], sizes_name: str, rank: int) -> list[dict]:
+    """Time the cases of one (workload, schedule, M) side by side: steps alternate, order flipped each round."""
+    sizes = SIZES[sizes_name]
+    made = [(case, *(_ours if case.framework == "ours" else _torch)(case, sizes_name, rank)) for case in group]
+    times: list[list[float]] = [[] for _ in made]
+    for i in range(sizes.warmup + max(1, sizes.repeats)):
+        order = list(range(len(made))) if i % 2 == 0 else list(range(len(made)))[::-1]
+        for j in order:
+            dist.barrier()
+            start = time.perf_counter()
+            made[j][1]()
+            dist.barrier()
+            if i >= sizes.warmup:
+                times[j].append(time.perf_counter() - start)
+    return [{**case.__dict__, "step": _summary(t), **report(), "error": None}
+            for (case, _, report), t in zip(made, times)]
 
 
 def gloo_worker(rank: int, world_size: int, cases: Sequence[GlooCase], sizes_name: str) -> list[dict]:
-    """Run every case on this rank (spawned by ``run_local``); rank 0's results are kept."""
+    """Run every case on this rank (spawned by ``run_local``); rank 0's results are kept.
+
+    Cases that differ only by framework run side by side (``_run_group``).
+    """
     torch.set_num_threads(1)
-    out = []
+    prepare_process()
+    groups: dict[tuple, list[GlooCase]] = {}
     for case in cases:
+        groups.setdefault((case.workload, case.schedule, case.chunks, case.checkpoint), []).append(case)
+    out = []
+    for group in groups.values():
         try:
-            res = (_ours if case.framework == "ours" else _torch)(case, sizes_name, rank)
-            out.append({**case.__dict__, **res, "error": None})
-        except Exception as exc:  # noqa: BLE001 - one failed case must not hide the others
-            out.append({**case.__dict__, "error": f"{type(exc).__name__}: {exc}"})
+            out += _run_group(group, sizes_name, rank)
+        except Exception as exc:  # noqa: BLE001 - one failed group must not hide the others
+            out += [{**case.__dict__, "error": f"{type(exc).__name__}: {exc}"} for case in group]
         dist.barrier()
     return out
 

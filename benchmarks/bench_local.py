@@ -10,9 +10,12 @@ For each workload, K=2 CPU stages with one intra-op thread each:
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Sequence
 
 import torch
+from bench_ceiling import measure_ceiling
 from bench_common import Sizes, Workload, robust_time, sync
 from torch import Tensor
 
@@ -87,25 +90,46 @@ def stage_microbatch_times(work: Workload, chunks: int, sizes: Sizes, device: st
 
 def pipeline_step(work: Workload, chunks: int, checkpoint: str, schedule: str, sizes: Sizes,
                   device: str) -> dict[str, object]:
-    """Median step time, measured bubble and time spent per action kind of ``GPipe.train_step``."""
+    """Median step time, measured bubble and time per action kind of ``GPipe.train_step``.
+
+    The unpipelined baseline step runs in the same rounds, alternating with the
+    pipelined one (order flipped every round), so that the speed-up is a ratio
+    of one run: this VM's speed drifts by 20% within minutes.
+    """
     pipe = GPipe(work.module, balance=work.balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                  devices=[device] * K, threads_per_stage=1, seed=0)
     bubbles: list[float] = []
     kinds: list[dict[str, float]] = []
+    times: dict[str, list[float]] = {"pipe": [], "base": []}
 
-    def step() -> None:
+    def pipe_step() -> None:
         pipe.train_step(work.inputs, work.targets, work.loss_fn)
         sync(device)
-        assert pipe.timeline is not None
-        bubbles.append(pipe.timeline.measured_bubble())
-        kinds.append({kind: pipe.timeline.time_in(kind) for kind in ("F", "B", "R", "wait")})
 
-    timing = robust_time(step, sizes.repeats, sizes.warmup, lambda: work.module.zero_grad(set_to_none=True))
-    measured = bubbles[sizes.warmup:] or bubbles
-    kept = kinds[sizes.warmup:] or kinds
-    med = sorted(measured)[len(measured) // 2]
-    return {"step": timing, "bubble": med, "bubble_min": min(measured),
-            "time_in": {k: sorted(d[k] for d in kept)[len(kept) // 2] for k in kept[0]},
+    def base_step() -> None:
+        torch.set_num_threads(1)
+        work.loss_fn(work.module(work.inputs), work.targets).backward()
+        sync(device)
+
+    for i in range(sizes.warmup + max(1, sizes.repeats)):
+        order = (("pipe", pipe_step), ("base", base_step))
+        for name, fn in order if i % 2 == 0 else order[::-1]:
+            work.module.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            if i >= sizes.warmup:
+                times[name].append(elapsed)
+                if name == "pipe":
+                    assert pipe.timeline is not None
+                    bubbles.append(pipe.timeline.measured_bubble())
+                    kinds.append({kind: pipe.timeline.time_in(kind) for kind in ("F", "B", "R", "wait")})
+    work.module.zero_grad(set_to_none=True)
+    return {"step": {"median": statistics.median(times["pipe"]), "min": min(times["pipe"]),
+                     "max": max(times["pipe"]), "n": len(times["pipe"])},
+            "baseline": statistics.median(times["base"]), "bubble": statistics.median_low(bubbles),
+            "bubble_min": min(bubbles),
+            "time_in": {k: statistics.median_low([d[k] for d in kinds]) for k in kinds[0]},
             "memory": pipe.memory()}
 
 
@@ -114,6 +138,7 @@ def run_workload(work: Workload, sizes: Sizes, device: str, microbatches: Sequen
     """The baseline, the stage times per M and the pipeline grid of one workload."""
     base = baseline_step(work, sizes, device)["median"]
     stage_times: dict[int, list[dict[str, float]]] = {}
+    ceilings: dict[int, dict[str, float]] = {}
     rows = []
     for m in microbatches:
         if m > work.targets.shape[0]:
@@ -122,19 +147,27 @@ def run_workload(work: Workload, sizes: Sizes, device: str, microbatches: Sequen
         t_fb = max(s["forward_backward"] for s in stage_times[m])
         t_fbr = max(s["forward_backward"] + s["forward"] for s in stage_times[m])
         ideals = {"never": (m + K - 1) * t_fb, "always": (m + K - 1) * t_fbr}
+        if m in extra_1f1b and not isinstance(work.inputs, tuple):
+            ceilings[m] = measure_ceiling(work, m, sizes)
         runs = [(c, "gpipe") for c in checkpoints] + ([("never", "1f1b")] if m in extra_1f1b else [])
         for checkpoint, schedule in runs:
             res = pipeline_step(work, m, checkpoint, schedule, sizes, device)
             step = res["step"]["median"]  # type: ignore[index]
             ideal = ideals.get(checkpoint)
+            ceiling = ceilings.get(m) if (checkpoint, schedule) == ("never", "gpipe") else None
             rows.append({
                 "M": m, "checkpoint": checkpoint, "schedule": schedule, "step_s": step,
-                "step_min_s": res["step"]["min"], "speedup": base / step,  # type: ignore[index]
+                "step_min_s": res["step"]["min"], "baseline_s": res["baseline"],  # type: ignore[index]
+                "speedup": res["baseline"] / step,  # type: ignore[operator]
                 "ideal_uncorrected_speedup": K * m / (m + K - 1),
                 "ideal_step_s": ideal, "fraction_of_ideal": None if ideal is None else ideal / step,
                 "bubble_measured": res["bubble"], "bubble_theory": analytic_bubble(K, m),
+                "parallel_scaling": ceiling and ceiling["parallel_scaling"],
+                "ceiling_step_s": ceiling and ceiling["ceiling_step_s"],
+                "fraction_of_ceiling": ceiling and ceiling["ceiling_step_s"] / step,
                 "time_in": res["time_in"],
             })
     work.module.zero_grad(set_to_none=True)
     return {"baseline_s": base, "stage_microbatch_s": {str(m): v for m, v in stage_times.items()},
+            "ceiling": {str(m): v for m, v in ceilings.items()},
             "balance": work.balance, "info": work.info, "rows": rows}

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import SIZES, Sizes, load_average, machine_info, make_workload
+from bench_common import SIZES, Sizes, load_average, machine_info, make_workload, prepare_process
 from bench_gloo import GlooCase, run_gloo
 from bench_local import run_workload
 from bench_memory import run_memory
@@ -66,11 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     start = time.perf_counter()
+    retained = prepare_process()
     results: dict = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                               "command": "python benchmarks/run.py " + shlex.join(sys.argv[1:] if argv is None
                                                                                    else argv),
                               "mode": sizes.name, "machine": machine_info(args.device),
-                              "load_before": load_average()},
+                              "load_before": load_average(),
+                              "allocator": "glibc, freed memory retained (retain_freed_memory), for every "
+                                           "contender" if retained else "system default"},
                      "local": {}, "memory": {}, "gloo": []}
     for name in sizes.models:
         print(f"[local] {name} ...", flush=True)

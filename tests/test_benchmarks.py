@@ -50,7 +50,15 @@ def test_json_structure(smoke):
         assert entry["baseline_s"] > 0, name
         for row in entry["rows"]:
             assert row["step_s"] > 0 and 0 <= row["bubble_theory"] < 1
-            assert row["speedup"] == pytest.approx(entry["baseline_s"] / row["step_s"])
+            assert row["baseline_s"] > 0
+            assert row["speedup"] == pytest.approx(row["baseline_s"] / row["step_s"])
+    ceiling = res["local"]["mlp"]["ceiling"]["4"]  # smoke: the M of the torch comparison
+    assert ceiling["parallel_scaling"] == pytest.approx(ceiling["sequential_s"] / ceiling["parallel_s"])
+    assert ceiling["ceiling_step_s"] == pytest.approx(ceiling["parallel_s"] * (4 + 1) / 4)
+    row = next(r for r in res["local"]["mlp"]["rows"] if (r["M"], r["checkpoint"], r["schedule"]) ==
+               (4, "never", "gpipe"))
+    assert row["fraction_of_ceiling"] == pytest.approx(ceiling["ceiling_step_s"] / row["step_s"])
+    assert res["meta"]["allocator"]
     assert res["overhead"]["actions"] == 2 * 2 * res["overhead"]["microbatches"]
     for t in res["targets"]:
         assert set(t) == TARGET_KEYS and t["status"] in ("PASS", "MISS", "N/A")
