@@ -2,12 +2,16 @@
 
     python experiments/trainability.py              # results/trainability.md + trainability.png
     python experiments/trainability.py --tiny --out /tmp/tr
+    gpipe-train -m experiment=paper_trainability model.ffn_init_scaling=true,false model.logit_clip=10,null seed=0,1,2
+    python experiments/trainability.py --from-multirun logs/train/multiruns/<time>
 
 Four variants (none / FFN init scaling / logit clipping / both) x several
 seeds, trained through GPipe (K=2 CPU stages, M=2) on the built-in synthetic
 translation task with a deliberately aggressive learning rate (no warm-up).
 Records loss curves, gradient-norm spikes (> 5x the median of the previous 10
-steps), non-finite steps (skipped updates), validation NLL and BLEU.
+steps), non-finite steps (skipped updates), validation NLL and BLEU. Settings:
+``conf/experiment/paper_trainability.yaml`` (model sizes, ``optimizer.lr``, data sizes,
+K / M, ``trainer.max_steps`` and the ``experiment`` block: seeds, clip threshold).
 """
 
 from __future__ import annotations
@@ -18,8 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import log_wandb, md_table, parser, provenance, write  # noqa: E402
+from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
+from multirun import load_runs, run_dirs_note  # noqa: E402
 from nmt_lib import spikes, train_translation  # noqa: E402
+
+EXPERIMENT = "paper_trainability"
+#: ``--tiny``: a 2 + 2-layer model, one seed, 4 steps.
+TINY = {EXPERIMENT: ["model.num_layers=2", "model.d_model=16", "model.ffn_dim=32", "trainer.max_steps=4",
+                     "experiment.seeds=[0]", "data.num_train=800", "data.num_val=32", "experiment.eval_batches=1"]}
+SIZE_KEYS = ("num_layers", "d_model", "ffn_dim", "num_heads")
 
 
 def variants(clip: float) -> dict[str, dict]:
@@ -56,23 +67,99 @@ def plot(runs: dict[str, list], path: Path) -> Path:
     return path
 
 
+def variant_of(ffn_init_scaling: object, logit_clip: object) -> str:
+    """The variant name of a run's two model options."""
+    return {(False, False): "none", (True, False): "ffn init scaling", (False, True): "logit clip",
+            (True, True): "both"}[(bool(ffn_init_scaling), logit_clip is not None)]
+
+
+def collected(dirs: list[Path]) -> tuple[list[str], list[list[object]], str, dict]:
+    """The variants' table from gpipe-train jobs of ``paper_trainability`` under ``dirs``."""
+    runs = load_runs(dirs, [EXPERIMENT])
+    groups: dict[str, list] = {}
+    for run in runs:
+        groups.setdefault(variant_of(run.get("model.ffn_init_scaling"), run.get("model.logit_clip")), []).append(run)
+    header = ["variant", "jobs (seeds)", "final train loss", "val loss (token NLL)", "BLEU", "non-finite steps",
+              "paper (§5)"]
+    table = []
+    for name in (n for n in ("none", "ffn init scaling", "logit clip", "both") if n in groups):
+        rs = groups[name]
+        nums = {k: [r.summary[k] for r in rs if r.summary.get(k) is not None]
+                for k in ("final_train_loss", "val_loss", "validation_value")}
+        raise_policy = all(r.get("pipeline.nonfinite") == "raise" for r in rs)
+        table.append([name, f"{len(rs)} ({sorted({r.summary.get('seed') for r in rs})})",
+                      *(mean_std(v) if v else "-" for v in nums.values()),
+                      "0 (pipeline.nonfinite=raise: one would have stopped the job)" if raise_policy else "-",
+                      PAPER_FIX[name]])
+    clips = sorted({str(r.get("model.logit_clip")) for r in runs if r.get("model.logit_clip") is not None})
+    text = (f"{run_dirs_note(dirs, runs)} Each job: gpipe-train (Lightning, GPipeStrategy), loss/metrics from "
+            f"its summary.json; logit clip threshold(s) {', '.join(clips) or '-'}. Gradient norms are not in "
+            "summary.json: `python experiments/trainability.py` records them.")
+    return header, table, text, {n: [r.summary for r in rs] for n, rs in groups.items()}
+
+
+def plot_collected(data: dict[str, list[dict]], path: Path) -> Path:
+    """Each job's final train loss and validation loss, one column per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, rows in enumerate(data.values()):
+        for key, marker in (("final_train_loss", "o"), ("val_loss", "s")):
+            ys = [r[key] for r in rows if r.get(key) is not None]
+            ax.plot([i] * len(ys), ys, marker, color="C0" if marker == "o" else "C1",
+                    label=("train loss" if marker == "o" else "val loss") if i == 0 else None)
+    ax.set_xticks(range(len(data)), list(data), fontsize=8)
+    ax.set(ylabel="loss (token mean)", title="gpipe-train jobs: final losses per variant")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+PAPER_FIX = {"none": "-", "ffn init scaling": "(i) scale down FFN init by the number of layers",
+             "logit clip": "(ii) clip logits above a magnitude", "both": "(i) + (ii), used for the deep models"}
+
+
 def main() -> None:
-    """Train every variant and seed; write ``trainability.md`` / ``.json`` / ``.png`` under ``--out``."""
-    p = parser(__doc__.split("\n")[0])
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--logit-clip", type=float, default=10.0, help="clipping threshold |logit| (paper: unstated)")
+    """Train every variant and seed; write ``trainability.md`` / ``.json`` / ``.png`` under ``--out``.
+
+    Raises:
+        ValueError: a bad override, or a multirun folder without paper_trainability jobs.
+    """
+    p = parser(__doc__.split("\n")[0], [EXPERIMENT], multirun=True)
+    p.add_argument("--seeds", type=int, help="seeds 0..N-1 (= experiment.seeds=[0,...,N-1])")
+    p.add_argument("--steps", type=int, help="= trainer.max_steps")
+    p.add_argument("--lr", type=float, help="= optimizer.lr")
+    p.add_argument("--logit-clip", type=float, help="= experiment.logit_clip (paper: unstated)")
     args = p.parse_args()
-    seeds, steps = (1, 4) if args.tiny else (args.seeds, args.steps)
-    size = dict(num_layers=2, d_model=16, ffn_dim=32, num_heads=2) if args.tiny else dict(
-        num_layers=12, d_model=32, ffn_dim=128, num_heads=2)
+    if args.from_multirun:
+        header, table, text, data = collected(args.from_multirun)
+        args.out.mkdir(parents=True, exist_ok=True)
+        png = plot_collected(data, args.out / "trainability.png")
+        md = ["# Trainability of a deep narrow Transformer", "", provenance(), "", text, "",
+              md_table(header, table), "", "![final losses](trainability.png)", ""]
+        path = write(args.out, "trainability.md", "\n".join(md), data)
+        log_wandb(args.wandb, args.out, "trainability", {"trainability": (header, table)}, [png])
+        print(path)
+        return
+    for flag, key in ((args.seeds, "experiment.seeds"), (args.steps, "trainer.max_steps"), (args.lr, "optimizer.lr"),
+                      (args.logit_clip, "experiment.logit_clip")):
+        if flag is not None:
+            args.overrides.append(f"{key}={list(range(flag)) if key == 'experiment.seeds' else flag}")
+    cfg = configs(args, [EXPERIMENT], TINY)[EXPERIMENT]
+    e, d = cfg.experiment, cfg.data
+    seeds, steps, lr, clip = list(e.seeds), int(cfg.trainer.max_steps), float(cfg.optimizer.lr), float(e.logit_clip)
+    size = {k: cfg.model[k] for k in SIZE_KEYS}
     runs: dict[str, list] = {}
-    for name, options in variants(args.logit_clip).items():
-        runs[name] = [train_translation(steps, seed=s, lr=args.lr, batch_size=32, num_train=800 if args.tiny
-                                        else 3000, num_val=32 if args.tiny else 128,
-                                        eval_batches=1 if args.tiny else 4, **size, **options)
-                      for s in range(seeds)]
+    for name, options in variants(clip).items():
+        runs[name] = [train_translation(steps, seed=s, lr=lr, batch_size=d.batch_size, num_train=d.num_train,
+                                        num_val=d.num_val, partitions=cfg.pipeline.partitions,
+                                        chunks=cfg.pipeline.chunks, eval_batches=e.eval_batches, **size, **options)
+                      for s in seeds]
     header = ["variant", "final train loss (last 10 steps)", "val NLL", "BLEU", "grad-norm spikes / run",
               "max grad norm", "non-finite steps"]
     table = []
@@ -88,13 +175,13 @@ def main() -> None:
     best = min(runs, key=lambda n: statistics.fmean(r.val_nll for r in runs[n]))
     params = runs["none"][0].params
     same = all(a.losses == b.losses for a, b in zip(runs["none"], runs["logit clip"]))
-    clip_line = (f"- Logit clipping at {args.logit_clip:g} never engaged: its runs are bit-identical to the unclipped ones "
+    clip_line = (f"- Logit clipping at {clip:g} never engaged: its runs are bit-identical to the unclipped ones "
                  "(same losses at every step), so at this scale it can neither help nor hurt."
                  if same else "- Logit clipping engaged (its loss curves differ from the unclipped runs).")
     md = ["# Trainability of a deep narrow Transformer", "", provenance(), "",
           f"{'TINY smoke run. ' if args.tiny else ''}Encoder-decoder `transformer_tiny` with {size} "
-          f"({params:,} parameters), {seeds} seed(s) x {steps} steps, Adam lr {args.lr} without warm-up, "
-          f"batch 32 sentences, GPipe K=2, M=2 on CPU; synthetic translation task. Logit clip threshold {args.logit_clip:g} "
+          f"({params:,} parameters), {len(seeds)} seed(s) {seeds} x {steps} steps, Adam lr {lr} without warm-up, "
+          f"batch {d.batch_size} sentences, GPipe K={cfg.pipeline.partitions}, M={cfg.pipeline.chunks} on CPU; synthetic translation task. Logit clip threshold {clip:g} "
           "(the paper gives none); FFN init scale L^-1/4 (Lingvo's depth^(-1/(2*2))).", "",
           md_table(header, table), "", "![loss and gradient norm](trainability.png)", "",
           "## What reproduces at this scale", "",
