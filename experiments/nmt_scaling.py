@@ -2,12 +2,17 @@
 
     python experiments/nmt_scaling.py              # results/nmt_scaling.md + nmt_scaling.png
     python experiments/nmt_scaling.py --tiny --out /tmp/nmt
+    gpipe-train -m experiment=paper_nmt_deep,paper_nmt_wide     # and, as a second multirun:
+    gpipe-train -m experiment=paper_nmt_batch data.tokens_per_batch=128,512,2048
+    python experiments/nmt_scaling.py --from-multirun logs/train/multiruns/<time 1> logs/train/multiruns/<time 2>
 
 (1) A deep-narrow and a shallow-wide encoder-decoder Transformer with (nearly)
 equal parameter counts, the analogue of T(24, 8192, 16) vs T(12, 16384, 32);
 (2) one model trained with three token budgets per batch, 4x apart like the
 paper's 260K / 1M / 4M. All on the synthetic translation task through GPipe
-(K=2, M=2) on CPU, for a fixed number of steps.
+(K=2, M=2) on CPU, for a fixed number of steps. Settings: ``conf/experiment/paper_nmt_{deep,wide,batch}.yaml``
+(model, ``optimizer.lr``, data, K / M, ``trainer.max_steps``, ``seed`` and their ``experiment`` blocks:
+warm-up, the token budgets).
 """
 
 from __future__ import annotations
@@ -17,12 +22,46 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import log_wandb, md_table, parser, provenance, write  # noqa: E402
-from nmt_lib import train_translation  # noqa: E402
+from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
+from multirun import load_runs, run_dirs_note  # noqa: E402
+from nmt_lib import RunResult, train_translation  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+EXPERIMENTS = ["paper_nmt_deep", "paper_nmt_wide", "paper_nmt_batch"]
+SIZE_KEYS = ("num_layers", "d_model", "ffn_dim", "num_heads")
+_TINY = ["model.d_model=16", "trainer.max_steps=4", "data.num_train=800", "data.num_val=32",
+         "experiment.eval_batches=1"]
+#: ``--tiny``: d 16, 4 steps, tiny token budgets.
+TINY = {"paper_nmt_deep": ["model.num_layers=4", "model.ffn_dim=64", *_TINY],
+        "paper_nmt_wide": ["model.ffn_dim=192", *_TINY],
+        "paper_nmt_batch": ["model.num_layers=4", "model.ffn_dim=64", "experiment.tokens_per_batch=[64,256,1024]",
+                            *_TINY]}
 
 PAPER_BATCH = [("260K", 30.92, 2.58), ("1M", 31.86, 2.51), ("4M", 32.71, 2.46)]
 PAPER_DEPTH = {"deep": "T(24, 8192, 16), 1.3B: 34.3 avg BLEU (read off a figure, uncertain)",
                "wide": "T(12, 16384, 32), 1.3B: 32.4 avg BLEU (read off a figure, uncertain)"}
+
+
+def paper_batch(i: int) -> tuple[object, ...]:
+    """The paper's i-th tokens-per-batch row (budget, BLEU, NLL), '-' past the third."""
+    return PAPER_BATCH[i] if i < len(PAPER_BATCH) else ("-", "-", "-")
+
+
+def plot_collected(rows: dict[str, float], path: Path) -> Path:
+    """Validation loss of every collected row (deep, wide, each token budget)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(list(rows), list(rows.values()), color=[f"C{i}" for i in range(len(rows))])
+    ax.set(ylabel="validation loss (token mean)", title="NMT scaling analogues (gpipe-train jobs)")
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot(curves: dict[str, list[float]], path: Path) -> Path:
@@ -43,28 +82,89 @@ def plot(curves: dict[str, list[float]], path: Path) -> Path:
     return path
 
 
+def train(cfg: DictConfig, **data: object) -> RunResult:
+    """``nmt_lib.train_translation`` with the config's model, optimizer, data, pipeline and steps."""
+    e, d = cfg.experiment, cfg.data
+    return train_translation(int(cfg.trainer.max_steps), seed=cfg.seed, lr=float(cfg.optimizer.lr), warmup=e.warmup,
+                             num_train=d.num_train, num_val=d.num_val, eval_batches=e.eval_batches,
+                             partitions=cfg.pipeline.partitions, chunks=cfg.pipeline.chunks,
+                             **data, **{k: cfg.model[k] for k in SIZE_KEYS})  # type: ignore[arg-type]
+
+
+def collected(dirs: list[Path]) -> tuple[list[str], list[list[object]], list[str], list[list[object]], str, dict]:
+    """Both tables from gpipe-train jobs of ``paper_nmt_*`` under ``dirs`` (means over the jobs of a row)."""
+    runs = load_runs(dirs, EXPERIMENTS)
+
+    def mean(rs: list, key: str) -> str:
+        v = [r.summary[key] for r in rs if r.summary.get(key) is not None]
+        return f"{sum(v) / len(v):.3f}" if v else "-"
+
+    def params(r: object) -> str:
+        return f"{sum(r.summary.get('stage_parameter_bytes') or []) // 4:,}"  # type: ignore[attr-defined]
+
+    depth = {role: [r for r in runs if r.experiment == f"paper_nmt_{role}"] for role in ("deep", "wide")}
+    d_header = ["model (ours)", "shape", "params", "jobs", "val loss", "BLEU", "paper (1.3B, 102 languages)"]
+    d_rows = [[role, {k: rs[0].get(f"model.{k}") for k in SIZE_KEYS}, params(rs[0]), len(rs), mean(rs, "val_loss"),
+               mean(rs, "validation_value"), PAPER_DEPTH[role]] for role, rs in depth.items() if rs]
+    budgets: dict[object, list] = {}
+    for r in runs:
+        if r.experiment == "paper_nmt_batch":
+            budgets.setdefault(r.get("data.tokens_per_batch"), []).append(r)
+    b_header = ["tokens per batch (ours, budget)", "jobs", "tokens/s (measured)", "val loss", "BLEU",
+                "paper tokens / batch", "paper BLEU", "paper NLL"]
+    b_rows = [[b, len(rs), mean(rs, "tokens_per_s"), mean(rs, "val_loss"), mean(rs, "validation_value"),
+               *paper_batch(i)]
+              for i, (b, rs) in enumerate(sorted(budgets.items(), key=lambda kv: kv[0] or 0))]
+    text = (f"{run_dirs_note(dirs, runs)} Each job: gpipe-train (Lightning, GPipeStrategy, no warm-up); val loss "
+            "(token mean) and BLEU from its summary.json; params = stage parameter bytes / 4 (float32).")
+    data = {"depth": {k: [r.summary for r in v] for k, v in depth.items()},
+            "batch": {str(k): [r.summary for r in v] for k, v in budgets.items()}}
+    return d_header, d_rows, b_header, b_rows, text, data
+
+
 def main() -> None:
-    """Train the analogues; write ``nmt_scaling.md`` / ``.json`` / ``.png`` under ``--out``."""
-    p = parser(__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--seed", type=int, default=0)
+    """Train the analogues (or collect gpipe-train jobs); write ``nmt_scaling.md`` / ``.json`` / ``.png``.
+
+    Raises:
+        ValueError: a bad override, or multirun folders without paper_nmt_* jobs.
+    """
+    p = parser(__doc__.split("\n")[0], EXPERIMENTS, multirun=True)
+    p.add_argument("--steps", type=int, help="= trainer.max_steps")
+    p.add_argument("--seed", type=int, help="= seed")
     args = p.parse_args()
-    steps = 4 if args.tiny else args.steps
-    common = dict(seed=args.seed, lr=2e-3, warmup=10, num_train=800 if args.tiny else 4000,
-                  num_val=32 if args.tiny else 128, eval_batches=1 if args.tiny else 4)
-    d = 16 if args.tiny else 32
-    shapes = {"deep": dict(num_layers=8 if not args.tiny else 4, d_model=d, ffn_dim=4 * d, num_heads=2),
-              "wide": dict(num_layers=2, d_model=d, ffn_dim=(25 if not args.tiny else 12) * d, num_heads=4)}
-    depth = {name: train_translation(steps, batch_size=32, **common, **shape) for name, shape in shapes.items()}
-    budgets = [64, 256, 1024] if args.tiny else [128, 512, 2048]
-    batch = {b: train_translation(steps, tokens_per_batch=b, batch_size=None, **common, **shapes["deep"])
-             for b in budgets}
+    if args.from_multirun:
+        d_header, d_rows, b_header, b_rows, text, data = collected(args.from_multirun)
+        args.out.mkdir(parents=True, exist_ok=True)
+        losses = {str(r[0]): float(r[4]) for r in d_rows if r[4] != "-"}
+        losses.update({f"{r[0]} tokens/batch": float(r[3]) for r in b_rows if r[3] != "-"})
+        png = plot_collected(losses, args.out / "nmt_scaling.png")
+        md = ["# NMT scaling analogues: depth vs width, and tokens per batch", "", provenance(), "", text, "",
+              "## Depth vs width at equal parameters", "", md_table(d_header, d_rows), "",
+              "## Tokens per batch (the deep model)", "", md_table(b_header, b_rows), "",
+              "![validation loss](nmt_scaling.png)", ""]
+        path = write(args.out, "nmt_scaling.md", "\n".join(md), data)
+        log_wandb(args.wandb, args.out, "nmt_scaling", {"depth_width": (d_header, d_rows),
+                                                         "batch_size": (b_header, b_rows)}, [png])
+        print(path)
+        return
+    args.overrides += [f"trainer.max_steps={args.steps}"] * (args.steps is not None)
+    args.overrides += [f"seed={args.seed}"] * (args.seed is not None)
+    if args.experiment:
+        raise ValueError(f"--experiment {args.experiment}: nmt_scaling.py reads all of {EXPERIMENTS}; "
+                         "use key=value overrides (they apply to each of them)")
+    cfgs = configs(args, EXPERIMENTS, TINY)
+    deep, wide, batch_cfg = (cfgs[n] for n in EXPERIMENTS)
+    steps, seed = int(deep.trainer.max_steps), deep.seed
+    shapes = {name: {k: c.model[k] for k in SIZE_KEYS} for name, c in (("deep", deep), ("wide", wide))}
+    depth = {name: train(c, batch_size=c.data.batch_size) for name, c in (("deep", deep), ("wide", wide))}
+    budgets = list(batch_cfg.experiment.tokens_per_batch)
+    batch = {b: train(batch_cfg, tokens_per_batch=b, batch_size=None) for b in budgets}
     d_header = ["model (ours)", "shape", "params", "val NLL", "BLEU", "paper (1.3B, 102 languages)"]
     d_rows = [[name, shapes[name], f"{r.params:,}", f"{r.val_nll:.3f}", f"{r.bleu:.2f}", PAPER_DEPTH[name]]
               for name, r in depth.items()]
     b_header = ["tokens per batch (ours, budget)", "target tokens / step (measured)", "val NLL", "BLEU",
                 "paper tokens / batch", "paper BLEU", "paper NLL"]
-    b_rows = [[b, f"{r.tokens_per_step:.0f}", f"{r.val_nll:.3f}", f"{r.bleu:.2f}", *PAPER_BATCH[i]]
+    b_rows = [[b, f"{r.tokens_per_step:.0f}", f"{r.val_nll:.3f}", f"{r.bleu:.2f}", *paper_batch(i)]
               for i, (b, r) in enumerate(batch.items())]
     args.out.mkdir(parents=True, exist_ok=True)
     curves = {f"{n} ({r.params:,} params)": r.losses for n, r in depth.items()}
@@ -74,8 +174,9 @@ def main() -> None:
     md = ["# NMT scaling analogues: depth vs width, and tokens per batch", "", provenance(), "",
           f"{'TINY smoke run. ' if args.tiny else ''}**Analogues, not the paper's experiments**: a "
           f"synthetic language pair (~100-word vocabulary), models of ~{depth['deep'].params // 1000}K "
-          f"parameters, {steps} steps each, seed {args.seed}, Adam lr 2e-3 with 10 warm-up steps, GPipe "
-          "K=2, M=2 on CPU. The paper: 102-language in-house corpus, 1.3B-parameter models (depth vs width), "
+          f"parameters, {steps} steps each, seed {seed}, Adam lr {deep.optimizer.lr} with {deep.experiment.warmup} "
+          f"warm-up steps, GPipe K={deep.pipeline.partitions}, M={deep.pipeline.chunks} on CPU (settings: "
+          f"{', '.join(f'`conf/experiment/{n}.yaml`' for n in EXPERIMENTS)}). The paper: 102-language in-house corpus, 1.3B-parameter models (depth vs width), "
           "Transformer-Big German-English (batch size).", "",
           "## Depth vs width at equal parameters", "", md_table(d_header, d_rows), "",
           "## Tokens per batch (the deep model)", "", md_table(b_header, b_rows), "",

@@ -79,7 +79,7 @@ def collected(dirs: list[Path]) -> tuple[list[str], list[list[object]], str, dic
     groups: dict[str, list] = {}
     for run in runs:
         groups.setdefault(variant_of(run.get("model.ffn_init_scaling"), run.get("model.logit_clip")), []).append(run)
-    header = ["variant", "jobs (seeds)", "final train loss", "val loss (token NLL)", "BLEU", "non-finite steps",
+    header = ["variant", "jobs (seeds)", "final train loss", "val loss (token mean)", "BLEU", "non-finite steps",
               "paper (§5)"]
     table = []
     for name in (n for n in ("none", "ffn init scaling", "logit clip", "both") if n in groups):

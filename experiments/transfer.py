@@ -22,15 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import log_wandb, md_table, parser, provenance, write  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+from common import compose_experiment, experiment_names, log_wandb, md_table, parser, provenance, write  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from gpipe_lab.data import Cutout, build_datamodule  # noqa: E402
 from gpipe_lab.models import build  # noqa: E402
 from gpipe_lab.pipeline import GPipe  # noqa: E402
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 PAPER = [("transfer_cifar10", "CIFAR-10", 99.0), ("transfer_cifar100", "CIFAR-100", 91.3),
          ("transfer_cars", "Stanford Cars", 94.6), ("transfer_pets", "Oxford-IIIT Pets", 95.9),
          ("transfer_food101", "Food-101", 93.0), ("transfer_aircraft", "FGVC Aircraft", 92.7),
@@ -38,9 +36,15 @@ PAPER = [("transfer_cifar10", "CIFAR-10", 99.0), ("transfer_cifar100", "CIFAR-10
 
 
 def load_config(experiment: str, overrides: list[str]) -> DictConfig:
-    """Compose ``train.yaml`` with ``experiment=<experiment>`` and ``overrides`` (no Hydra run)."""
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        return compose("train", overrides=[f"experiment={experiment}", "logger=none", *overrides])
+    """Compose ``train.yaml`` with ``experiment=<experiment>`` and ``overrides`` (no Hydra run).
+
+    Raises:
+        ValueError: not a ``transfer_*`` experiment (naming the allowed ones).
+    """
+    allowed = [n for n in experiment_names() if n.startswith("transfer_")]
+    if experiment not in allowed:
+        raise ValueError(f"experiment {experiment!r} is not a transfer experiment; allowed: {', '.join(allowed)}")
+    return compose_experiment(experiment, overrides)
 
 
 def load_backbone(model: torch.nn.Sequential, checkpoint: str | Path) -> list[str]:
@@ -144,7 +148,7 @@ def run(cfg: DictConfig, out: Path, seed: int) -> dict[str, float]:
 def main() -> None:
     """Run one transfer experiment and write ``transfer.md`` / ``.json`` under ``--out``."""
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--experiment", default="transfer_synthetic")
+    p.add_argument("--experiment", default="transfer_synthetic", help="a conf/experiment/transfer_*.yaml")
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. transfer.checkpoint=/x.ckpt")
     args = p.parse_args()
