@@ -28,8 +28,9 @@ from gpipe_lab.pipeline.distributed.materialize import InitFn, build_module, loc
 from gpipe_lab.pipeline.distributed.setup import resolve_balance, resolve_device, shared_seed
 from gpipe_lab.pipeline.distributed.state import gather_full_state_dict, local_state_dict
 from gpipe_lab.pipeline.distributed.topology import build_topology
+from gpipe_lab.pipeline.distributed.verdict import describe_problem, verdict_vector
 from gpipe_lab.pipeline.dropout import convert_dropout
-from gpipe_lab.pipeline.finite import NONFINITE_POLICIES, NonFiniteError, all_finite
+from gpipe_lab.pipeline.finite import NONFINITE_POLICIES, NonFiniteError
 from gpipe_lab.pipeline.gpipe import checkpointed_microbatches
 from gpipe_lab.pipeline.interleaved import rank_schedule
 from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, split, unwrap
@@ -235,17 +236,11 @@ class DistributedGPipe(nn.Module):
             raise
         with torch.enable_grad():
             loss, outputs = self._execute(inputs, targets, plan, False, return_outputs)
-        # [loss share, loss not finite, stage j's gradients not finite for each chunk j]: one
-        # all-reduce over every rank shares the loss AND the verdict, so all ranks act alike.
-        num_virtual = self.num_stages * self.virtual_stages
-        shared = torch.zeros(2 + num_virtual, device=self.device)
-        if loss is not None:
-            shared[0] = loss.detach().float() / self.dp_size
-        if self.nonfinite != "ignore":
-            self._local_verdict(loss, shared)
+        shared = verdict_vector(loss, self.runtimes, self.num_stages * self.virtual_stages, self.dp_size,
+                                self.nonfinite != "ignore", self.device)
         wait_works([dist.all_reduce(shared, async_op=True)], "sharing the loss", None, self.timeout, self.abort)
         total = shared[0].clone()
-        self._apply_policy(total, shared[1:])
+        self._apply_policy(describe_problem(shared, self.num_stages, self.virtual_stages))
         if not self.last_step_skipped:
             for m in self.local.modules():
                 if isinstance(m, DeferredBatchNorm):
@@ -253,25 +248,9 @@ class DistributedGPipe(nn.Module):
         self.step_count += 1
         return (total, outputs) if return_outputs else total
 
-    def _local_verdict(self, loss: Tensor | None, shared: Tensor) -> None:
-        """Mark this rank's non-finite loss (slot 1) and its chunks' non-finite gradients (2 + j)."""
-        if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
-            shared[1] = 1.0
-        for j, runtime in self.runtimes.items():
-            if not all_finite(p.grad for p in runtime.module.parameters()):
-                shared[2 + j] = 1.0
-
-    def _apply_policy(self, total: Tensor, verdict: Tensor) -> None:
+    def _apply_policy(self, problem: str | None) -> None:
         """Raise, or skip the step (drop the gradients), on every rank alike."""
         self.last_step_skipped = False
-        problem = None
-        last = self.num_stages * self.virtual_stages - 1
-        if verdict[0] > 0:
-            problem = f"loss is {total.item()} (computed on stage {self._stage_name(last)})"
-        else:
-            bad = [j for j in range(len(verdict) - 1) if verdict[1 + j] > 0]
-            if bad:
-                problem = f"gradients of stage {self._stage_name(bad[0])} are not finite"
         if problem is None:
             return
         for m in self.local.modules():
@@ -282,11 +261,6 @@ class DistributedGPipe(nn.Module):
         self.local.zero_grad(set_to_none=True)
         self.skipped_steps += 1
         self.last_step_skipped = True
-
-    def _stage_name(self, chunk: int) -> str:
-        if self.virtual_stages == 1:
-            return str(chunk)
-        return f"{chunk % self.num_stages} (chunk {chunk})"
 
     def forward(self, inputs: Value | None, broadcast: bool = True) -> Value | None:  # noqa: D401
         """Evaluation forward; the output is on the last stage, and on every rank of the
