@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -77,17 +77,33 @@ def parser(description: str, experiments: Sequence[str] = (), multirun: bool = F
 def configs(args: argparse.Namespace, defaults: Sequence[str], tiny: dict[str, Sequence[str]] | None = None,
             ) -> dict[str, DictConfig]:
     """Compose each selected experiment (``--experiment`` or ``defaults``): ``--tiny``'s overrides
-    (``tiny[name]``) first, then the command line's.
+    (``tiny[name]``) first, then the command line's. A ``key=value`` override goes to every selected
+    config that has ``key`` (``+key=``/``~key`` to all), so ``model.num_filters=8`` changes the AmoebaNet
+    config of a script that also reads a Transformer one.
 
     Raises:
-        ValueError: an override that is not ``key=value``, or an unknown experiment name.
+        ValueError: an override that is not ``key=value``, or whose key none of the configs has;
+            an unknown experiment name.
     """
-    bad = [o for o in getattr(args, "overrides", []) if "=" not in o]
+    overrides = list(getattr(args, "overrides", []))
+    bad = [o for o in overrides if "=" not in o and not o.startswith("~")]
     if bad:
         raise ValueError(f"override {bad[0]!r} is not key=value (e.g. experiment.steps=1)")
     names = getattr(args, "experiment", None) or list(defaults)
     first = (tiny or {}) if args.tiny else {}
-    return {n: compose_experiment(n, [*first.get(n, ()), *args.overrides]) for n in names}
+    base = {n: compose_experiment(n, first.get(n, ())) for n in names}
+    absent = object()
+
+    def has(cfg: DictConfig, override: str) -> bool:
+        key = override.split("=", 1)[0]
+        return key.startswith(("+", "~")) or OmegaConf.select(cfg, key, default=absent) is not absent
+
+    unused = [o for o in overrides if not any(has(c, o) for c in base.values())]
+    if unused:
+        raise ValueError(f"override {unused[0]!r}: no key {unused[0].split('=', 1)[0]!r} in "
+                         f"{', '.join(names)} (add a key with +key=value)")
+    return {n: compose_experiment(n, [*first.get(n, ()), *(o for o in overrides if has(c, o))])
+            if overrides else c for n, c in base.items()}
 
 
 def provenance(argv: Sequence[str] | None = None) -> str:
