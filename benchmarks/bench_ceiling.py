@@ -11,16 +11,18 @@ beat it, so the benchmark reports the pipeline against this ceiling too.
 
 ceiling step = parallel time · (M + K - 1) / M (fill-drain at this machine's
 parallel speed); fraction of ceiling = ceiling step / measured pipeline step.
+``bench_local`` times both runs in the same alternating rounds as the pipeline
+step and the unpipelined baseline, so all four numbers see the same machine.
 """
 
 from __future__ import annotations
 
 import statistics
 import threading
-import time
+from collections.abc import Callable
 
 import torch
-from bench_common import Sizes, Workload
+from bench_common import Workload
 from torch import Tensor
 
 K = 2
@@ -58,8 +60,8 @@ def _stage_jobs(work: Workload, chunks: int) -> list:
     return jobs
 
 
-def measure_ceiling(work: Workload, chunks: int, sizes: Sizes) -> dict[str, float]:
-    """Sequential vs parallel time of the stages' independent work; medians of interleaved rounds."""
+def ceiling_functions(work: Workload, chunks: int) -> dict[str, Callable[[], None]]:
+    """``sequential`` and ``parallel`` runs of the stages' independent work, to time alternately."""
     jobs = _stage_jobs(work, chunks)
 
     def sequential() -> None:
@@ -73,14 +75,11 @@ def measure_ceiling(work: Workload, chunks: int, sizes: Sizes) -> dict[str, floa
         for t in threads:
             t.join()
 
-    times: dict[str, list[float]] = {"sequential": [], "parallel": []}
-    for i in range(sizes.warmup + max(1, sizes.repeats)):
-        pair = (("sequential", sequential), ("parallel", parallel))
-        for name, fn in pair if i % 2 == 0 else pair[::-1]:
-            start = time.perf_counter()
-            fn()
-            if i >= sizes.warmup:
-                times[name].append(time.perf_counter() - start)
-    seq, par = statistics.median(times["sequential"]), statistics.median(times["parallel"])
+    return {"sequential": sequential, "parallel": parallel}
+
+
+def ceiling_summary(sequential: list[float], parallel: list[float], chunks: int) -> dict[str, float]:
+    """Scaling and ceiling step from the timed runs (medians)."""
+    seq, par = statistics.median(sequential), statistics.median(parallel)
     return {"M": chunks, "sequential_s": seq, "parallel_s": par, "parallel_scaling": seq / par,
             "ceiling_step_s": par * (chunks + K - 1) / chunks}

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 import torch
-from bench_ceiling import measure_ceiling
+from bench_ceiling import ceiling_functions, ceiling_summary
 from bench_common import Sizes, Workload, robust_time, sync
 from torch import Tensor
 
@@ -89,7 +89,7 @@ def stage_microbatch_times(work: Workload, chunks: int, sizes: Sizes, device: st
 
 
 def pipeline_step(work: Workload, chunks: int, checkpoint: str, schedule: str, sizes: Sizes,
-                  device: str) -> dict[str, object]:
+                  device: str, ceiling: bool = False) -> dict[str, object]:
     """Median step time, measured bubble and time per action kind of ``GPipe.train_step``.
 
     The unpipelined baseline step runs in the same rounds, alternating with the
@@ -111,8 +111,10 @@ def pipeline_step(work: Workload, chunks: int, checkpoint: str, schedule: str, s
         work.loss_fn(work.module(work.inputs), work.targets).backward()
         sync(device)
 
+    extra = ceiling_functions(work, chunks) if ceiling else {}
+    order = [("pipe", pipe_step), ("base", base_step), *extra.items()]
+    times.update({name: [] for name in extra})
     for i in range(sizes.warmup + max(1, sizes.repeats)):
-        order = (("pipe", pipe_step), ("base", base_step))
         for name, fn in order if i % 2 == 0 else order[::-1]:
             work.module.zero_grad(set_to_none=True)
             start = time.perf_counter()
@@ -130,7 +132,8 @@ def pipeline_step(work: Workload, chunks: int, checkpoint: str, schedule: str, s
             "baseline": statistics.median(times["base"]), "bubble": statistics.median_low(bubbles),
             "bubble_min": min(bubbles),
             "time_in": {k: statistics.median_low([d[k] for d in kinds]) for k in kinds[0]},
-            "memory": pipe.memory()}
+            "memory": pipe.memory(),
+            "ceiling": ceiling_summary(times["sequential"], times["parallel"], chunks) if ceiling else None}
 
 
 def run_workload(work: Workload, sizes: Sizes, device: str, microbatches: Sequence[int],
@@ -147,14 +150,16 @@ def run_workload(work: Workload, sizes: Sizes, device: str, microbatches: Sequen
         t_fb = max(s["forward_backward"] for s in stage_times[m])
         t_fbr = max(s["forward_backward"] + s["forward"] for s in stage_times[m])
         ideals = {"never": (m + K - 1) * t_fb, "always": (m + K - 1) * t_fbr}
-        if m in extra_1f1b and not isinstance(work.inputs, tuple):
-            ceilings[m] = measure_ceiling(work, m, sizes)
         runs = [(c, "gpipe") for c in checkpoints] + ([("never", "1f1b")] if m in extra_1f1b else [])
         for checkpoint, schedule in runs:
-            res = pipeline_step(work, m, checkpoint, schedule, sizes, device)
+            want_ceiling = (m in extra_1f1b and (checkpoint, schedule) == ("never", "gpipe")
+                            and not isinstance(work.inputs, tuple))
+            res = pipeline_step(work, m, checkpoint, schedule, sizes, device, want_ceiling)
             step = res["step"]["median"]  # type: ignore[index]
             ideal = ideals.get(checkpoint)
-            ceiling = ceilings.get(m) if (checkpoint, schedule) == ("never", "gpipe") else None
+            ceiling = res["ceiling"]
+            if ceiling:
+                ceilings[m] = ceiling  # type: ignore[assignment]
             rows.append({
                 "M": m, "checkpoint": checkpoint, "schedule": schedule, "step_s": step,
                 "step_min_s": res["step"]["min"], "baseline_s": res["baseline"],  # type: ignore[index]
