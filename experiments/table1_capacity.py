@@ -83,8 +83,9 @@ def largest_filters(a: DictConfig, L: int, k: int, micro: int, remat: bool, scal
     return largest(lambda u: amoeba_plan(a, L, u * step, k, micro, remat, scale).fits, a.search_upper // step) * step
 
 
-def amoebanet_table(a: DictConfig) -> tuple[list[str], list[list[str]]]:
-    """Rows of the AmoebaNet half (paper config, ours at that config, our largest)."""
+def amoebanet_table(a: DictConfig, counts: dict | None = None) -> tuple[list[str], list[list[str]]]:
+    """Rows of the AmoebaNet half (paper config, ours at that config, our largest); ``counts`` (if given)
+    receives column -> (ours at the paper's config, our largest) parameter counts."""
     header = [f"{a.memory_gib:g} GiB accelerators", *a.columns]
     rows: dict[str, list[str]] = {k: [] for k in (
         "paper (L, D)", "paper # params", "ours # params (exact count)", "paper param memory",
@@ -103,6 +104,8 @@ def amoebanet_table(a: DictConfig) -> tuple[list[str], list[list[str]]]:
         best_params = sum(r.params for r in layer_records(
             a.family, num_layers=L, num_filters=best, image_size=a.image_size)) if best else 0
         acts = [p.activation_bytes for p in plan.partitions]
+        if counts is not None:
+            counts[col] = (plan.params, best_params)
         planned = "" if (k, L, D) == (pk, pL, pD) else f" (planned: K={k}, ({L}, {D}))"
         for key, value in zip(rows, (
                 f"({pL}, {pD}){planned}", p_params, f"{plan.params:,} ({fmt_count(plan.params)})", p_mem,
@@ -131,8 +134,8 @@ def most_layers(t: DictConfig, k: int, micro: int, remat: bool, scale: float = 1
     return largest(fits, t.search_upper)
 
 
-def transformer_table(t: DictConfig) -> tuple[list[str], list[list[str]]]:
-    """Rows of the Transformer-L half."""
+def transformer_table(t: DictConfig, counts: dict | None = None) -> tuple[list[str], list[list[str]]]:
+    """Rows of the Transformer-L half; ``counts`` as in ``amoebanet_table``."""
     header = [f"{t.memory_gib:g} GiB accelerators", *t.columns]
     rows: dict[str, list[str]] = {k: [] for k in (
         "paper layers", "paper # params", "ours # params (exact count)", "paper param memory",
@@ -151,6 +154,8 @@ def transformer_table(t: DictConfig) -> tuple[list[str], list[list[str]]]:
         quarter = most_layers(t, k, micro if naive else t.batch // 4, remat)
         best_params = sum(r.params for r in layer_records(t.family, num_layers=best, seq_len=t.seq_len)) if best else 0
         acts = [p.activation_bytes for p in plan.partitions]
+        if counts is not None:
+            counts[col] = (plan.params, best_params)
         planned = "" if (k, layers) == (pk, p_layers) else f" (planned: {layers}, K={k})"
         for key, value in zip(rows, (
                 f"{p_layers}{planned}", p_params, f"{plan.params:,} ({fmt_count(plan.params)})", p_mem,
@@ -175,6 +180,36 @@ def microbatch_sensitivity(a: DictConfig, ms: list[int]) -> tuple[list[str], lis
     return header, rows
 
 
+def count(text: str) -> float:
+    """'82M' / '1.05B' -> a number."""
+    return float(text[:-1]) * {"M": 1e6, "B": 1e9}[text[-1]]
+
+
+def plot(amoeba: dict, transformer: dict, path: Path) -> Path:
+    """Parameters per column: the paper's, ours at the paper's config, our largest that fits (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (title, ours, paper, field) in zip(axes, (
+            ("AmoebaNet-D", amoeba, AMOEBA_PAPER, 3), ("Transformer-L", transformer, TRANSFORMER_PAPER, 2))):
+        cols = list(ours)
+        x = range(len(cols))
+        for i, (label, values) in enumerate((
+                ("paper", [count(paper[c][field]) for c in cols]), ("ours at the config", [ours[c][0] for c in cols]),
+                ("ours: largest that fits", [ours[c][1] for c in cols]))):
+            ax.bar([v + (i - 1) * 0.27 for v in x], values, width=0.27, label=label)
+        ax.set_xticks(list(x), cols, fontsize=8)
+        ax.set(yscale="log", ylabel="# parameters", title=title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 NOTES = Path(__file__).with_name("table1_notes.md")
 
 
@@ -187,8 +222,10 @@ def main() -> None:
     args = parser(__doc__.split("\n")[0], [EXPERIMENT]).parse_args()
     cfg = configs(args, [EXPERIMENT], TINY)[EXPERIMENT].experiment
     a, t = cfg.amoebanet, cfg.transformer
-    a_head, a_rows = amoebanet_table(a)
-    t_head, t_rows = transformer_table(t)
+    a_counts: dict = {}
+    t_counts: dict = {}
+    a_head, a_rows = amoebanet_table(a, a_counts)
+    t_head, t_rows = transformer_table(t, t_counts)
     ms = sorted({*cfg.microbatch_sweep})
     m_head, m_rows = microbatch_sensitivity(a, [m for m in ms if a.batch % m == 0])
     a_micro = a.microbatches or a.batch
@@ -211,13 +248,15 @@ def main() -> None:
         "The paper's Naive-1 memory cells look swapped (282.2M x 12 B = 3.15 GiB is the parameter memory).", "",
         md_table(t_head, t_rows), "",
         "## Peak activation of the paper's Pipeline-k AmoebaNet configs against M (sum over stages)", "",
-        md_table(m_head, m_rows), "",
+        md_table(m_head, m_rows), "", "![parameters per column](table1_capacity.png)", "",
         NOTES.read_text() if NOTES.exists() and not args.tiny else ""]
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = plot(a_counts, t_counts, args.out / "table1_capacity.png")
     path = write(args.out, "table1_capacity.md", "\n".join(md),
                  {"amoebanet": [a_head, *a_rows], "transformer": [t_head, *t_rows],
                   "microbatches": [m_head, *m_rows]})
     log_wandb(args.wandb, args.out, "table1_capacity",
-              {"amoebanet": (a_head, a_rows), "transformer": (t_head, t_rows), "microbatches": (m_head, m_rows)})
+              {"amoebanet": (a_head, a_rows), "transformer": (t_head, t_rows), "microbatches": (m_head, m_rows)}, [png])
     print(path)
 
 
