@@ -52,20 +52,22 @@ def compose_experiment(name: str, overrides: Sequence[str] = ()) -> DictConfig:
         return compose("train", overrides=[f"experiment={name}", "logger=none", *overrides])
 
 
-def parser(description: str, experiments: Sequence[str] = (), multirun: bool = False) -> argparse.ArgumentParser:
+def parser(description: str, experiments: Sequence[str] = (), multirun: bool = False,
+           selectable: bool = True) -> argparse.ArgumentParser:
     """An ``ArgumentParser`` with the common ``--out``, ``--tiny`` and ``--wandb`` options.
 
-    With ``experiments`` (the configs the script reads by default) it also takes
-    ``--experiment NAME`` (repeatable: only these) and Hydra ``key=value`` overrides;
+    With ``experiments`` (the configs the script reads by default) it also takes Hydra
+    ``key=value`` overrides and, if ``selectable``, ``--experiment NAME`` (repeatable: only these);
     with ``multirun`` also ``--from-multirun DIR [DIR ...]`` (gpipe-train -m output).
     """
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", type=Path, default=RESULTS, help="output directory (default: results/)")
     p.add_argument("--tiny", action="store_true", help="seconds-long smoke run at toy sizes")
     p.add_argument("--wandb", action="store_true", help="log the table and plots to wandb (offline)")
-    if experiments:
-        p.add_argument("--experiment", action="append", choices=experiment_names(), metavar="NAME",
+    if experiments and selectable:
+        p.add_argument("--experiment", action="append", choices=list(experiments), metavar="NAME",
                        help=f"experiment config(s) to run (default: {', '.join(experiments)})")
+    if experiments:
         p.add_argument("overrides", nargs="*", metavar="key=value",
                        help="Hydra overrides of the experiment config(s), e.g. experiment.steps=1")
     if multirun:

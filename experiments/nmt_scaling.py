@@ -128,7 +128,7 @@ def main() -> None:
     Raises:
         ValueError: a bad override, or multirun folders without paper_nmt_* jobs.
     """
-    p = parser(__doc__.split("\n")[0], EXPERIMENTS, multirun=True)
+    p = parser(__doc__.split("\n")[0], EXPERIMENTS, multirun=True, selectable=False)  # the tables need all three
     p.add_argument("--steps", type=int, help="= trainer.max_steps")
     p.add_argument("--seed", type=int, help="= seed")
     args = p.parse_args()
@@ -149,9 +149,6 @@ def main() -> None:
         return
     args.overrides += [f"trainer.max_steps={args.steps}"] * (args.steps is not None)
     args.overrides += [f"seed={args.seed}"] * (args.seed is not None)
-    if args.experiment:
-        raise ValueError(f"--experiment {args.experiment}: nmt_scaling.py reads all of {EXPERIMENTS}; "
-                         "use key=value overrides (they apply to each of them)")
     cfgs = configs(args, EXPERIMENTS, TINY)
     deep, wide, batch_cfg = (cfgs[n] for n in EXPERIMENTS)
     steps, seed = int(deep.trainer.max_steps), deep.seed

@@ -115,8 +115,11 @@ def measured_table(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], li
         ks = sorted({*e.measured_k, *e.simulated_k} - {1})
         cols = [(k, "measured") for k in ks if k in e.measured_k]
         cols = sorted(cols + [(k, "simulated") for k in ks], key=lambda c: (c[0], c[1] != "measured"))
-        header = header or ["model (ours)", "M", *(f"K={k} {kind}" for k, kind in cols),
-                            "paper K=2", "paper K=4", "paper K=8"]
+        mine = ["model (ours)", "M", *(f"K={k} {kind}" for k, kind in cols), "paper K=2", "paper K=4", "paper K=8"]
+        if header is not None and mine != header:
+            raise ValueError(f"the configs' K grids differ ({header[2:-3]} vs {mine[2:-3]}): give "
+                             "experiment.measured_k / simulated_k once for all, or run one --experiment at a time")
+        header = mine
         for m in e.chunks:
             cells = [cell(meas, sim, (work.label, k, m), kind, k in e.measured_k) for k, kind in cols]
             table.append([f"{NAMES[work.label]} analogue", m, *cells, *paper(work.label, m)])

@@ -17,6 +17,7 @@ PCI-E link. ``--from-multirun`` builds the table from gpipe-train runs instead.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -81,15 +82,14 @@ def f2(value: float | None, tag: str = "") -> str:
     return "-" if value is None else f"{value:.2f}{tag}"
 
 
-def measured(args: object, cfgs: dict) -> tuple[list[dict], list[str], list[list[object]], str]:
+def measured(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], list[str], list[list[object]], str]:
     """Run the configured grids; returns rows, the table and the markdown around it."""
     rows, table, validation, works = [], [], [], []
     for cfg in cfgs.values():
         e = cfg.experiment
         work = workload_of(e)
         works.append(work)
-        grid = run_grid(work, list(e.measured_k), list(e.simulated_k), list(e.chunks), e.steps, e.repeat,
-                        args.gpu)  # type: ignore[attr-defined]
+        grid = run_grid(work, list(e.measured_k), list(e.simulated_k), list(e.chunks), e.steps, e.repeat, args.gpu)
         rows += grid
         r = {row["K"]: row for row in grid if row["M"] == max(e.chunks)}
         base = r[2]["simulated_sps"]
