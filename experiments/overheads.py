@@ -3,6 +3,8 @@
     python experiments/overheads.py              # results/overheads.md + overheads_timeline_*.png
     python experiments/overheads.py --tiny --out /tmp/ov
     python experiments/overheads.py experiment.chunks=[8] experiment.workloads.transformer.batch=32
+    gpipe-train -m experiment=paper_overheads pipeline.chunks=4,32
+    python experiments/overheads.py --from-multirun logs/train/multiruns/<time>   # bubble + imbalance only
 
 Settings (workloads, K, the M list, timed steps) are the ``experiment`` block of
 ``conf/experiment/paper_overheads.yaml``.
@@ -21,6 +23,7 @@ Shares are of the total stage-time K x wall:
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
+from multirun import load_runs, run_dirs_note  # noqa: E402
 from throughput_lib import Workload, hop_seconds, layer_times, measure_step, simulate_step, workload_of  # noqa: E402
 
 from gpipe_lab.plotting.timeline import plot_timeline  # noqa: E402
@@ -79,39 +83,66 @@ def breakdown(work: Workload, chunks: int, steps: int, repeat: int, out: Path, k
     return row, png
 
 
+def collected(dirs: list[Path], out: Path) -> tuple[list[dict], list[Path], str]:
+    """Rows from gpipe-train jobs of ``paper_overheads`` under ``dirs`` (bubble, imbalance; the shares
+    that need the engine's event timeline are None) and each job's last-step timeline picture."""
+    runs = load_runs(dirs, [EXPERIMENT])
+    rows, images = [], []
+    for run in runs:
+        s, busy = run.summary, run.summary.get("stage_busy_s") or []
+        rows.append({"workload": f"{run.get('model.name')} ({run.path.name})", "K": s.get("K"), "M": s.get("M"),
+                     "balance": s.get("balance"), "bubble_measured": s.get("bubble_measured"),
+                     "bubble_theory": s.get("bubble_theory"),
+                     "imbalance": 1 - sum(busy) / len(busy) / max(busy) if busy and max(busy) else None,
+                     "samples_per_s": s.get("samples_per_s"), "job": str(run.path)})
+        if (run.path / "timeline_last.png").exists():
+            images.append(out / f"overheads_timeline_job{run.path.name}_m{s.get('M')}.png")
+            shutil.copyfile(run.path / "timeline_last.png", images[-1])
+    text = (f"{run_dirs_note(dirs, runs)} Bubble and load imbalance from each job's summary.json (means over "
+            "its steps after the first, through Lightning and GPipeStrategy); recompute, hand-over and "
+            "weight-update shares need the engine's event timeline: `python experiments/overheads.py`.")
+    return rows, images, text
+
+
 def main() -> None:
     """Write ``overheads.md`` / ``.json`` and the timeline pictures under ``--out``.
 
     Raises:
         ValueError: a bad override (naming it).
     """
-    args = parser(__doc__.split("\n")[0], [EXPERIMENT]).parse_args()
+    args = parser(__doc__.split("\n")[0], [EXPERIMENT], multirun=True).parse_args()
     e = configs(args, [EXPERIMENT], TINY)[EXPERIMENT].experiment
     args.out.mkdir(parents=True, exist_ok=True)
     rows, images = [], []
-    for label, block in e.workloads.items():
-        for m in e.chunks:
-            row, png = breakdown(workload_of(block, str(label)), m, e.steps, e.repeat, args.out, e.partitions)
-            rows.append(row)
-            images.append(png)
-    pct = "{:.1%}".format
+    if args.from_multirun:
+        rows, images, text = collected(args.from_multirun, args.out)
+    else:
+        text = (f"Shares of the total stage-time (K x wall) from the engine's measured timeline on {e.partitions} "
+                "CPU stages (one thread each), checkpoint `except_last`, FLOPs balance; models = Table 2's CPU "
+                "analogues. Wall-clock figures: the load average at generation time is in the provenance line; "
+                f"rerun on a quiet machine before quoting. Settings: `conf/experiment/{EXPERIMENT}.yaml`.")
+        for label, block in e.workloads.items():
+            for m in e.chunks:
+                row, png = breakdown(workload_of(block, str(label)), m, e.steps, e.repeat, args.out, e.partitions)
+                rows.append(row)
+                images.append(png)
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1%}"
+
     header = ["model", "M", "balance", "recompute", "bubble measured", "bubble theory", "bubble simulated",
               "load imbalance", "wait (incl. bubble)", "hand-over (estimate)", "weight update", "step (s)"]
-    table = [[r["workload"], r["M"], r["balance"], pct(r["recompute"]), pct(r["bubble_measured"]),
-              pct(r["bubble_theory"]), pct(r["bubble_simulated"]), pct(r["imbalance"]), pct(r["wait"]),
-              f"{pct(r['handover_share'])} ({r['handover_ms']:.2f} ms/hop)", pct(r["update_share"]),
-              f"{r['wall_s']:.3f}"] for r in rows]
+    table = [[r["workload"], r["M"], r["balance"], pct(r.get("recompute")), pct(r["bubble_measured"]),
+              pct(r["bubble_theory"]), pct(r.get("bubble_simulated")), pct(r["imbalance"]), pct(r.get("wait")),
+              f"{pct(r['handover_share'])} ({r['handover_ms']:.2f} ms/hop)" if "handover_ms" in r else "-",
+              pct(r.get("update_share")), f"{r['wall_s']:.3f}" if "wall_s" in r else "-"] for r in rows]
     paper = [["paper (TPU, §3.1)", "-", "-", "up to 23%", "slightly below theory", "(K-1)/(M+K-1)", "-",
               "3.2% (K=2)", "-", "small (only boundary activations cross)", "small", "-"]]
     pics = "\n".join(f"![{p.stem}]({p.name})" for p in images)
-    md = [f"# Overheads of a K={e.partitions} pipeline step", "", provenance(), "",
-          f"{'TINY smoke run. ' if args.tiny else ''}Shares of the total stage-time (K x wall) from the "
-          f"engine's measured timeline on {e.partitions} CPU stages (one thread each), checkpoint `except_last`, "
-          "FLOPs balance; models = Table 2's CPU analogues. Wall-clock figures: the load "
-          "average at generation time is in the provenance line; rerun on a quiet machine before quoting. "
-          f"Settings: `conf/experiment/{EXPERIMENT}.yaml`.", "",
-          md_table(header, paper + table), "", pics, ""]
-    md += [Path(__file__).with_name("overheads_notes.md").read_text()] if not args.tiny else []
+    ks = sorted({r["K"] for r in rows})
+    md = [f"# Overheads of a K={', '.join(map(str, ks))} pipeline step", "", provenance(), "",
+          f"{'TINY smoke run. ' if args.tiny else ''}{text}", "", md_table(header, paper + table), "", pics, ""]
+    md += [Path(__file__).with_name("overheads_notes.md").read_text()] if not args.tiny and not args.from_multirun else []
     path = write(args.out, "overheads.md", "\n".join(md), rows)
     log_wandb(args.wandb, args.out, "overheads", {"overheads": (header, table)}, images)
     print(path)

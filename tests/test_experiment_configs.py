@@ -182,3 +182,42 @@ def test_tiny_multirun_is_collected_into_table2(tmp_path: Path, scripts: object,
     assert (out / "table2_throughput.png").stat().st_size > 0
     rows = json.loads((out / "table2_throughput.json").read_text())
     assert sorted((r["K"], r["M"]) for r in rows) == [(2, 1), (2, 4)] and all(r["measured_sps"] for r in rows)
+
+
+def fake_job(sweep: Path, num: int, experiment: str, overrides: list[str], **summary: object) -> None:
+    """A job folder as gpipe-train -m writes it (summary.json, .hydra/config.yaml, .hydra/overrides.yaml)."""
+    from omegaconf import OmegaConf
+
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(compose(experiment, *overrides)))
+    (job / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml([f"experiment={experiment}", *overrides]))
+    base = {"K": 2, "M": 4, "samples_per_s": 10.0, "tokens_per_s": 100.0, "final_train_loss": 2.0, "val_loss": 2.5,
+            "validation_value": 1.0, "seed": 0, "bubble_measured": 0.2, "bubble_theory": 0.2, "balance": [1, 1],
+            "stage_busy_s": [1.0, 0.9], "stage_parameter_bytes": [400, 400]}
+    (job / "summary.json").write_text(json.dumps({**base, **summary}))
+
+
+@pytest.mark.parametrize(("script", "jobs", "expected"), [
+    ("table3_throughput", [("paper_table3_amoebanet", [], {"K": 1, "M": 32}),
+                           ("paper_table3_amoebanet", [], {"K": 2, "M": 32, "samples_per_s": 15.0})],
+     ["| AmoebaNet-D(18, 128) analogue | 32 | 0.67 | 1.00 | 1 | 1.7 | 2.7 |"]),
+    ("trainability", [("paper_trainability", ["model.ffn_init_scaling=false", "model.logit_clip=null"], {}),
+                      ("paper_trainability", [], {"seed": 1})],
+     ["| none | 1 ([0]) | 2.000 ± 0.000", "| both | 1 ([1]) |", "(i) + (ii)"]),
+    ("nmt_scaling", [("paper_nmt_deep", [], {}), ("paper_nmt_wide", [], {"val_loss": 3.0}),
+                     ("paper_nmt_batch", ["data.tokens_per_batch=128"], {})],
+     ["| deep | {'num_layers': 8", "| 2.500 | 1.000 | T(24, 8192, 16)", "| 128 | 1 | 100.000 | 2.500 | 1.000 | 260K | 30.92 | 2.58 |"]),
+    ("overheads", [("paper_overheads", [], {})], ["| 3.2% (K=2) |", "| 20.0% | 20.0% | - | 5.0% |"]),
+])
+def test_collectors_build_the_paper_tables_from_job_folders(script: str, jobs: list, expected: list[str],
+                                                             tmp_path: Path, scripts: object,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    for num, (experiment, overrides, summary) in enumerate(jobs):
+        fake_job(tmp_path / "sweep", num, experiment, overrides, **summary)
+    fake_job(tmp_path / "sweep", len(jobs), "paper_table2_amoebanet", [])  # another experiment's job: ignored
+    run_main(scripts(script), monkeypatch, "--from-multirun", str(tmp_path / "sweep"), "--out", str(tmp_path / "out"))
+    text = (tmp_path / "out" / f"{script}.md").read_text()
+    for line in expected:
+        assert line in text, f"{line!r} not in {script}.md:\n{text}"
+    assert f"Collected from {len(jobs)} gpipe-train job(s)" in text
