@@ -129,7 +129,7 @@ def test_overheads_reads_its_workloads(tmp_path: Path, scripts: object, monkeypa
         seen.append((work.label, work.batch, chunks, k))
         row = dict.fromkeys(("recompute", "bubble_measured", "bubble_theory", "bubble_simulated", "imbalance",
                              "wait", "handover_share", "handover_ms", "update_share", "wall_s"), 0.1)
-        return {**row, "workload": work.label, "M": chunks, "balance": [1, 1]}, out / "x.png"
+        return {**row, "workload": work.label, "K": k, "M": chunks, "balance": [1, 1]}, out / "x.png"
 
     monkeypatch.setattr(module, "breakdown", breakdown)
     run_main(module, monkeypatch, "--tiny", "--out", str(tmp_path), "experiment.chunks=[8]",
