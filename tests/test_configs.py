@@ -138,3 +138,11 @@ def test_every_experiment_runs_one_step(name: str, tmp_path: Path) -> None:
     summary = run(cfg)
     assert summary["steps"] == 1
     assert summary["final_train_loss"] is not None
+
+
+def test_experiment_root_keys_win_over_train_yaml() -> None:
+    """train.yaml lists _self_ first, so an experiment may set root keys (tags, dry_run)."""
+    assert list(make_config().tags) == []
+    assert list(make_config("experiment=transformer_tiny").tags) == ["transformer", "translation"]
+    assert make_config("experiment=paper_table1_capacity").dry_run is True
+    assert make_config("experiment=paper_table1_capacity", "dry_run=false").dry_run is False
