@@ -91,7 +91,7 @@ def _run_group(group: Sequence[GlooCase], sizes_name: str, rank: int) -> list[di
     sizes = SIZES[sizes_name]
     made = [(case, *(_ours if case.framework == "ours" else _torch)(case, sizes_name, rank)) for case in group]
     times: list[list[float]] = [[] for _ in made]
-    for i in range(sizes.warmup + max(1, sizes.repeats)):
+    for i in range(sizes.warmup + max(1, sizes.gloo_repeats or sizes.repeats)):
         order = list(range(len(made))) if i % 2 == 0 else list(range(len(made)))[::-1]
         for j in order:
             dist.barrier()

@@ -137,8 +137,12 @@ def pipeline_step(work: Workload, chunks: int, checkpoint: str, schedule: str, s
 
 
 def run_workload(work: Workload, sizes: Sizes, device: str, microbatches: Sequence[int],
-                 checkpoints: Sequence[str], extra_1f1b: Sequence[int] = ()) -> dict[str, object]:
-    """The baseline, the stage times per M and the pipeline grid of one workload."""
+                 checkpoints: Sequence[str], extra_1f1b: Sequence[int] = (),
+                 recompute_microbatches: Sequence[int] = ()) -> dict[str, object]:
+    """The baseline, the stage times per M and the pipeline grid of one workload.
+
+    ``recompute_microbatches``: M at which the modes other than ``never`` run (empty: all).
+    """
     base = baseline_step(work, sizes, device)["median"]
     stage_times: dict[int, list[dict[str, float]]] = {}
     ceilings: dict[int, dict[str, float]] = {}
@@ -150,7 +154,8 @@ def run_workload(work: Workload, sizes: Sizes, device: str, microbatches: Sequen
         t_fb = max(s["forward_backward"] for s in stage_times[m])
         t_fbr = max(s["forward_backward"] + s["forward"] for s in stage_times[m])
         ideals = {"never": (m + K - 1) * t_fb, "always": (m + K - 1) * t_fbr}
-        runs = [(c, "gpipe") for c in checkpoints] + ([("never", "1f1b")] if m in extra_1f1b else [])
+        modes = [c for c in checkpoints if c == "never" or not recompute_microbatches or m in recompute_microbatches]
+        runs = [(c, "gpipe") for c in modes] + ([("never", "1f1b")] if m in extra_1f1b else [])
         for checkpoint, schedule in runs:
             want_ceiling = (m in extra_1f1b and (checkpoint, schedule) == ("never", "gpipe")
                             and not isinstance(work.inputs, tuple))

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         ms = sizes.microbatches if name == "mlp" else sizes.model_microbatches
         cks = sizes.checkpoints if name == "mlp" else sizes.model_checkpoints
         results["local"][name] = run_workload(work, sizes, args.device, ms, cks,
-                                              sizes.torch_microbatches if name == "mlp" else ())
+                                              sizes.torch_microbatches if name == "mlp" else (),
+                                              sizes.recompute_microbatches if name == "mlp" else ())
         mem_ms = [m for m in (4, 8, 16, 32) if m in ms] if sizes.name == "full" else [max(m for m in ms if m <= 8)]
         print(f"[memory] {name} M={mem_ms} ...", flush=True)
         results["memory"][name] = run_memory(work, mem_ms, args.device)
