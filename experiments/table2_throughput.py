@@ -28,20 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
 from multirun import load_runs, run_dirs_note, throughput_rows  # noqa: E402
-from throughput_lib import run_grid, workload_of  # noqa: E402
+from throughput_lib import run_grid, tiny_overrides, workload_of  # noqa: E402
 
 PAPER = {  # (model, M) -> K=2, K=4, K=8
     ("amoeba", 1): (1, 1.13, 1.38), ("amoeba", 4): (1.07, 1.26, 1.72), ("amoeba", 32): (1.21, 1.84, 3.48),
     ("transformer", 1): (1, 1.07, 1.3), ("transformer", 4): (1.7, 3.2, 4.8), ("transformer", 32): (1.8, 3.4, 6.3)}
 NAMES = {"amoeba": "AmoebaNet-D(18, 256)", "transformer": "Transformer-48"}
 EXPERIMENTS = ["paper_table2_amoebanet", "paper_table2_transformer"]
-_TINY_COMMON = ["experiment.steps=1", "experiment.repeat=1"]
 #: ``--tiny``: toy networks, one timed step.
-TINY = {"paper_table2_amoebanet": ["model.num_layers=3", "model.num_filters=8", *_TINY_COMMON],
-        "paper_table2_transformer": [
-            "model.d_model=32", "model.ffn_dim=64", "model.num_heads=2", "data.batch_size=32",
-            "experiment.workload.sizes.num_layers=8", "experiment.workload.sizes.vocab_size=64",
-            "experiment.workload.sizes.seq_len=8", *_TINY_COMMON]}
+TINY = tiny_overrides(*EXPERIMENTS)
 
 
 def normalized(rows: list[dict], key: str) -> dict[tuple[str, int, int], float]:
