@@ -99,3 +99,17 @@ def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
                      "final_train_loss": s.get("final_train_loss"), "steps": s.get("steps"),
                      "job": str(run.path)})
     return rows
+
+
+def f2(value: float | None, tag: str = "") -> str:
+    """Two decimals (and a tag), or '-'."""
+    return "-" if value is None else f"{value:.2f}{tag}"
+
+
+JOB_HEADER = ["job", "experiment", "K", "M", "samples/s", "bubble measured", "bubble theory", "final loss"]
+
+
+def jobs_table(rows: Sequence[dict[str, Any]]) -> list[list[object]]:
+    """One line per gpipe-train job of ``throughput_rows`` (columns ``JOB_HEADER``)."""
+    return [[Path(r["job"]).name, r["experiment"], r["K"], r["M"], f2(r["measured_sps"]),
+             f2(r["measured_bubble"]), f2(r["bubble_theory"]), f2(r["final_train_loss"])] for r in rows]

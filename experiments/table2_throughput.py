@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
-from multirun import load_runs, run_dirs_note, throughput_rows  # noqa: E402
+from multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows  # noqa: E402
 from throughput_lib import run_grid, tiny_overrides, workload_of  # noqa: E402
 
 PAPER = {  # (model, M) -> K=2, K=4, K=8
@@ -80,11 +80,6 @@ def plot(rows: list[dict], path: Path, ms: list[int], ks: list[int]) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def f2(value: float | None, tag: str = "") -> str:
-    """Two decimals (and a tag), or '-'."""
-    return "-" if value is None else f"{value:.2f}{tag}"
 
 
 def cell(meas: dict, sim: dict, key: tuple[str, int, int], kind: str, measured_k: bool) -> str:
@@ -173,11 +168,9 @@ def main() -> None:
         md += ["## Simulator validation: measured vs simulated step time", "", md_table(v_header, validation), ""]
         tables["validation"] = (v_header, validation)
     else:
-        j_header = ["job", "experiment", "K", "M", "samples/s", "bubble measured", "bubble theory", "final loss"]
-        jobs = [[Path(r["job"]).name, r["experiment"], r["K"], r["M"], f2(r["measured_sps"]),
-                 f2(r["measured_bubble"]), f2(r["bubble_theory"]), f2(r["final_train_loss"])] for r in rows]
-        md += ["## The jobs", "", md_table(j_header, jobs), ""]
-        tables["jobs"] = (j_header, jobs)
+        jobs = jobs_table(rows)
+        md += ["## The jobs", "", md_table(JOB_HEADER, jobs), ""]
+        tables["jobs"] = (JOB_HEADER, jobs)
     md += [Path(__file__).with_name("throughput_notes.md").read_text()] if not args.tiny and not args.from_multirun else []
     data = [{k: v for k, v in r.items() if "timeline" not in k} for r in rows]
     path = write(args.out, "table2_throughput.md", "\n".join(md), data)

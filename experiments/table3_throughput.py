@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
-from multirun import load_runs, run_dirs_note, throughput_rows  # noqa: E402
+from multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows  # noqa: E402
 from throughput_lib import run_grid, tiny_overrides, workload_of  # noqa: E402
 
 PAPER = {"amoeba": (1, 1.7, 2.7), "transformer": (1, 1.8, 3.3)}
@@ -72,11 +72,6 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def f2(value: float | None, tag: str = "") -> str:
-    """Two decimals (and a tag), or '-'."""
-    return "-" if value is None else f"{value:.2f}{tag}"
-
-
 def measured(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], list[str], list[list[object]], str]:
     """Run the configured grids; returns rows, the table and the markdown around it."""
     rows, table, validation, works = [], [], [], []
@@ -119,13 +114,11 @@ def collected(dirs: list[Path]) -> tuple[list[dict], list[str], list[list[object
     table = [[f"{NAMES[label]} analogue", max(r["M"] for r in rows if r["workload"] == label),
               *(f2(speed.get((label, k))) for k in ks), *PAPER[label]]
              for label in NAMES if any(r["workload"] == label for r in rows)]
-    j_header = ["job", "experiment", "K", "M", "samples/s", "bubble measured", "bubble theory", "final loss"]
-    jobs = [[Path(r["job"]).name, r["experiment"], r["K"], r["M"], f2(r["measured_sps"]),
-             f2(r["measured_bubble"]), f2(r["bubble_theory"]), f2(r["final_train_loss"])] for r in rows]
+    jobs = jobs_table(rows)
     text = (f"{run_dirs_note(dirs, runs)} Throughput = `samples_per_s` of each job's summary.json (through "
             "Lightning and GPipeStrategy) at the largest M, normalized to K=2 of the same model ('-' where "
             "missing). Wall-clock: rerun on a quiet machine before quoting.\n\n" + md_table(header, table)
-            + "\n\n![speed-up vs K](table3_throughput.png)\n\n## The jobs\n\n" + md_table(j_header, jobs))
+            + "\n\n![speed-up vs K](table3_throughput.png)\n\n## The jobs\n\n" + md_table(JOB_HEADER, jobs))
     return rows, header, table, text
 
 
