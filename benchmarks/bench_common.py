@@ -155,6 +155,26 @@ def robust_time(fn: Callable[[], object], repeats: int, warmup: int,
     return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}
 
 
+def alternating_medians(fns: dict[str, Callable[[], object]], rounds: int,
+                        between: Callable[[], object] | None = None) -> dict[str, float]:
+    """Median seconds of each function, timed in alternating rounds (order flipped every round).
+
+    The first round is a warm-up. ``between`` (e.g. zeroing gradients) runs before each
+    call, outside the timing. Alternation makes the ratios robust to the machine's drift.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(max(2, rounds)):
+        for name in names if r % 2 == 0 else names[::-1]:
+            if between is not None:
+                between()
+            start = time.perf_counter()
+            fns[name]()
+            if r:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def prepare_process() -> bool:
     """Give every contender in this process the engine's allocator setting; returns whether it applies.
 

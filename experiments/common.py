@@ -18,7 +18,7 @@ import os
 import platform
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -74,6 +74,27 @@ def parser(description: str, experiments: Sequence[str] = (), multirun: bool = F
         p.add_argument("--from-multirun", nargs="+", type=Path, metavar="DIR",
                        help="build the table from gpipe-train -m runs under DIR (their summary.json) instead")
     return p
+
+
+def throughput_rows_from_command_line(description: str, experiments: Sequence[str],
+                                     tiny: dict[str, Sequence[str]],
+                                     collect: Callable[[list[Path]], tuple],
+                                     measure: Callable[[argparse.Namespace, dict[str, DictConfig]], tuple],
+                                     ) -> tuple[argparse.Namespace, tuple]:
+    """Tables 2 and 3: parse their command line (with ``--gpu``), then ``collect`` a sweep
+    (``--from-multirun``) or ``measure`` with the composed configs; ``--out`` is created.
+
+    Returns ``(args, (rows, header, table, text))``.
+
+    Raises:
+        ValueError: what ``configs``, ``collect`` or ``measure`` raise.
+    """
+    p = parser(description, experiments, multirun=True)
+    p.add_argument("--gpu", action="store_true", help="measure every K with enough CUDA GPUs (cuda:0..K-1)")
+    args = p.parse_args()
+    result = collect(args.from_multirun) if args.from_multirun else measure(args, configs(args, experiments, tiny))
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args, result
 
 
 def configs(args: argparse.Namespace, defaults: Sequence[str], tiny: dict[str, Sequence[str]] | None = None,

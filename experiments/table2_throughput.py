@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
+from common import log_wandb, md_table, provenance, throughput_rows_from_command_line, write  # noqa: E402
 from multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows  # noqa: E402
 from throughput_lib import run_grid, tiny_overrides, workload_of  # noqa: E402
 
@@ -143,14 +143,8 @@ def main() -> None:
     Raises:
         ValueError: a bad override, an unknown experiment, or a multirun folder without paper_table2_* jobs.
     """
-    p = parser(__doc__.split("\n")[0], EXPERIMENTS, multirun=True)
-    p.add_argument("--gpu", action="store_true", help="measure every K with enough CUDA GPUs (cuda:0..K-1)")
-    args = p.parse_args()
-    if args.from_multirun:
-        rows, header, table, text = multirun_table(args.from_multirun)
-    else:
-        rows, header, table, text = measured_table(args, configs(args, EXPERIMENTS, TINY))
-    args.out.mkdir(parents=True, exist_ok=True)
+    args, (rows, header, table, text) = throughput_rows_from_command_line(
+        __doc__.split("\n")[0], EXPERIMENTS, TINY, multirun_table, measured_table)
     ms = sorted({r["M"] for r in rows})
     ks = sorted({r["K"] for r in rows if r["K"] != 1})
     png = plot(rows, args.out / "table2_throughput.png", ms, ks)

@@ -9,15 +9,13 @@ forward+backward on the full batch (1024 rows) and as M micro-batches
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_common import SIZES, make_workload, prepare_process  # noqa: E402
+from bench_common import SIZES, alternating_medians, make_workload, prepare_process  # noqa: E402
 
 
 def main() -> None:
@@ -52,17 +50,9 @@ def main() -> None:
     fns = {"forward full": forward_full, f"forward {chunks} micro-batches": forward_micro,
            "F+B full": step_full, f"F+B {chunks} micro-batches": step_micro,
            f"F+B {chunks} micro-batches, no accumulation": step_micro_no_accumulation}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            fns[name]()
-            if r:
-                times[name].append(time.perf_counter() - start)
-    for name, values in times.items():
-        print(f"{name:45s} {statistics.median(values):.3f} s")
+    medians = alternating_medians(fns, rounds, lambda: model.zero_grad(set_to_none=True))
+    for name, seconds in medians.items():
+        print(f"{name:45s} {seconds:.3f} s")
 
 
 if __name__ == "__main__":

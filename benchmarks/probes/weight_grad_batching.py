@@ -13,9 +13,7 @@ checks the gradients against plain autograd first.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_common import SIZES, make_workload, prepare_process  # noqa: E402
+from bench_common import SIZES, alternating_medians, make_workload, prepare_process  # noqa: E402
 
 STASH: dict[int, list[tuple[Tensor, Tensor]]] = {}
 
@@ -98,17 +96,9 @@ def main() -> None:
         print(f"{fn.__name__}: max |grad - autograd| = {diff:.2e}")
     fns = {"autograd, full batch": plain_full, f"autograd, {chunks} micro-batches": plain_micro,
            "weight gradients batched over micro-batches": batched, "weight gradients fused (addmm_)": fused}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            fns[name]()
-            if r:
-                times[name].append(time.perf_counter() - start)
-    for name, values in times.items():
-        print(f"{name:45s} {statistics.median(values):.3f} s")
+    medians = alternating_medians(fns, rounds, lambda: model.zero_grad(set_to_none=True))
+    for name, seconds in medians.items():
+        print(f"{name:45s} {seconds:.3f} s")
 
 
 if __name__ == "__main__":
