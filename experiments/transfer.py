@@ -153,10 +153,9 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. transfer.checkpoint=/x.ckpt")
     args = p.parse_args()
     torch.set_num_threads(1)
-    overrides = list(args.overrides)
-    if args.tiny:
-        overrides += ["transfer.pretrain_steps=4", "transfer.steps=2", "data.num_train=128", "data.num_val=32",
-                      "model.num_filters=8"]
+    tiny = ["transfer.pretrain_steps=4", "transfer.steps=2", "data.num_train=128", "data.num_val=32",
+            "model.num_filters=8"] if args.tiny else []
+    overrides = tiny + list(args.overrides)  # the command line's own overrides win over --tiny's
     cfg = load_config(args.experiment, overrides)
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = 1 if args.tiny else args.seeds

@@ -104,11 +104,14 @@ def test_transfer_configs_compose_with_a_transfer_block(experiment):
 @pytest.mark.slow
 def test_transfer_pretrained_start_beats_scratch(tmp_path):
     """Issue 7, §6: pretrain on synthetic classes, fine-tune on others; the pretrained start wins
-    at equal fine-tuning steps (seeded, so the tiny run is deterministic here)."""
-    proc = run_script("transfer.py", tmp_path)
+    at equal fine-tuning steps. --tiny's 4+2 steps on 32 images are too few to tell (chance is 10%);
+    40 pretraining and 10 fine-tuning steps, scored on 160 images, take ~10 s and separate clearly
+    (seeds 0-2 measured: 44/67/48% pretrained vs 14/12/11% scratch)."""
+    proc = run_script("transfer.py", tmp_path, "transfer.pretrain_steps=40", "transfer.steps=10",
+                      "data.num_val=160")
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads((tmp_path / "transfer.json").read_text())["runs"]
     pretrained = sum(r["pretrained"] for r in runs) / len(runs)
     scratch = sum(r["scratch"] for r in runs) / len(runs)
-    assert pretrained > scratch + 5.0, runs
+    assert pretrained > scratch + 15.0, runs
     assert "Pretrained beats scratch" in (tmp_path / "transfer.md").read_text()
