@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections import Counter
@@ -162,3 +163,30 @@ def test_timeout_error_carries_the_zb_h1_schedule_state():
     pipe.timeout = 60.0  # the machine may be busy: only the failure above needs a short timeout
     model.zero_grad()
     assert torch.isfinite(pipe.train_step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss))
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "1f1b"])
+@pytest.mark.parametrize("track_memory", [True, False])
+def test_split_graphs_are_freed_after_each_step(schedule, track_memory):
+    """A graph kept for W (retain_graph) is freed when its W is done: no tensors pile up.
+
+    With memory tracking, the graph holds the pack hook whose closure held the stage's
+    per-micro-batch record, which held the graph: a cycle Python's GC cannot see (it goes
+    through C++), so every step's activations leaked (~25 MB/step on the benchmark MLP).
+    """
+    torch.manual_seed(0)
+    model = mlp()
+    pipe = GPipe(model, partitions=2, chunks=4, schedule=schedule, checkpoint="never",
+                 track_memory=track_memory)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    counts = []
+    for _ in range(6):
+        pipe.train_step(x, y, F.mse_loss)
+        model.zero_grad(set_to_none=True)
+        counts.append(_live_tensors())
+    assert counts[-1] == counts[2], counts  # a leak adds every micro-batch's saved tensors per step
