@@ -149,7 +149,56 @@ def split_weight_backward(plan: SplitPlan) -> None:
     """W: accumulate each mixed node's weight gradients into ``.grad`` (only its own parameters)."""
     for task in plan.tasks:
         pairs = [(e, g) for e, g in zip(task.edges, task.grads) if g is not None]
+        if len(pairs) == 1 and _linear_weight_grads(pairs[0][0].node, pairs[0][1], task.params):
+            task.grads = []
+            continue
         if pairs:
             torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs], retain_graph=True,
                                     inputs=task.params)
         task.grads = []
+
+
+def _leaf(node: Node | None) -> Tensor | None:
+    return getattr(node, "variable", None)
+
+
+def _linear_weight_grads(node: Node, grad: Tensor, params: list[Tensor]) -> bool:
+    """W of an ``nn.Linear`` on 2-D input, straight from its saved input: ``dW += g^T x``, ``db += sum g``.
+
+    The same products autograd would form, minus one engine call per layer and the
+    temporary gradient (accumulated in place by ``addmm_``). Returns ``False``, doing
+    nothing, for any other node, or where autograd must run: hooks on a parameter,
+    mixed dtypes or devices (autocast), a non-default ``alpha``/``beta``.
+    """
+    name = node.name()
+    if name == "AddmmBackward0":  # x @ W^T + b: (bias, x, W^T)
+        bias_edge, weight_edge = node.next_functions[0][0], node.next_functions[2][0]
+        if node._saved_alpha != 1 or node._saved_beta != 1:  # type: ignore[attr-defined]
+            return False
+    elif name == "MmBackward0":  # x @ W^T without bias: (x, W^T)
+        bias_edge, weight_edge = None, node.next_functions[1][0]
+    else:
+        return False
+    if weight_edge is None or weight_edge.name() != "TBackward0":
+        return False
+    weight, bias = _leaf(weight_edge.next_functions[0][0]), _leaf(bias_edge)
+    owned = [t for t in (weight, bias) if t is not None]
+    if weight is None or {id(t) for t in owned} != {id(p) for p in params} or len(owned) != len(params):
+        return False
+    if any(t._post_accumulate_grad_hooks or t._backward_hooks for t in owned):
+        return False
+    x = node._saved_mat1 if bias_edge is not None else node._saved_self  # type: ignore[attr-defined]
+    if grad.dim() != 2 or x.dim() != 2 or x.dtype != grad.dtype or grad.dtype != weight.dtype or \
+            x.device != weight.device or grad.device != weight.device:
+        return False
+    with torch.no_grad():
+        if weight.grad is None:
+            weight.grad = grad.t().mm(x)
+        else:
+            weight.grad.addmm_(grad.t(), x)
+        if bias is not None:
+            if bias.grad is None:
+                bias.grad = grad.sum(0)
+            else:
+                bias.grad.add_(grad.sum(0))
+    return True
