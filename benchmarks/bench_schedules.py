@@ -1,4 +1,4 @@
-"""gpipe vs 1f1b vs zb-h1 on K=2 CPU stages: measured step time beside the simulator's prediction.
+"""gpipe vs 1f1b vs zb-h1 vs zb-h2 on K=2 CPU stages: measured step time beside the simulator's prediction.
 
 The 8-block MLP (Linear 512->2048, GELU, Linear 2048->512), batch 1024, MSE,
 no re-materialization, M in {2, 4, 8}. All schedules are measured in one run,
@@ -19,6 +19,7 @@ import argparse
 import json
 import platform
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from gpipe_lab.pipeline import get_schedule
 from gpipe_lab.planner import costs_from_timeline, predict_step
 from gpipe_lab.plotting import plot_timeline
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 
 
 def build_mlp(seed: int = 0) -> nn.Sequential:
@@ -90,7 +91,7 @@ def main() -> None:
             r["speedup_vs_1f1b"] = base / r["step_ms"]
             print(f"{m:>3} {r['schedule']:>8} {r['step_ms']:9.1f} {r['predicted_ms']:9.1f} "
                   f"{r['prediction_error']:+7.1%} {r['measured_bubble']:7.1%} {r['speedup_vs_1f1b']:7.3f}x")
-    meta = {"torch": torch.__version__, "machine": platform.machine(), "cpus": torch.get_num_threads(),
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__, "machine": platform.machine(), "cpus": torch.get_num_threads(),
             "model": "8 x (Linear 512-2048, GELU, Linear 2048-512)", "batch": 1024, "K": 2,
             "checkpoint": "never", "steps": args.steps, "warmup": args.warmup}
     (args.out / "schedules.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
