@@ -31,7 +31,7 @@ from gpipe_lab.pipeline import get_schedule
 from gpipe_lab.planner import costs_from_timeline, predict_step
 from gpipe_lab.plotting import plot_timeline
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "gpipe-bw")
 
 
 def build_mlp(seed: int = 0) -> nn.Sequential:

@@ -92,6 +92,26 @@ def test_grid_equals_unpipelined(world: int) -> None:
                 assert live <= world - r.rank
 
 
+SPLIT = ("zb-h1", "zb-h2", "gpipe-bw")
+
+
+def split_worker(rank: int, world: int) -> list:
+    x, y = batch(16)
+    out = []
+    for schedule in SPLIT:
+        pipe = DistributedGPipe(mlp(), partitions=world, chunks=4, schedule=schedule, seed=5)
+        out.append((pipe.train_step(x, y, F.mse_loss).item(), local_grads(pipe), None, None, None))
+    return out
+
+
+def test_split_backward_schedules_equal_unpipelined() -> None:
+    """zb-h1, zb-h2 and gpipe-bw (W batched over micro-batches) on 2 gloo ranks."""
+    results = run_local(split_worker, 2, timeout=200)
+    expected_loss, expected_grads = reference(mlp(), *batch(16))
+    for key in range(len(SPLIT)):
+        check(results, expected_loss, expected_grads, key)
+
+
 # ---------------------------------------------------------------- D=2 × K=2
 def dp_worker(rank: int, world: int) -> list:
     x, y = batch(16)

@@ -24,7 +24,7 @@ def assert_close(a, b):
     assert torch.allclose(a, b, atol=TOL, rtol=TOL), (a - b).abs().max().item()
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "gpipe-bw"])
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 @pytest.mark.parametrize("K,M", [(2, 2), (2, 4), (3, 3), (3, 6), (4, 4), (4, 8)])
 @pytest.mark.parametrize("build", [mlp, tuple_model], ids=["tensor", "tuple"])
@@ -43,7 +43,7 @@ def test_loss_and_grads_equal_unpipelined(build, K, M, checkpoint, schedule):
     assert replays == (K * M if checkpoint == "always" else 0)  # recompute once, before B
 
 
-@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "gpipe-bw"])
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 8, 16])
 def test_lists_are_complete_and_valid(name, K, M):
@@ -170,7 +170,7 @@ def _live_tensors() -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "1f1b"])
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "gpipe-bw", "1f1b"])
 @pytest.mark.parametrize("track_memory", [True, False])
 def test_split_graphs_are_freed_after_each_step(schedule, track_memory):
     """A graph kept for W (retain_graph) is freed when its W is done: no tensors pile up.
@@ -209,7 +209,7 @@ def _split_steps(model: nn.Module, xs: list[torch.Tensor], gs: list[torch.Tensor
 
 def test_linear_weight_pass_is_direct_and_exact():
     """nn.Linear (with and without bias) takes the direct W (no engine call), accumulating exactly."""
-    from gpipe_lab.pipeline import weight_gradients
+    from gpipe_lab.pipeline.linear_weights import linear_weight_grads
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16, bias=False))
@@ -218,7 +218,7 @@ def test_linear_weight_pass_is_direct_and_exact():
     out = model(x)
     plan = plan_split([out], [x], list(model.parameters()))
     input_backward(plan, [out], [gs[0]], [x])
-    direct = [weight_gradients._linear_weight_grads(t.edges[0].node, t.grads[0], t.params) for t in plan.tasks]
+    direct = [linear_weight_grads([t.edges[0].node], [t.grads[0]], t.params) for t in plan.tasks]
     assert direct == [True, True]
     model.zero_grad(set_to_none=True)
     _split_steps(model, xs, gs)
@@ -240,3 +240,65 @@ def test_parameter_hooks_keep_the_autograd_weight_pass():
     assert len(fired) == 2  # once per micro-batch, as in a plain backward
     want = sum(torch.autograd.grad(model(x), [model[0].weight], g)[0] for x, g in zip(xs, gs))
     assert_close(model[0].weight.grad, want)
+
+
+def test_weight_runs_group_consecutive_w_of_one_stage():
+    from gpipe_lab.pipeline.schedule import Action, weight_runs
+
+    actions = [Action(0, "B", 1), Action(0, "W", 1), Action(0, "W", 0), Action(1, "W", 0),
+               Action(0, "F", 2), Action(0, "B", 2), Action(0, "W", 2)]
+    assert weight_runs(actions) == {0: {1: (1, 0), 0: (1, 0), 2: (2,)}, 1: {0: (0,)}}
+    bw = get_schedule("gpipe-bw", 3, 4)
+    assert all(weight_runs(stage)[k] == {i: (3, 2, 1, 0) for i in range(4)} for k, stage in enumerate(bw))
+
+
+def test_batched_weight_pass_equals_per_microbatch_autograd():
+    """All micro-batches' W at once: one GEMM per Linear, per micro-batch for the rest (a conv)."""
+    from gpipe_lab.pipeline.weight_gradients import batched_weight_backward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Unflatten(1, (1, 16)), nn.Conv1d(1, 2, 3, padding=1), nn.Flatten(),
+                          nn.Linear(32, 24), nn.GELU(), nn.Linear(24, 16, bias=False))
+    params = list(model.parameters())
+    xs, gs = [torch.randn(5, 16) for _ in range(3)], [torch.randn(5, 16) for _ in range(3)]
+    plans = []
+    for x, g in zip(xs, gs):
+        x = x.detach().requires_grad_()
+        out = model(x)
+        plan = plan_split([out], [x], params)
+        input_backward(plan, [out], [g], [x])
+        plans.append(plan)
+    batched_weight_backward(plans)
+    want = [sum(ws) for ws in zip(*(torch.autograd.grad(model(x), params, g) for x, g in zip(xs, gs)))]
+    for p, w in zip(params, want):
+        assert_close(p.grad, w)
+    assert all(t.grads == [] for plan in plans for t in plan.tasks)
+
+
+def test_gpipe_bw_runs_w_once_per_stage_and_keeps_one_event_per_microbatch():
+    torch.manual_seed(0)
+    model = mlp()
+    pipe = GPipe(model, partitions=2, chunks=4, schedule="gpipe-bw", checkpoint="never")
+    pipe.train_step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss)
+    for k in range(2):
+        w = sorted((e.start, e.end) for e in pipe.timeline.events if e.stage == k and e.kind == "W")
+        assert len(w) == 4 and all(a[1] == pytest.approx(b[0]) for a, b in zip(w, w[1:]))  # one run
+        last_b = max(e.end for e in pipe.timeline.events if e.stage == k and e.kind == "B")
+        assert w[0][0] >= last_b
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "gpipe-bw"])
+@pytest.mark.parametrize("M", [1, 4])
+def test_split_schedules_give_the_callers_input_its_gradient(schedule, M):
+    """An input that requires grad gets it (accumulated over two steps), as under gpipe/1f1b."""
+    torch.manual_seed(0)
+    x0, y = torch.randn(8, 8), torch.randn(8, 8)
+    x = x0.clone().requires_grad_()
+    F.mse_loss(mlp()(x), y).backward()
+    want = 2 * x.grad
+    x = x0.clone().requires_grad_()
+    pipe = GPipe(mlp(), partitions=2, chunks=M, schedule=schedule)
+    pipe.train_step(x, y, F.mse_loss)
+    pipe.train_step(x, y, F.mse_loss)
+    assert x.grad is not None
+    assert_close(x.grad, want)

@@ -25,7 +25,7 @@ from gpipe_lab.pipeline.finite import NONFINITE_POLICIES, NonFiniteError, all_fi
 from gpipe_lab.pipeline.local import LocalTransport
 from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, split, unwrap
 from gpipe_lab.pipeline.partition import balance_by_cost, check_balance, layer_costs, split_module
-from gpipe_lab.pipeline.schedule import SCHEDULES, Schedule, get_schedule
+from gpipe_lab.pipeline.schedule import SCHEDULES, Schedule, get_schedule, weight_runs
 from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
 from gpipe_lab.pipeline.timeline import Timeline
 
@@ -180,6 +180,7 @@ class GPipe(nn.Module):
         schedule = self._schedule(plan.num_microbatches, forward_only)
         split_mbs = {a.microbatch for a in schedule[-1] if a.kind == "W"}
         plan.split_backward = frozenset(split_mbs)
+        plan.weight_runs = {k: weight_runs(actions).get(k, {}) for k, actions in enumerate(schedule)}
         for stage in self.stages:
             stage.begin(plan, keep_outputs)
         timeline = Timeline(self.num_stages)

@@ -18,7 +18,7 @@ forward and one backward, so at most ``K - k`` micro-batches are alive there.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -161,3 +161,29 @@ def validate_schedule(schedule: Schedule, num_microbatches: int) -> None:
         if not progressed:
             waiting = [str(schedule[k][cursor[k]]) for k in range(num_stages) if cursor[k] < len(schedule[k])]
             raise ValueError(f"schedule deadlocks; stages wait at {waiting}")
+
+
+def weight_runs(actions: Sequence[Action]) -> dict[int, dict[int, tuple[int, ...]]]:
+    """Consecutive ``W`` actions of one stage, in one executor's order: ``{stage: {mb: run}}``.
+
+    A stage runs each run's weight gradients together, at the run's last ``W``
+    (one GEMM per layer over all its micro-batches, see ``linear_weights``).
+    """
+    runs: dict[int, dict[int, tuple[int, ...]]] = {}
+    current: list[Action] = []
+
+    def close() -> None:
+        run = tuple(a.microbatch for a in current)
+        for a in current:
+            runs.setdefault(a.stage, {})[a.microbatch] = run
+        current.clear()
+
+    for action in actions:
+        if action.kind == "W" and (not current or current[-1].stage == action.stage):
+            current.append(action)
+            continue
+        close()
+        if action.kind == "W":
+            current.append(action)
+    close()
+    return runs

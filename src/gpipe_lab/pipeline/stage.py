@@ -24,7 +24,13 @@ from torch import Tensor, nn
 from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
 from gpipe_lab.pipeline.microbatch import as_tuple, unwrap
 from gpipe_lab.pipeline.timeline import Event
-from gpipe_lab.pipeline.weight_gradients import SplitPlan, input_backward, plan_split, split_weight_backward
+from gpipe_lab.pipeline.weight_gradients import (
+    SplitPlan,
+    batched_weight_backward,
+    input_backward,
+    plan_split,
+    split_weight_backward,
+)
 
 LossFn = Callable[[object, object], Tensor]
 
@@ -41,6 +47,8 @@ class StepPlan:
     num_microbatches: int
     checkpointed: frozenset[int]
     split_backward: frozenset[int] = frozenset()
+    # {stage: {mb: the consecutive W run it belongs to}}: a run's W is done at once, at its last W
+    weight_runs: dict[int, dict[int, tuple[int, ...]]] = field(default_factory=dict)
     loss_fn: LossFn | None = None
     loss_weights: list[float] = field(default_factory=list)
     # False for forward-only (evaluation) steps: grad mode is per thread, so the
@@ -57,6 +65,8 @@ class _Saved:
     grads: tuple[Tensor | None, ...] | None = None
     saved_bytes: int = 0
     split: SplitPlan | None = None
+    own_input_grads: bool = True  # False: the first stage's input only marks where its graph ends
+    full_w: bool = False  # W is the whole backward (the input belongs to the caller's graph)
 
     def clear(self) -> None:
         """Drop the graph. With memory tracking the graph holds the pack hook, whose closure holds
@@ -172,9 +182,15 @@ class StageRuntime:
         """Forward of one micro-batch; returns (outputs, outputs-were-a-tensor)."""
         start = time.perf_counter()
         grad = self.plan.grad_enabled
+        own_input_grads = True
         if self.index > 0 and grad:
             inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
-        saved = _Saved(inputs, was_tensor, target)
+        elif grad and mb in self.plan.split_backward and not any(t.requires_grad for t in inputs):
+            # the first stage of a split schedule: a leaf input bounds the graph, so B can carry
+            # the input-side gradients through the stage and leave every weight GEMM to W
+            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
+            own_input_grads = False
+        saved = _Saved(inputs, was_tensor, target, own_input_grads=own_input_grads)
         self._saved[mb] = saved
         self._add_bytes(sum(t.numel() * t.element_size() for t in inputs))
         checkpointed = mb in self.plan.checkpointed
@@ -211,15 +227,19 @@ class StageRuntime:
         if mb in self.plan.split_backward:
             saved.grads = grads
             params = [p for p in self.module.parameters() if p.requires_grad]
-            saved.split = plan_split(tensors, leaves, params) if tensors else None
+            # the caller's input is part of a graph of theirs (first stage): W runs the whole
+            # backward into it, as a plain backward would
+            saved.full_w = any(t.requires_grad and not t.is_leaf for t in saved.inputs)
+            saved.split = plan_split(tensors, leaves, params) if tensors and not saved.full_w else None
+            found: list[Tensor | None] | tuple[Tensor | None, ...] = []
             if saved.split is not None:  # cheap W: B captures each weight layer's grad_output
-                for leaf, g in zip(leaves, input_backward(saved.split, tensors, grad_tensors, leaves)):
-                    leaf.grad = g
-            elif tensors and leaves:
+                found = input_backward(saved.split, tensors, grad_tensors, leaves, saved.own_input_grads)
+            elif tensors and leaves and saved.own_input_grads and not saved.full_w:
                 found = torch.autograd.grad(tensors, leaves, grad_tensors, retain_graph=True,
                                             allow_unused=True)
-                for leaf, g in zip(leaves, found):
-                    leaf.grad = g
+            for leaf, g in zip(leaves, found):
+                if g is not None:  # accumulate: the caller's own leaf may hold a gradient already
+                    leaf.grad = g if leaf.grad is None else leaf.grad + g
         elif tensors:
             torch.autograd.backward(tensors, grad_tensors)
         result = tuple(t.grad if t.requires_grad and t.is_leaf else None for t in saved.inputs)
@@ -231,22 +251,37 @@ class StageRuntime:
     def weight_backward(self, mb: int) -> None:
         """Deferred weight gradients of a micro-batch whose B ran with split backward.
 
+        Consecutive ``W`` actions of this stage (``plan.weight_runs``) run together at
+        the last one, ``nn.Linear`` layers as one GEMM over all their micro-batches.
+
         Cheap path (see ``weight_gradients``): only the weight-side outputs of the
         layers that own parameters, from the ``grad_output`` captured in B. Fallback
         (tied weights inside a stage, no input gradient): a backward over the graph
         with ``inputs=params``, exact but repeating B's work.
         """
+        run = self.plan.weight_runs.get(self.index, {}).get(mb, (mb,))
+        if mb != run[-1]:
+            return  # done with the rest of its run, at the run's last W
         start = time.perf_counter()
-        saved = self._saved[mb]
-        if saved.split is not None:
-            split_weight_backward(saved.split)
-        else:
-            tensors, grad_tensors = self._backward_pairs(saved.outputs, saved.grads)
-            params = [p for p in self.module.parameters() if p.requires_grad]
-            if tensors and params:
-                torch.autograd.backward(tensors, grad_tensors, inputs=params)
-        self._release(mb)
-        self._record("W", mb, start)
+        saved = [self._saved[m] for m in run]
+        splits = [s.split for s in saved if s.split is not None]
+        if len(splits) > 1:
+            batched_weight_backward(splits)
+        elif splits:
+            split_weight_backward(splits[0])
+        for s in saved:
+            if s.split is None:
+                tensors, grad_tensors = self._backward_pairs(s.outputs, s.grads)
+                params = [p for p in self.module.parameters() if p.requires_grad]
+                if tensors and s.full_w:
+                    torch.autograd.backward(tensors, grad_tensors)
+                elif tensors and params:
+                    torch.autograd.backward(tensors, grad_tensors, inputs=params)
+        end = time.perf_counter()
+        for i, m in enumerate(run):  # one event per micro-batch: an equal share of the run's time
+            self._release(m)
+            self.events.append(Event(self.index, "W", m, start + (end - start) * i / len(run),
+                                     start + (end - start) * (i + 1) / len(run)))
 
     def _backward_pairs(self, outputs: tuple[Tensor, ...] | None,
                         grads: tuple[Tensor | None, ...] | None) -> tuple[list[Tensor], list[Tensor] | None]:

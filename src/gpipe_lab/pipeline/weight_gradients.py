@@ -36,6 +36,8 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
+from gpipe_lab.pipeline.linear_weights import linear_weight_grads
+
 
 @dataclass
 class WeightTask:
@@ -134,9 +136,15 @@ def plan_split(roots: list[Tensor], inputs: list[Tensor], params: list[Tensor]) 
 
 
 def input_backward(plan: SplitPlan, roots: list[Tensor], grad_roots: list[Tensor] | None,
-                   inputs: list[Tensor]) -> list[Tensor | None]:
-    """B: gradients of the stage inputs; stores each mixed node's ``grad_output`` in ``plan``."""
+                   inputs: list[Tensor], want_inputs: bool = True) -> list[Tensor | None]:
+    """B: gradients of the stage inputs; stores each mixed node's ``grad_output`` in ``plan``.
+
+    With ``want_inputs=False`` (the first stage, whose input only marks where the graph
+    ends) the input gradients are not computed: ``None`` for each.
+    """
     edges = plan.capture_edges()
+    if not want_inputs:
+        inputs = []
     found = torch.autograd.grad(roots, list(inputs) + edges, grad_roots, retain_graph=True,
                                 allow_unused=True)
     rest = list(found[len(inputs):])
@@ -145,60 +153,43 @@ def input_backward(plan: SplitPlan, roots: list[Tensor], grad_roots: list[Tensor
     return list(found[:len(inputs)])
 
 
+def task_weight_backward(task: WeightTask) -> None:
+    """W of one mixed node: its weight-side outputs only, from the ``grad_output`` B captured."""
+    pairs = [(e, g) for e, g in zip(task.edges, task.grads) if g is not None]
+    if len(pairs) == 1 and linear_weight_grads([pairs[0][0].node], [pairs[0][1]], task.params):
+        pass
+    elif pairs:
+        torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs], retain_graph=True,
+                                inputs=task.params)
+    task.grads = []
+
+
 def split_weight_backward(plan: SplitPlan) -> None:
     """W: accumulate each mixed node's weight gradients into ``.grad`` (only its own parameters)."""
     for task in plan.tasks:
-        pairs = [(e, g) for e, g in zip(task.edges, task.grads) if g is not None]
-        if len(pairs) == 1 and _linear_weight_grads(pairs[0][0].node, pairs[0][1], task.params):
-            task.grads = []
-            continue
-        if pairs:
-            torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs], retain_graph=True,
-                                    inputs=task.params)
-        task.grads = []
+        task_weight_backward(task)
 
 
-def _leaf(node: Node | None) -> Tensor | None:
-    return getattr(node, "variable", None)
+def batched_weight_backward(plans: list[SplitPlan]) -> None:
+    """W of several micro-batches at once: one GEMM per ``nn.Linear`` over all their rows.
 
-
-def _linear_weight_grads(node: Node, grad: Tensor, params: list[Tensor]) -> bool:
-    """W of an ``nn.Linear`` on 2-D input, straight from its saved input: ``dW += g^T x``, ``db += sum g``.
-
-    The same products autograd would form, minus one engine call per layer and the
-    temporary gradient (accumulated in place by ``addmm_``). Returns ``False``, doing
-    nothing, for any other node, or where autograd must run: hooks on a parameter,
-    mixed dtypes or devices (autocast), a non-default ``alpha``/``beta``.
+    Micro-batching makes every weight-gradient GEMM short (its inner dimension is the
+    micro-batch); stacking the micro-batches gives the full batch's GEMM back. Layers
+    that are not plain ``nn.Linear`` (or whose graphs differ between micro-batches) run
+    per micro-batch as in ``split_weight_backward``.
     """
-    name = node.name()
-    if name == "AddmmBackward0":  # x @ W^T + b: (bias, x, W^T)
-        bias_edge, weight_edge = node.next_functions[0][0], node.next_functions[2][0]
-        if node._saved_alpha != 1 or node._saved_beta != 1:  # type: ignore[attr-defined]
-            return False
-    elif name == "MmBackward0":  # x @ W^T without bias: (x, W^T)
-        bias_edge, weight_edge = None, node.next_functions[1][0]
-    else:
-        return False
-    if weight_edge is None or weight_edge.name() != "TBackward0":
-        return False
-    weight, bias = _leaf(weight_edge.next_functions[0][0]), _leaf(bias_edge)
-    owned = [t for t in (weight, bias) if t is not None]
-    if weight is None or {id(t) for t in owned} != {id(p) for p in params} or len(owned) != len(params):
-        return False
-    if any(t._post_accumulate_grad_hooks or t._backward_hooks for t in owned):
-        return False
-    x = node._saved_mat1 if bias_edge is not None else node._saved_self  # type: ignore[attr-defined]
-    if grad.dim() != 2 or x.dim() != 2 or x.dtype != grad.dtype or grad.dtype != weight.dtype or \
-            x.device != weight.device or grad.device != weight.device:
-        return False
-    with torch.no_grad():
-        if weight.grad is None:
-            weight.grad = grad.t().mm(x)
-        else:
-            weight.grad.addmm_(grad.t(), x)
-        if bias is not None:
-            if bias.grad is None:
-                bias.grad = grad.sum(0)
-            else:
-                bias.grad.add_(grad.sum(0))
-    return True
+    if len({len(p.tasks) for p in plans}) != 1:
+        for plan in plans:
+            split_weight_backward(plan)
+        return
+    for column in zip(*(p.tasks for p in plans)):
+        single = [t.grads[0] if len(t.edges) == 1 and len(t.grads) == 1 else None for t in column]
+        same_params = all([id(p) for p in t.params] == [id(p) for p in column[0].params] for t in column)
+        if same_params and all(g is not None for g in single) and linear_weight_grads(
+                [t.edges[0].node for t in column], single, column[0].params):  # type: ignore[arg-type]
+            for task in column:
+                task.grads = []
+            continue
+        for task in column:
+            task_weight_backward(task)
+

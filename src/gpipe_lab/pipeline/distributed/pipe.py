@@ -34,6 +34,7 @@ from gpipe_lab.pipeline.finite import NONFINITE_POLICIES, NonFiniteError
 from gpipe_lab.pipeline.gpipe import checkpointed_microbatches
 from gpipe_lab.pipeline.interleaved import rank_schedule
 from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, split, unwrap
+from gpipe_lab.pipeline.schedule import weight_runs
 from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
 from gpipe_lab.pipeline.timeline import Event, Timeline
 
@@ -165,6 +166,7 @@ class DistributedGPipe(nn.Module):
                              for t in split(as_tuple(targets, "targets"), M, "targets")]
         actions, links = self._plan(M, forward_only)
         plan.split_backward = frozenset(a.microbatch for a in actions if a.kind == "W")
+        plan.weight_runs = weight_runs(actions)
         for runtime in self.runtimes.values():
             runtime.begin(plan, keep_outputs)
         timeline = Timeline(self.num_stages, start=time.perf_counter())
