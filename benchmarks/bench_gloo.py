@@ -2,10 +2,10 @@
 
 Each rank holds one stage and one intra-op thread. Both frameworks get the same
 workload (same seed: same weights, same batch) and the same balance. A step is
-timed on rank 0 between two barriers; the median over repeats is kept. Cases
-that differ only by framework are built together and their steps alternate
-(order flipped every round), so that the ratio ours/torch is not skewed by
-the machine's drift. Both frameworks run with the same allocator setting
+timed on rank 0 between two barriers; the median over repeats is kept. The
+cases of one (workload, M, checkpoint), every framework and schedule, are
+built together and their steps alternate (order flipped every round), so that
+the ratio ours/torch is not skewed by the machine's drift. Both frameworks run with the same allocator setting
 (``prepare_process``).
 
 torch.distributed.pipelining runs ``ScheduleGPipe`` / ``Schedule1F1B`` without
@@ -87,7 +87,7 @@ def _torch(case: GlooCase, sizes_name: str, rank: int) -> tuple[Callable[[], Non
 
 
 def _run_group(group: Sequence[GlooCase], sizes_name: str, rank: int) -> list[dict]:
-    """Time the cases of one (workload, schedule, M) side by side: steps alternate, order flipped each round."""
+    """Time the cases of one (workload, M, checkpoint) side by side: steps alternate, order flipped each round."""
     sizes = SIZES[sizes_name]
     made = [(case, *(_ours if case.framework == "ours" else _torch)(case, sizes_name, rank)) for case in group]
     times: list[list[float]] = [[] for _ in made]
@@ -107,13 +107,13 @@ def _run_group(group: Sequence[GlooCase], sizes_name: str, rank: int) -> list[di
 def gloo_worker(rank: int, world_size: int, cases: Sequence[GlooCase], sizes_name: str) -> list[dict]:
     """Run every case on this rank (spawned by ``run_local``); rank 0's results are kept.
 
-    Cases that differ only by framework run side by side (``_run_group``).
+    Cases that differ only by framework or schedule run side by side (``_run_group``).
     """
     torch.set_num_threads(1)
     prepare_process()
     groups: dict[tuple, list[GlooCase]] = {}
     for case in cases:
-        groups.setdefault((case.workload, case.schedule, case.chunks, case.checkpoint), []).append(case)
+        groups.setdefault((case.workload, case.chunks, case.checkpoint), []).append(case)
     out = []
     for group in groups.values():
         try:

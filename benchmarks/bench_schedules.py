@@ -1,4 +1,4 @@
-"""gpipe vs 1f1b vs zb-h1 vs zb-h2 on K=2 CPU stages: measured step time beside the simulator's prediction.
+"""Every schedule (gpipe, 1f1b, zb-h1, zb-h2, gpipe-bw) on K=2 CPU stages: measured beside the prediction.
 
 The 8-block MLP (Linear 512->2048, GELU, Linear 2048->512), batch 1024, MSE,
 no re-materialization, M in {2, 4, 8}. All schedules are measured in one run,

@@ -37,6 +37,7 @@ def gloo_cases(sizes: Sizes) -> list[GlooCase]:
     for m in sizes.torch_microbatches if "mlp" in sizes.models else ():
         for schedule in ("gpipe", "1f1b"):
             cases += [GlooCase("mlp", "torch", schedule, m), GlooCase("mlp", "ours", schedule, m)]
+        cases.append(GlooCase("mlp", "ours", "gpipe-bw", m))  # beyond torch's schedules: W batched
     if sizes.name == "full" and "mlp" in sizes.models:
         cases += [GlooCase("mlp", "ours", "gpipe", m, c) for m in sizes.microbatches for c in sizes.checkpoints
                   if not (c == "never" and m in sizes.torch_microbatches)]

@@ -1,6 +1,6 @@
 """The GPipe engine: pure PyTorch (+ torch.distributed); no Lightning, Hydra or wandb."""
 
-from gpipe_lab.pipeline import zero_bubble  # noqa: F401 - registers the zb-h1 and zb-h2 schedules
+from gpipe_lab.pipeline import zero_bubble  # noqa: F401 - registers zb-h1, zb-h2 and gpipe-bw
 from gpipe_lab.pipeline.allocator import retain_freed_memory
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.dropout import StageDropout, convert_dropout
