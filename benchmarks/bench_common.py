@@ -51,7 +51,7 @@ SIZES = {
     "smoke": Sizes("smoke", 64, (32, 64), (1, 4), (2,), ("never", "always"), ("never",), (4,), 1, 0,
                    overhead_microbatches=8),
     "quick": Sizes("quick", 1024, (512, 2048), (4, 8, 16), (8,), ("never", "always"), ("never",), (8, 16),
-                   3, 1, recompute_microbatches=(8,), gloo_repeats=5),
+                   3, 1, recompute_microbatches=(8,), gloo_repeats=9),
     "full": Sizes("full", 1024, (512, 2048), (1, 2, 4, 8, 16, 32), (1, 2, 4, 8, 16, 32), CHECKPOINTS,
                   CHECKPOINTS, (2, 4, 8, 16, 32), 5, 2, overhead_microbatches=128),
 }
