@@ -24,7 +24,7 @@ measured (``measured_bubble``) exactly like a real step.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpipe_lab.pipeline.schedule import Action, Schedule
@@ -88,8 +88,14 @@ class Prediction:
     bubble: float
 
 
-def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] = ()) -> Timeline:
+def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] = (),
+             durations: Mapping[tuple[int, str, int], float] | None = None) -> Timeline:
     """Run the action lists on virtual clocks; return the predicted timeline (starts at 0).
+
+    ``durations`` maps ``(stage, kind, micro-batch)`` to the seconds of that one
+    action (kinds F, B, W, R), overriding the per-stage costs; with a measured
+    step's ``durations_from_timeline`` the result is that step replayed with
+    no hand-over delays: the earliest each action could have started.
 
     Raises:
         ValueError: costs for a different number of stages, or a schedule that
@@ -105,6 +111,7 @@ def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] 
     free = [0.0] * K
     cursor = [0] * K
     recomputed: set[Action] = set()
+    own = dict(durations or {})
     events: list[Event] = []
     remaining = sum(len(a) for a in schedule)
     while remaining:
@@ -114,8 +121,9 @@ def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] 
                 a = schedule[k][cursor[k]]
                 if a.kind == "B" and a.microbatch in replayed and a not in recomputed:
                     # the engine re-materializes before it waits for the gradient
-                    events.append(Event(k, "R", a.microbatch, free[k], free[k] + recompute[k]))
-                    free[k] += recompute[k]
+                    took = own.get((k, "R", a.microbatch), recompute[k])
+                    events.append(Event(k, "R", a.microbatch, free[k], free[k] + took))
+                    free[k] += took
                     recomputed.add(a)
                 ready = _ready_time(a, K, end, costs)
                 if ready is None:
@@ -131,6 +139,7 @@ def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] 
                         duration += costs.backward_weight[k]
                 else:
                     duration = costs.backward_weight[k]
+                duration = own.get((k, a.kind, a.microbatch), duration)
                 events.append(Event(k, a.kind, a.microbatch, start, start + duration))
                 end[a] = free[k] = start + duration
                 cursor[k] += 1
@@ -154,10 +163,16 @@ def _ready_time(a: Action, K: int, end: dict[Action, float], costs: StageCosts) 
     return 0.0
 
 
-def predict_step(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] = ()) -> Prediction:
-    """Predicted step time and bubble of ``schedule`` under ``costs``."""
-    timeline = simulate(schedule, costs, checkpointed)
+def predict_step(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] = (),
+                 durations: Mapping[tuple[int, str, int], float] | None = None) -> Prediction:
+    """Predicted step time and bubble of ``schedule`` under ``costs`` (see ``simulate``)."""
+    timeline = simulate(schedule, costs, checkpointed, durations)
     return Prediction(timeline, timeline.wall, timeline.measured_bubble())
+
+
+def durations_from_timeline(timeline: Timeline) -> dict[tuple[int, str, int], float]:
+    """Each action's measured seconds, keyed ``(stage, kind, micro-batch)`` (waits left out)."""
+    return {(e.stage, e.kind, e.microbatch): e.duration for e in timeline.events if e.kind != "wait"}
 
 
 def costs_from_timeline(timeline: Timeline | Sequence[Timeline],
