@@ -40,7 +40,8 @@ from gpipe_lab.plotting.timeline import plot_timeline  # noqa: E402
 EXPERIMENT = "paper_overheads"
 #: ``--tiny``: toy networks (Table 2's tiny ones), one timed step.
 TINY = {EXPERIMENT: [
-    "model.num_layers=3", "model.num_filters=8", "experiment.steps=1", "experiment.repeat=1",
+    "model.num_layers=3", "model.num_filters=8", "data.batch_size=64", "data.num_train=640",
+    "experiment.steps=1", "experiment.repeat=1",
     "experiment.workloads.transformer.batch=32", "experiment.workloads.transformer.sizes={num_layers:8,"
     "d_model:32,ffn_dim:64,num_heads:2,vocab_size:64,seq_len:8,dropout:0.0}"]}
 

@@ -98,6 +98,7 @@ def test_every_config_file_composes_and_instantiates(group: str, name: str, tmp_
     ("optimizer.name=lbfgs", "optimizer.name"),
     ("model.name=resnet", "model.name"),
     ("trainer.max_steps=0", "trainer.max_steps"),
+    ("data.num_train=16", "data.batch_size"),  # 32 per batch: no full batch in an epoch
 ])
 def test_bad_configs_name_the_key(override: str, key: str) -> None:
     cfg = make_config(override)

@@ -168,7 +168,8 @@ def test_tiny_multirun_is_collected_into_table2(tmp_path: Path, scripts: object,
     train = subprocess.run(
         [sys.executable, "-m", "gpipe_lab.train", "-m", "experiment=paper_table2_amoebanet", "pipeline.partitions=2",
          "pipeline.chunks=1,4", "trainer=smoke", "trainer.max_steps=1", "trainer.limit_val_batches=1",
-         "model.num_layers=3", "model.num_filters=8", "data.num_train=128", "data.num_val=32", "logger=none",
+         "model.num_layers=3", "model.num_filters=8", "data.batch_size=64", "data.num_train=128", "data.num_val=32",
+         "logger=none",
          f"paths.log_dir={tmp_path}", f"hydra.sweep.dir={sweep}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert train.returncode == 0, train.stderr[-3000:]

@@ -142,6 +142,11 @@ def validate_data(cfg: DictConfig) -> None:
     _check_keys(cfg.data, ["name", *allowed], "data", f"datamodule {name!r}")
     for key in ("batch_size", "num_train", "num_val", "tokens_per_batch"):
         _positive(cfg.data.get(key), f"data.{key}")
+    batch, num_train = cfg.data.get("batch_size"), cfg.data.get("num_train")
+    drops_last = "drop_last" in allowed and cfg.data.get("drop_last", True)
+    if drops_last and isinstance(batch, int) and isinstance(num_train, int) and batch > num_train:
+        raise ConfigError(f"data.batch_size: {batch} is larger than data.num_train {num_train}, so an epoch "
+                          f"has no full batch to train on (drop_last); lower data.batch_size or raise data.num_train")
 
 
 def validate_trainer(cfg: DictConfig) -> None:
