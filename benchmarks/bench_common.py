@@ -22,6 +22,10 @@ from torch import Tensor, nn
 from gpipe_lab.models import build, layer_costs, token_cross_entropy
 from gpipe_lab.pipeline import balance_by_cost, retain_freed_memory
 
+#: our schedules beyond torch's ScheduleGPipe / Schedule1F1B, measured beside them on the MLP:
+#: split backward, weight gradients batched (gpipe-bw) or moved into the bubble (zb-h1, zb-h2)
+BEYOND_TORCH = ("gpipe-bw", "zb-h1", "zb-h2")
+
 CHECKPOINTS = ("never", "except_last", "always")
 
 

@@ -19,7 +19,15 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import SIZES, Sizes, load_average, machine_info, make_workload, prepare_process
+from bench_common import (
+    BEYOND_TORCH,
+    SIZES,
+    Sizes,
+    load_average,
+    machine_info,
+    make_workload,
+    prepare_process,
+)
 from bench_gloo import GlooCase, run_gloo
 from bench_local import run_workload
 from bench_memory import run_memory
@@ -37,7 +45,7 @@ def gloo_cases(sizes: Sizes) -> list[GlooCase]:
     for m in sizes.torch_microbatches if "mlp" in sizes.models else ():
         for schedule in ("gpipe", "1f1b"):
             cases += [GlooCase("mlp", "torch", schedule, m), GlooCase("mlp", "ours", schedule, m)]
-        cases.append(GlooCase("mlp", "ours", "gpipe-bw", m))  # beyond torch's schedules: W batched
+        cases += [GlooCase("mlp", "ours", schedule, m) for schedule in BEYOND_TORCH]
     if sizes.name == "full" and "mlp" in sizes.models:
         cases += [GlooCase("mlp", "ours", "gpipe", m, c) for m in sizes.microbatches for c in sizes.checkpoints
                   if not (c == "never" and m in sizes.torch_microbatches)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from bench_common import BEYOND_TORCH
+
 K = 2
 
 
@@ -66,18 +68,20 @@ def _evaluate(results: dict) -> Iterator[dict[str, object]]:
                 ratio = theirs / ours if theirs and ours else None
                 yield _row(f"MLP M={m} {schedule} ({transport} transport) vs torch {torch_name}", ratio,
                            ">= 1.1x", ratio and ratio >= 1.1, "x")
-    bw8 = _local(results, 8, schedule="gpipe-bw")
-    yield _row("MLP M=8 never, gpipe-bw: speed-up over 1-thread baseline", bw8 and bw8["speedup"], ">= 1.6x",
-               bw8 and bw8["speedup"] >= 1.6, "x")
+    for schedule in BEYOND_TORCH:
+        row8 = _local(results, 8, schedule=schedule)
+        yield _row(f"MLP M=8 never, {schedule}: speed-up over 1-thread baseline", row8 and row8["speedup"],
+                   ">= 1.6x", row8 and row8["speedup"] >= 1.6, "x")
     for transport in ("local", "distributed"):
         for m in (8, 16):
-            row = _local(results, m, schedule="gpipe-bw")
-            ours = row and row["step_s"] if transport == "local" else _gloo(results, "ours", "gpipe-bw", m)
             theirs = min((t for t in (_gloo(results, "torch", s, m) for s in ("gpipe", "1f1b")) if t),
                          default=None)
-            ratio = theirs / ours if theirs and ours else None
-            yield _row(f"MLP M={m} gpipe-bw ({transport} transport) vs torch's faster of GPipe/1F1B", ratio,
-                       ">= 1.1x", ratio and ratio >= 1.1, "x")
+            for schedule in BEYOND_TORCH:
+                row = _local(results, m, schedule=schedule)
+                ours = row and row["step_s"] if transport == "local" else _gloo(results, "ours", schedule, m)
+                ratio = theirs / ours if theirs and ours else None
+                yield _row(f"MLP M={m} {schedule} ({transport} transport) vs torch's faster of GPipe/1F1B",
+                           ratio, ">= 1.1x", ratio and ratio >= 1.1, "x")
     rows = [r for r in results.get("local", {}).get("mlp", {}).get("rows", [])
             if r["M"] >= 4 and r["checkpoint"] == "never" and r["schedule"] == "gpipe"]
     worst = max(rows, key=lambda r: r["bubble_measured"] - r["bubble_theory"], default=None)

@@ -62,13 +62,15 @@ def test_json_structure(smoke):
     assert res["overhead"]["actions"] == 2 * 2 * res["overhead"]["microbatches"]
     for t in res["targets"]:
         assert set(t) == TARGET_KEYS and t["status"] in ("PASS", "MISS", "N/A")
-    assert len(res["targets"]) == 20
-    assert any(t["name"].startswith("MLP M=8 gpipe-bw (distributed transport)") for t in res["targets"])
+    assert len(res["targets"]) == 30
+    for schedule in ("gpipe-bw", "zb-h1", "zb-h2"):
+        assert any(t["name"].startswith(f"MLP M=8 {schedule} (distributed transport)") for t in res["targets"])
     mlp_local = {r["schedule"] for r in res["local"]["mlp"]["rows"]}
-    assert {"gpipe", "1f1b", "gpipe-bw"} <= mlp_local
+    assert {"gpipe", "1f1b", "gpipe-bw", "zb-h1", "zb-h2"} <= mlp_local
     if res["gloo"]:  # ours (every schedule) and torch alternate in one group per M
         assert {(r["framework"], r["schedule"]) for r in res["gloo"] if r["workload"] == "mlp"} >= {
-            ("torch", "gpipe"), ("torch", "1f1b"), ("ours", "gpipe"), ("ours", "1f1b"), ("ours", "gpipe-bw")}
+            ("torch", "gpipe"), ("torch", "1f1b"), ("ours", "gpipe"), ("ours", "1f1b"), ("ours", "gpipe-bw"),
+            ("ours", "zb-h1"), ("ours", "zb-h2")}
 
 
 def _peak(rows, m, schedule, checkpoint, stage):
