@@ -49,13 +49,14 @@ class Sizes:
     # M at which the MLP also runs the re-materializing modes (empty: every M)
     recompute_microbatches: tuple[int, ...] = ()
     gloo_repeats: int = 0  # repeats of the gloo side-by-side rounds (0: ``repeats``)
+    beyond_torch: tuple[str, ...] = BEYOND_TORCH  # our other schedules measured beside torch's (MLP)
 
 
 SIZES = {
     "smoke": Sizes("smoke", 64, (32, 64), (1, 4), (2,), ("never", "always"), ("never",), (4,), 1, 0,
                    overhead_microbatches=8),
     "quick": Sizes("quick", 1024, (512, 2048), (4, 8, 16), (8,), ("never", "always"), ("never",), (8, 16),
-                   3, 1, recompute_microbatches=(8,), gloo_repeats=9),
+                   3, 1, recompute_microbatches=(8,), gloo_repeats=9, beyond_torch=("gpipe-bw",)),
     "full": Sizes("full", 1024, (512, 2048), (1, 2, 4, 8, 16, 32), (1, 2, 4, 8, 16, 32), CHECKPOINTS,
                   CHECKPOINTS, (2, 4, 8, 16, 32), 5, 2, overhead_microbatches=128),
 }

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 from bench_ceiling import ceiling_functions, ceiling_summary
-from bench_common import BEYOND_TORCH, Sizes, Workload, robust_time, sync
+from bench_common import Sizes, Workload, robust_time, sync
 from torch import Tensor
 
 from gpipe_lab.pipeline import GPipe, analytic_bubble
@@ -155,7 +155,7 @@ def run_workload(work: Workload, sizes: Sizes, device: str, microbatches: Sequen
         t_fbr = max(s["forward_backward"] + s["forward"] for s in stage_times[m])
         ideals = {"never": (m + K - 1) * t_fb, "always": (m + K - 1) * t_fbr}
         modes = [c for c in checkpoints if c == "never" or not recompute_microbatches or m in recompute_microbatches]
-        runs = [(c, "gpipe") for c in modes] + ([("never", s) for s in ("1f1b", *BEYOND_TORCH)]
+        runs = [(c, "gpipe") for c in modes] + ([("never", s) for s in ("1f1b", *sizes.beyond_torch)]
                                                  if m in extra_1f1b else [])
         for checkpoint, schedule in runs:
             want_ceiling = (m in extra_1f1b and (checkpoint, schedule) == ("never", "gpipe")

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 from bench_common import (
-    BEYOND_TORCH,
     SIZES,
     Sizes,
     load_average,
@@ -45,7 +44,7 @@ def gloo_cases(sizes: Sizes) -> list[GlooCase]:
     for m in sizes.torch_microbatches if "mlp" in sizes.models else ():
         for schedule in ("gpipe", "1f1b"):
             cases += [GlooCase("mlp", "torch", schedule, m), GlooCase("mlp", "ours", schedule, m)]
-        cases += [GlooCase("mlp", "ours", schedule, m) for schedule in BEYOND_TORCH]
+        cases += [GlooCase("mlp", "ours", schedule, m) for schedule in sizes.beyond_torch]
     if sizes.name == "full" and "mlp" in sizes.models:
         cases += [GlooCase("mlp", "ours", "gpipe", m, c) for m in sizes.microbatches for c in sizes.checkpoints
                   if not (c == "never" and m in sizes.torch_microbatches)]

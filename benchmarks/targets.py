@@ -68,7 +68,10 @@ def _evaluate(results: dict) -> Iterator[dict[str, object]]:
                 ratio = theirs / ours if theirs and ours else None
                 yield _row(f"MLP M={m} {schedule} ({transport} transport) vs torch {torch_name}", ratio,
                            ">= 1.1x", ratio and ratio >= 1.1, "x")
-    for schedule in BEYOND_TORCH:
+    measured = {r["schedule"] for r in results.get("local", {}).get("mlp", {}).get("rows", [])}
+    measured |= {r["schedule"] for r in results.get("gloo", []) if r["framework"] == "ours"}
+    beyond = [s for s in BEYOND_TORCH if s in measured]
+    for schedule in beyond:  # only the schedules this run measured (--quick: gpipe-bw)
         row8 = _local(results, 8, schedule=schedule)
         yield _row(f"MLP M=8 never, {schedule}: speed-up over 1-thread baseline", row8 and row8["speedup"],
                    ">= 1.6x", row8 and row8["speedup"] >= 1.6, "x")
@@ -76,7 +79,7 @@ def _evaluate(results: dict) -> Iterator[dict[str, object]]:
         for m in (8, 16):
             theirs = min((t for t in (_gloo(results, "torch", s, m) for s in ("gpipe", "1f1b")) if t),
                          default=None)
-            for schedule in BEYOND_TORCH:
+            for schedule in beyond:
                 row = _local(results, m, schedule=schedule)
                 ours = row and row["step_s"] if transport == "local" else _gloo(results, "ours", schedule, m)
                 ratio = theirs / ours if theirs and ours else None
