@@ -34,6 +34,11 @@ class Workload:
     sizes: dict
     batch: int
 
+    @property
+    def key(self) -> tuple:
+        """The network's identity (preset and sizes), for caching what depends only on it."""
+        return (self.preset, tuple(sorted((k, repr(v)) for k, v in self.sizes.items())))
+
     def model(self, seed: int = 0) -> nn.Sequential:
         torch.manual_seed(seed)
         return build(self.preset, "cpu", **self.sizes)
@@ -50,9 +55,21 @@ class Workload:
         return F.cross_entropy if self.preset.startswith("amoebanet") else translation_loss()
 
 
-def engine_balance(model: nn.Sequential, partitions: int) -> list[int]:
-    """The balance ``GPipe(model, partitions=K, cost=<per-layer FLOPs>)`` chooses (Lingvo balances FLOPs)."""
-    return balance_by_cost(model_layer_costs(model, "flops"), partitions)
+_FLOPS: dict[tuple, list[float]] = {}
+
+
+def engine_balance(model: nn.Sequential, partitions: int, key: tuple | None = None) -> list[int]:
+    """The balance ``GPipe(model, partitions=K, cost=<per-layer FLOPs>)`` chooses (Lingvo balances FLOPs).
+
+    ``key`` (e.g. ``Workload.key``) names the network, so its per-layer FLOPs, which
+    take a second or more to count, are counted once per run, not once per (K, M).
+    """
+    costs = _FLOPS.get(key) if key is not None else None
+    if costs is None:
+        costs = list(model_layer_costs(model, "flops"))
+        if key is not None:
+            _FLOPS[key] = costs
+    return balance_by_cost(costs, partitions)
 
 
 def gpu_devices(partitions: int) -> list[str] | None:
@@ -73,7 +90,7 @@ def measure_step(work: Workload, partitions: int, chunks: int, steps: int = 3,
     x, y = work.batch_data(model)
     if devices:
         y = y.to(devices[-1])  # the last stage computes the loss
-    pipe = GPipe(model, balance=engine_balance(model, partitions), chunks=chunks, checkpoint=checkpoint,
+    pipe = GPipe(model, balance=engine_balance(model, partitions, work.key), chunks=chunks, checkpoint=checkpoint,
                  threads_per_stage=1, seed=0, devices=devices)
     runs: list[tuple[float, Timeline]] = []
     for step in range(steps + 1):  # the first step warms up
@@ -187,7 +204,7 @@ def run_grid(work: Workload, measured_k: list[int], simulated_k: list[int], chun
         times = layer_times(work, work.batch // m, repeat)
         hop = 0.0
         for k in sorted(set(measured_k) | set(simulated_k)):
-            balance = engine_balance(model, k)
+            balance = engine_balance(model, k, work.key)
             measured, timeline = None, None
             devices = gpu_devices(k) if gpu else None
             if k in measured_k or devices:
