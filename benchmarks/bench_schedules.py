@@ -58,11 +58,12 @@ def bench_chunks(chunks: int, steps: int, warmup: int, out: Path) -> list[dict]:
         tls = timelines[name]
         walls = [t.wall for t in tls]
         costs = costs_from_timeline(tls)
-        pred = predict_step(get_schedule(name, 2, chunks), costs)
+        actions = get_schedule(name, 2, chunks)
+        pred = predict_step(actions, costs)
         median = statistics.median(walls)
         # each step replayed with its own action durations: the step without hand-overs and waits
-        replayed = [predict_step(get_schedule(name, 2, chunks), costs, durations=durations_from_timeline(t))
-                    .step_time / t.wall for t in tls]
+        replayed = [predict_step(actions, costs, durations=durations_from_timeline(t)).step_time / t.wall
+                    for t in tls]
         plot_timeline(tls[-1], out / f"timeline_{name}_M{chunks}.png", predicted=pred.timeline,
                       title=f"{name}, K=2, M={chunks}: measured (top) vs predicted (bottom)")
         rows.append({

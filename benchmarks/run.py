@@ -19,14 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import (
-    SIZES,
-    Sizes,
-    load_average,
-    machine_info,
-    make_workload,
-    prepare_process,
-)
+from bench_common import SIZES, Sizes, load_average, machine_info, make_workload, prepare_process
 from bench_gloo import GlooCase, run_gloo
 from bench_local import run_workload
 from bench_memory import run_memory

@@ -58,18 +58,15 @@ class Workload:
 _FLOPS: dict[tuple, list[float]] = {}
 
 
-def engine_balance(model: nn.Sequential, partitions: int, key: tuple | None = None) -> list[int]:
+def engine_balance(model: nn.Sequential, partitions: int, key: tuple) -> list[int]:
     """The balance ``GPipe(model, partitions=K, cost=<per-layer FLOPs>)`` chooses (Lingvo balances FLOPs).
 
-    ``key`` (e.g. ``Workload.key``) names the network, so its per-layer FLOPs, which
+    ``key`` (``Workload.key``) names the network, so its per-layer FLOPs, which
     take a second or more to count, are counted once per run, not once per (K, M).
     """
-    costs = _FLOPS.get(key) if key is not None else None
-    if costs is None:
-        costs = list(model_layer_costs(model, "flops"))
-        if key is not None:
-            _FLOPS[key] = costs
-    return balance_by_cost(costs, partitions)
+    if key not in _FLOPS:
+        _FLOPS[key] = list(model_layer_costs(model, "flops"))
+    return balance_by_cost(_FLOPS[key], partitions)
 
 
 def gpu_devices(partitions: int) -> list[str] | None:

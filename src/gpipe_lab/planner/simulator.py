@@ -111,7 +111,7 @@ def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] 
     free = [0.0] * K
     cursor = [0] * K
     recomputed: set[Action] = set()
-    own = dict(durations or {})
+    own = durations or {}
     events: list[Event] = []
     remaining = sum(len(a) for a in schedule)
     while remaining:
