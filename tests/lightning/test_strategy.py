@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 from gpipe_lab.lightning import GPipeStrategy
-from test_strategy_support import TinyData, TinyRegressor, trainer
+from helpers.strategy import TinyData, TinyRegressor, trainer
 
 
 def fit_losses(strategy: object, manual: bool = False, steps: int = 5, **kwargs: object) -> list[float]:

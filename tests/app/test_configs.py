@@ -7,13 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, open_dict
+from omegaconf import open_dict
 
 from gpipe_lab.config import ConfigError, validate
 from gpipe_lab.train import CONFIG_DIR, build_logger, build_module, run
+from helpers.app import make_config
 
 CONF = Path(CONFIG_DIR)
 GROUPS = ("model", "data", "pipeline", "trainer", "logger", "optimizer", "paths")
@@ -21,19 +19,6 @@ FILES = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 #: Experiments whose model is larger than this only compose and validate in the tests.
 MAX_TEST_PARAMS = 12_000_000
-
-
-def make_config(*overrides: str, tmp_path: Path | None = None) -> DictConfig:
-    GlobalHydra.instance().clear()
-    extra = [f"paths.log_dir={tmp_path}"] if tmp_path is not None else []
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        cfg = compose("train", overrides=[*overrides, *extra], return_hydra_config=True)
-    HydraConfig().set_config(cfg)
-    GlobalHydra.instance().clear()
-    if tmp_path is not None:
-        with open_dict(cfg):
-            cfg.paths.output_dir = str(tmp_path / "run")
-    return cfg
 
 
 @pytest.mark.parametrize(("group", "name"), FILES, ids=[f"{g}/{n}" for g, n in FILES])

@@ -19,66 +19,8 @@ from torch import nn
 from gpipe_lab.config import ConfigError, validate
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.pipeline import NonFiniteError
-from test_strategy_support import TinyData, TinyRegressor, trainer
-
-BAD_STEP = 2
-
-
-class InfAtStep(nn.Module):
-    """Multiplies by inf in training on the owner's batch ``step`` (forward, or backward only)."""
-
-    def __init__(self, step: int, where: str = "forward") -> None:
-        super().__init__()
-        self.step, self.where = step, where
-        self._owner: list = []  # not a submodule: no cycle in the module tree
-
-    def attach(self, owner: object) -> InfAtStep:
-        self._owner[:] = [owner]
-        return self
-
-    def armed(self) -> bool:
-        trainer = self._owner[0]._trainer if self._owner else None
-        return self.training and trainer is not None and trainer.fit_loop.total_batch_idx == self.step
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.armed():
-            return x
-        if self.where == "forward":
-            return x * float("inf")
-        return _InfGrad.apply(x)
-
-
-class _InfGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * float("inf")
-
-
-class Faulty(TinyRegressor):
-    """TinyRegressor with ``InfAtStep`` after its second layer (stage 0 of K=2)."""
-
-    def __init__(self, step: int = BAD_STEP, where: str = "forward", skip_batch: int | None = None) -> None:
-        super().__init__()
-        self.layers.insert(2, InfAtStep(step, where).attach(self))
-        self.skip_batch = skip_batch
-        self.optimizer_steps = 0
-
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        return None if batch_idx == self.skip_batch else loss  # the reference: no step on that batch
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        optimizer = super().configure_optimizers()
-
-        def count(*_: object) -> None:
-            self.optimizer_steps += 1
-
-        optimizer.register_step_pre_hook(count)
-        return optimizer
+from helpers.faults import BAD_STEP, Faulty, InfAtStep
+from helpers.strategy import TinyData, trainer
 
 
 def test_skip_drops_exactly_that_optimizer_step() -> None:
@@ -122,7 +64,7 @@ def test_ignore_and_bad_policy() -> None:
 
 # ----------------------------------------------------------------------------- config
 def test_config_key_is_validated_and_reaches_the_strategy(tmp_path: Path, monkeypatch) -> None:
-    from test_configs import make_config
+    from helpers.app import make_config
 
     assert make_config().pipeline.nonfinite == "raise"
     with pytest.raises(ConfigError, match=r"pipeline\.nonfinite: must be one of \['raise', 'skip', 'ignore'\]"):
@@ -201,8 +143,8 @@ def test_distributed_ranks_agree_on_raise_and_skip() -> None:
 LIGHTNING_SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from test_nonfinite import Faulty
-from test_strategy_support import TinyData, trainer
+from helpers.faults import Faulty
+from helpers.strategy import TinyData, trainer
 from gpipe_lab.lightning import GPipeStrategy
 out = {{}}
 m = Faulty()
@@ -230,7 +172,7 @@ def test_distributed_strategy_skips_and_raises_on_every_rank(tmp_path: Path) -> 
     import sys
 
     script = tmp_path / "fit.py"
-    script.write_text(LIGHTNING_SCRIPT.format(tests=str(Path(__file__).parent)))
+    script.write_text(LIGHTNING_SCRIPT.format(tests=str(Path(__file__).parents[1])))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200,
                           cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]

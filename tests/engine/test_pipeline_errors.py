@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from conftest import mlp
 from gpipe_lab import GPipe
 from gpipe_lab.pipeline import balance_by_cost
+from helpers.models import mlp
 
 
 @pytest.mark.parametrize("kwargs,error,fragment", [

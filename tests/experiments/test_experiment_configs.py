@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"
 CONF = ROOT / "conf" / "experiment"
 PAPER_CONFIGS = sorted(p.stem for p in CONF.glob("paper_*.yaml"))

@@ -12,7 +12,7 @@ import torch
 
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.pipeline import NonFiniteError
-from test_strategy_support import TinyData, TinyRegressor, trainer
+from helpers.strategy import TinyData, TinyRegressor, trainer
 
 BAD_STEP = 2
 

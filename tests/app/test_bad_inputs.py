@@ -59,7 +59,7 @@ def strategy_fit(batch_size: int = 16, **kwargs: object) -> Callable[[Path], obj
 
     def call(tmp: Path) -> object:
         from gpipe_lab.lightning import GPipeStrategy
-        from test_strategy_support import TinyData, TinyRegressor, trainer
+        from helpers.strategy import TinyData, TinyRegressor, trainer
 
         return trainer(GPipeStrategy(**kwargs), max_steps=1, default_root_dir=str(tmp)).fit(
             TinyRegressor(), TinyData(batch_size=batch_size))
@@ -103,7 +103,6 @@ def train_resume(make_checkpoint: Callable[[Path], Path | str]) -> Callable[[Pat
 def other_model_checkpoint(tmp: Path) -> Path:
     """A Lightning checkpoint of a Transformer (the app's config trains an AmoebaNet)."""
     import lightning
-
     from gpipe_lab.lightning.modules import Translator
     from gpipe_lab.models import build
 

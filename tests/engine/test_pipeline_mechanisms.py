@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from conftest import grads, mlp
 from gpipe_lab import GPipe
 from gpipe_lab.pipeline import DeferredBatchNorm, StageDropout, analytic_bubble
+from helpers.models import grads, mlp
 
 
 def dropout_model(seed: int = 0) -> nn.Sequential:

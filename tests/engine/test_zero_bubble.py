@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from conftest import grads, mlp, reference_step, tuple_model
 from gpipe_lab import GPipe
 from gpipe_lab.pipeline import PipelineTimeoutError, get_schedule, validate_schedule
 from gpipe_lab.pipeline.weight_gradients import input_backward, plan_split, split_weight_backward
+from helpers.models import grads, mlp, reference_step, tuple_model
 
 TOL = 1e-5
 

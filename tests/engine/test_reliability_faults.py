@@ -23,57 +23,8 @@ from torch.nn import functional as F
 
 from gpipe_lab import GPipe
 from gpipe_lab.pipeline import DeferredBatchNorm, PipelineTimeoutError
-from gpipe_lab.pipeline.context import current_generator, is_recomputing, microbatch_seed
-
-SEED = 11
-NUM_STAGES = 3
-CHUNKS = 4
-
-
-class InjectedFault(RuntimeError):
-    """A distinct type, so the test sees that the original type reaches the caller."""
-
-
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fault):
-        ctx.fault = fault
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.fault.armed:
-            raise InjectedFault("injected fault in backward")
-        return grad, None
-
-
-class Fault(nn.Module):
-    """Identity that raises in the forward / backward / recompute of ONE micro-batch.
-
-    The micro-batch is recognized by the stage generator the engine installs for it
-    (seeded per (seed, step, stage, micro-batch)), so the fault is exact whatever
-    order the schedule runs the micro-batches in.
-    """
-
-    def __init__(self, when: str, stage: int, microbatch: int, step: int = 0) -> None:
-        super().__init__()
-        self.when, self.armed = when, True
-        self.target_seed = microbatch_seed(SEED, step, stage, microbatch)
-
-    def _is_target(self) -> bool:
-        gen = current_generator()
-        return gen is not None and gen.initial_seed() == self.target_seed
-
-    def forward(self, x):
-        if not (self.armed and self._is_target()):
-            return x
-        if self.when == "forward" and not is_recomputing():
-            raise InjectedFault("injected fault in forward")
-        if self.when == "recompute" and is_recomputing():
-            raise InjectedFault("injected fault in recompute")
-        if self.when == "backward" and torch.is_grad_enabled():
-            return _RaiseInBackward.apply(x, self)
-        return x
+from gpipe_lab.pipeline.context import is_recomputing
+from helpers.faults import CHUNKS, NUM_STAGES, SEED, Fault, InjectedFault
 
 
 def build(fault: Fault, fault_stage: int, batch_norm: bool = False) -> nn.Sequential:

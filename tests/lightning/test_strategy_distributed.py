@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from gpipe_lab.lightning import GPipeStrategy
-from test_strategy_support import RecordMetric, TinyData, TinyRegressor, trainer
+from helpers.strategy import RecordMetric, TinyData, TinyRegressor, trainer
 
 SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from test_strategy_support import RecordMetric, TinyData, TinyRegressor, trainer
+from helpers.strategy import RecordMetric, TinyData, TinyRegressor, trainer
 from gpipe_lab.lightning import GPipeStrategy
 m = TinyRegressor()
 strategy = GPipeStrategy(partitions=2, chunks=4, transport="distributed", seed=0, timeout=60)
@@ -39,7 +39,7 @@ if t.global_rank == 0:
 def test_distributed_transport_matches_local_and_resumes(tmp_path: Path) -> None:
     ckpt, out = tmp_path / "dist.ckpt", tmp_path / "out.json"
     script = tmp_path / "fit.py"
-    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), ckpt=str(ckpt), out=str(out)))
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parents[1]), ckpt=str(ckpt), out=str(out)))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
                           cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -23,7 +23,7 @@ TIMEOUT = 6.0
 
 # ----------------------------------------------------------------------------- faults
 def fault_worker(rank: int, world: int, when: str, stage: int, schedule: str) -> None:
-    from test_reliability_faults import SEED, Fault
+    from helpers.faults import SEED, Fault
 
     fault = Fault(when, stage, microbatch=2)
     torch.manual_seed(0)
@@ -122,7 +122,7 @@ def test_transport_does_not_change_the_losses():
 def soak_worker(rank: int, world: int, steps: int, warmup: int) -> list[int]:
     import gc
 
-    from test_soak import BATCH, M, rss_bytes, soak_model
+    from helpers.soak import BATCH, M, rss_bytes, soak_model
 
     model = soak_model()
     pipe = DistributedGPipe(model, partitions=world, chunks=M, seed=0, checkpoint="except_last", timeout=60)
@@ -145,7 +145,7 @@ def soak_worker(rank: int, world: int, steps: int, warmup: int) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_distributed_transport_200_steps_no_memory_growth():
-    from test_soak import ALLOWED_GROWTH, STEPS, WARMUP, K
+    from helpers.soak import ALLOWED_GROWTH, STEPS, WARMUP, K
 
     results = run_local(soak_worker, K, args=(STEPS, WARMUP), timeout=200)
     for r in results:

@@ -12,19 +12,10 @@ from pathlib import Path
 import pytest
 
 from gpipe_lab.wandb_reader import find_run_files, read_run
+from helpers.app import gpipe_train
 
 SMALL = ["data.num_train=256", "data.num_val=64", "trainer.max_steps=6", "trainer.log_every_n_steps=2",
          "data.batch_size=16", "trainer.enable_checkpointing=false"]
-
-
-def gpipe_train(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
-    flags = [a for a in args if a.startswith("-")]
-    overrides = [a for a in args if not a.startswith("-")]
-    proc = subprocess.run([sys.executable, "-m", "gpipe_lab.train", *flags, f"paths.log_dir={tmp_path}", *overrides],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
 
 
 def test_default_app_logs_everything_to_offline_wandb(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from conftest import grads, mlp, reference_step, tuple_model
 from gpipe_lab import GPipe
+from helpers.models import grads, mlp, reference_step, tuple_model
 
 TOL = 1e-5
 

@@ -24,7 +24,7 @@ from gpipe_lab.data.resumable import ResumableDataLoader
 from gpipe_lab.lightning import GPipeStrategy, PipelineModule
 from gpipe_lab.lightning.resume import ResumableCheckpoint, load_initial_weights, resolve_ckpt_path
 from gpipe_lab.train import run
-from test_configs import make_config
+from helpers.app import make_config
 
 STEPS_PER_EPOCH = 4
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train import gpipe_train
+from helpers.app import gpipe_train
 
 
 @pytest.mark.slow

@@ -1,0 +1,135 @@
+"""``PipelineOptions``: every pipeline option, its one default and its check, defined once.
+
+The same dataclass is the Hydra schema of ``conf/pipeline/`` (``pipeline.<field>``), the
+argument of ``GPipeStrategy`` and of both engine front doors (``GPipe``,
+``DistributedGPipe``). Errors name the option as the caller wrote it: ``chunks`` for the
+engine, ``pipeline.chunks`` for the app (``check(prefix="pipeline.")``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+TRANSPORTS = ("local", "distributed")
+
+
+class OptionError(ValueError):
+    """A pipeline option with a value that cannot run; the message starts with the option's key."""
+
+
+@dataclass
+class PipelineOptions:
+    """How a layer sequence is pipelined. Every field is a ``pipeline.<name>`` config key."""
+
+    #: K stages, balanced automatically by ``cost``; ``None``: ``len(balance)``, else 1.
+    partitions: int | None = None
+    #: layers per stage, e.g. ``[3, 5]`` (instead of ``partitions``).
+    balance: list[int] | None = None
+    #: M micro-batches per mini-batch (fewer when a batch has fewer samples).
+    chunks: int = 4
+    #: re-materialization: ``always``, ``except_last`` or ``never``.
+    checkpoint: str = "except_last"
+    #: a schedule name from ``gpipe_lab.pipeline.schedules`` (``gpipe``, ``1f1b``, ...).
+    schedule: str = "gpipe"
+    #: v model chunks per pipeline rank (interleaved schedules); 1 otherwise.
+    virtual_stages: int = 1
+    #: ``local`` (a thread per stage) or ``distributed`` (a process per stage).
+    transport: str = "local"
+    #: normalize each micro-batch by its own statistics; running statistics per mini-batch.
+    deferred_batch_norm: bool = False
+    #: per-layer cost for the automatic balance: ``params``, ``flops``, ``activation_bytes``,
+    #: ``output_bytes`` (the last three measured on an example input), or a list of numbers.
+    cost: Any = "params"
+    #: base seed of the per-(step, stage, micro-batch) generators; ``None``: torch's initial seed.
+    seed: int | None = None
+    #: local transport: one device per stage (``None``: CPU, or the trainer's devices).
+    devices: list[str] | None = None
+    #: intra-op threads of each CPU stage (``None``: cores / CPU stages).
+    threads_per_stage: int | None = None
+    #: seconds a stage may wait for a neighbour before the step fails.
+    timeout: float = 300.0
+    #: a NaN/inf loss or gradient: ``raise`` NonFiniteError, ``skip`` the step, or ``ignore``.
+    nonfinite: str = "raise"
+    #: count saved-activation bytes per stage (``memory()``) with saved-tensor hooks.
+    track_memory: bool = True
+    #: CPU stages: keep freed memory in the process for the next step (glibc ``mallopt``).
+    retain_cpu_memory: bool = True
+
+    def check(self, prefix: str = "") -> PipelineOptions:
+        """Check every option on its own (combinations with a model are the caller's).
+
+        Returns ``self`` for chaining.
+
+        Raises:
+            OptionError: naming ``prefix + key``, the value and what is allowed.
+        """
+        from gpipe_lab.pipeline.schedule import SCHEDULES
+
+        def fail(key: str, what: str) -> None:
+            raise OptionError(f"{prefix}{key}: {what}, got {getattr(self, key)!r}")
+
+        def positive_int(key: str, optional: bool = False) -> None:
+            value = getattr(self, key)
+            if value is None and optional:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                fail(key, "must be an integer >= 1")
+
+        positive_int("partitions", optional=True)
+        positive_int("chunks")
+        positive_int("virtual_stages")
+        positive_int("threads_per_stage", optional=True)
+        if self.balance is not None:
+            if (isinstance(self.balance, (str, bytes)) or not isinstance(self.balance, Sequence)
+                    or not self.balance
+                    or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in self.balance)):
+                fail("balance", "must be a non-empty list of positive layer counts")
+            if self.partitions is not None and self.partitions != len(self.balance):
+                raise OptionError(f"{prefix}balance: {list(self.balance)} has {len(self.balance)} entries but "
+                                  f"{prefix}partitions={self.partitions}; give one of them, or make them agree")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            fail("checkpoint", f"must be one of {list(CHECKPOINT_MODES)}")
+        if self.schedule not in SCHEDULES:
+            fail("schedule", f"must be one of {sorted(SCHEDULES)}")
+        if self.transport not in TRANSPORTS:
+            fail("transport", f"must be one of {list(TRANSPORTS)}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            fail("nonfinite", f"must be one of {list(NONFINITE_POLICIES)}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
+                or not (self.timeout > 0 and math.isfinite(self.timeout)):
+            fail("timeout", "must be a finite number of seconds > 0")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            fail("seed", "must be an integer or null")
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        """K: the balance's length, else ``partitions``, else 1."""
+        if self.balance is not None:
+            return len(self.balance)
+        return int(self.partitions or 1)
+
+    def replace(self, **changes: Any) -> PipelineOptions:
+        """A copy with ``changes`` applied (unknown names raise ``OptionError``)."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise OptionError(f"{unknown[0]}: unknown pipeline option; allowed: "
+                              f"{', '.join(f.name for f in fields(self))}")
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def option_names() -> list[str]:
+    """The ``pipeline.*`` keys, in declaration order."""
+    return [f.name for f in fields(PipelineOptions)]
+
+
+__all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "TRANSPORTS", "OptionError", "PipelineOptions",
+           "option_names"]

@@ -1,0 +1,1 @@
+"""Helpers shared by the test modules (models, Lightning pieces, app runners, faults)."""

@@ -1,0 +1,40 @@
+"""Running the app in tests: composed configs in-process, ``gpipe-train`` in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+from gpipe_lab.train import CONFIG_DIR
+
+CONF = Path(CONFIG_DIR)
+
+
+def make_config(*overrides: str, tmp_path: Path | None = None) -> DictConfig:
+    GlobalHydra.instance().clear()
+    extra = [f"paths.log_dir={tmp_path}"] if tmp_path is not None else []
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        cfg = compose("train", overrides=[*overrides, *extra], return_hydra_config=True)
+    HydraConfig().set_config(cfg)
+    GlobalHydra.instance().clear()
+    if tmp_path is not None:
+        with open_dict(cfg):
+            cfg.paths.output_dir = str(tmp_path / "run")
+    return cfg
+
+
+def gpipe_train(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
+    flags = [a for a in args if a.startswith("-")]
+    overrides = [a for a in args if not a.startswith("-")]
+    proc = subprocess.run([sys.executable, "-m", "gpipe_lab.train", *flags, f"paths.log_dir={tmp_path}", *overrides],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc

@@ -1,0 +1,121 @@
+"""Layers that fail on purpose: a raise in one micro-batch's forward/backward/recompute,
+an inf on one training step (for the non-finite policy)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpipe_lab.pipeline.context import current_generator, is_recomputing, microbatch_seed
+from helpers.strategy import TinyRegressor
+
+SEED = 11
+NUM_STAGES = 3
+CHUNKS = 4
+
+
+class InjectedFault(RuntimeError):
+    """A distinct type, so the test sees that the original type reaches the caller."""
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fault):
+        ctx.fault = fault
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fault.armed:
+            raise InjectedFault("injected fault in backward")
+        return grad, None
+
+
+class Fault(nn.Module):
+    """Identity that raises in the forward / backward / recompute of ONE micro-batch.
+
+    The micro-batch is recognized by the stage generator the engine installs for it
+    (seeded per (seed, step, stage, micro-batch)), so the fault is exact whatever
+    order the schedule runs the micro-batches in.
+    """
+
+    def __init__(self, when: str, stage: int, microbatch: int, step: int = 0) -> None:
+        super().__init__()
+        self.when, self.armed = when, True
+        self.target_seed = microbatch_seed(SEED, step, stage, microbatch)
+
+    def _is_target(self) -> bool:
+        gen = current_generator()
+        return gen is not None and gen.initial_seed() == self.target_seed
+
+    def forward(self, x):
+        if not (self.armed and self._is_target()):
+            return x
+        if self.when == "forward" and not is_recomputing():
+            raise InjectedFault("injected fault in forward")
+        if self.when == "recompute" and is_recomputing():
+            raise InjectedFault("injected fault in recompute")
+        if self.when == "backward" and torch.is_grad_enabled():
+            return _RaiseInBackward.apply(x, self)
+        return x
+
+
+
+BAD_STEP = 2
+
+
+class InfAtStep(nn.Module):
+    """Multiplies by inf in training on the owner's batch ``step`` (forward, or backward only)."""
+
+    def __init__(self, step: int, where: str = "forward") -> None:
+        super().__init__()
+        self.step, self.where = step, where
+        self._owner: list = []  # not a submodule: no cycle in the module tree
+
+    def attach(self, owner: object) -> InfAtStep:
+        self._owner[:] = [owner]
+        return self
+
+    def armed(self) -> bool:
+        trainer = self._owner[0]._trainer if self._owner else None
+        return self.training and trainer is not None and trainer.fit_loop.total_batch_idx == self.step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.armed():
+            return x
+        if self.where == "forward":
+            return x * float("inf")
+        return _InfGrad.apply(x)
+
+
+class _InfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("inf")
+
+
+class Faulty(TinyRegressor):
+    """TinyRegressor with ``InfAtStep`` after its second layer (stage 0 of K=2)."""
+
+    def __init__(self, step: int = BAD_STEP, where: str = "forward", skip_batch: int | None = None) -> None:
+        super().__init__()
+        self.layers.insert(2, InfAtStep(step, where).attach(self))
+        self.skip_batch = skip_batch
+        self.optimizer_steps = 0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == self.skip_batch else loss  # the reference: no step on that batch
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        optimizer = super().configure_optimizers()
+
+        def count(*_: object) -> None:
+            self.optimizer_steps += 1
+
+        optimizer.register_step_pre_hook(count)
+        return optimizer
