@@ -22,8 +22,9 @@ import threading
 from collections.abc import Callable
 
 import torch
-from bench_common import Workload
 from torch import Tensor
+
+from gpipe_lab.bench import Workload
 
 K = 2
 

@@ -1,26 +1,20 @@
-"""Shared pieces of the benchmarks: run sizes, workloads, machine facts, robust timing.
+"""What every benchmark shares: run sizes, the workloads at those sizes, machine facts.
 
-A *workload* is a layer sequence plus one mini-batch, its targets, a loss and a
-balance for K stages. Every benchmark builds the module afresh from the same
-seed, so the pipelined, unpipelined and torch.distributed.pipelining runs train
-the same model on the same data.
+The workloads themselves (``gpipe_lab.bench``) are built afresh from the same seed
+by every benchmark, so the pipelined, unpipelined and torch.distributed.pipelining
+runs train the same model on the same data.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import statistics
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
 
-from gpipe_lab.models import build, layer_costs, token_cross_entropy
-from gpipe_lab.pipeline import balance_by_cost, retain_freed_memory
+from gpipe_lab.bench import Workload, WorkloadSpec, mlp, tiny_linear
+from gpipe_lab.pipeline import retain_freed_memory
 
 #: our schedules beyond torch's ScheduleGPipe / Schedule1F1B, measured beside them on the MLP:
 #: split backward, weight gradients batched (gpipe-bw) or moved into the bubble (zb-h1, zb-h2)
@@ -62,122 +56,26 @@ SIZES = {
 }
 
 
-@dataclass
-class Workload:
-    """A module to pipeline with its mini-batch, loss and balance."""
-
-    name: str
-    module: nn.Sequential
-    inputs: Tensor | tuple[Tensor, ...]
-    targets: Tensor
-    loss_fn: Callable[[object, object], Tensor]
-    balance: list[int]
-    info: dict[str, object] = field(default_factory=dict)
-
-    def to(self, device: torch.device) -> Workload:
-        """The same workload with module, inputs and targets on ``device``."""
-        move = (lambda v: tuple(t.to(device) for t in v)) if isinstance(self.inputs, tuple) else \
-            (lambda v: v.to(device))
-        return Workload(self.name, self.module.to(device), move(self.inputs), self.targets.to(device),
-                        self.loss_fn, self.balance, self.info)
-
-
-def mse(output: object, target: object) -> Tensor:
-    return F.mse_loss(output, target)  # type: ignore[arg-type]
-
-
-def cross_entropy(output: object, target: object) -> Tensor:
-    return F.cross_entropy(output, target)  # type: ignore[arg-type]
-
-
-def token_loss(output: object, target: object) -> Tensor:
-    return token_cross_entropy(output, target)  # type: ignore[arg-type]
-
-
-def mlp_module(width: int, hidden: int, blocks: int = 8) -> nn.Sequential:
-    """``blocks`` × (Linear width→hidden, GELU, Linear hidden→width), flat."""
-    layers: list[nn.Module] = []
-    for _ in range(blocks):
-        layers += [nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)]
-    return nn.Sequential(*layers)
-
-
 def make_workload(name: str, sizes: Sizes, partitions: int = 2, seed: int = 0) -> Workload:
     """Build workload ``name`` ("mlp", "transformer", "amoebanet", "tiny") at ``sizes``.
 
     Raises:
         ValueError: unknown name.
     """
-    torch.manual_seed(seed)
     smoke = sizes.name == "smoke"
     if name == "mlp":
         width, hidden = sizes.mlp_hidden
-        module = mlp_module(width, hidden)
-        x, y = torch.randn(sizes.mlp_batch, width), torch.randn(sizes.mlp_batch, width)
-        return Workload(name, module, x, y, mse, [12, 12], {"batch": sizes.mlp_batch, "width": width,
-                                                             "hidden": hidden, "blocks": 8})
-    if name == "tiny":  # scheduling overhead: almost no compute per action
-        module = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
-        batch = sizes.overhead_microbatches
-        return Workload(name, module, torch.randn(batch, 4), torch.randn(batch, 4), mse, [2, 2],
-                        {"batch": batch})
+        return mlp(sizes.mlp_batch, width, hidden, partitions=partitions, seed=seed)
+    if name == "tiny":
+        return tiny_linear(sizes.overhead_microbatches, partitions=partitions, seed=seed)
     if name == "transformer":
         opts = {} if smoke else dict(num_layers=3, d_model=128, ffn_dim=512, num_heads=4, vocab_size=256)
-        seq, batch = (8, 8) if smoke else (32, 64)
-        module = build("transformer_tiny", seq_len=seq, **opts)
-        vocab = module.spec.options["vocab_size"]
-        src = torch.randint(4, vocab, (batch, seq))
-        tgt = torch.randint(4, vocab, (batch, seq + 1))
-        balance = balance_by_cost(layer_costs(module, "flops"), partitions)
-        return Workload(name, module, (src, tgt[:, :-1].contiguous()), tgt[:, 1:].contiguous(), token_loss,
-                        balance, {"batch": batch, "seq_len": seq, **module.spec.options})
+        spec = WorkloadSpec(name, "transformer_tiny", {"seq_len": 8 if smoke else 32, **opts}, 8 if smoke else 64)
+        return spec.build(partitions, seed)
     if name == "amoebanet":
         opts = dict(num_layers=3, num_filters=8 if smoke else 16, image_size=16 if smoke else 32)
-        batch = 8 if smoke else 64
-        module = build("amoebanet_d_tiny", **opts)
-        x = torch.randn(batch, 3, opts["image_size"], opts["image_size"])
-        y = torch.randint(0, 10, (batch,))
-        balance = balance_by_cost(layer_costs(module, "flops"), partitions)
-        return Workload(name, module, x, y, cross_entropy, balance, {"batch": batch, **opts})
+        return WorkloadSpec(name, "amoebanet_d_tiny", opts, 8 if smoke else 64).build(partitions, seed)
     raise ValueError(f"unknown workload {name!r}; known: mlp, transformer, amoebanet, tiny")
-
-
-def robust_time(fn: Callable[[], object], repeats: int, warmup: int,
-                between: Callable[[], object] | None = None) -> dict[str, float]:
-    """Median, min and max seconds of ``fn`` over ``repeats`` runs after ``warmup`` runs.
-
-    ``between`` (e.g. zeroing gradients) runs before each call, outside the timing.
-    """
-    times = []
-    for i in range(warmup + max(1, repeats)):
-        if between is not None:
-            between()
-        start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            times.append(elapsed)
-    return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}
-
-
-def alternating_medians(fns: dict[str, Callable[[], object]], rounds: int,
-                        between: Callable[[], object] | None = None) -> dict[str, float]:
-    """Median seconds of each function, timed in alternating rounds (order flipped every round).
-
-    The first round is a warm-up. ``between`` (e.g. zeroing gradients) runs before each
-    call, outside the timing. Alternation makes the ratios robust to the machine's drift.
-    """
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(max(2, rounds)):
-        for name in names if r % 2 == 0 else names[::-1]:
-            if between is not None:
-                between()
-            start = time.perf_counter()
-            fns[name]()
-            if r:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def prepare_process() -> bool:

@@ -16,14 +16,14 @@ only on our transport.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from bench_common import SIZES, make_workload, prepare_process
 
+from benchmarks.bench_common import SIZES, make_workload, prepare_process
+from gpipe_lab.bench import time_rounds
 from gpipe_lab.pipeline.distributed import DistributedGPipe
 from gpipe_lab.pipeline.distributed.launch import run_local
 
@@ -37,11 +37,6 @@ class GlooCase:
     schedule: str
     chunks: int
     checkpoint: str = "never"
-
-
-def _summary(times: list[float]) -> dict[str, float]:
-    times = sorted(times)
-    return {"median": times[len(times) // 2], "min": times[0], "max": times[-1], "n": len(times)}
 
 
 def _ours(case: GlooCase, sizes_name: str, rank: int) -> tuple[Callable[[], None], Callable[[], dict]]:
@@ -90,18 +85,17 @@ def _run_group(group: Sequence[GlooCase], sizes_name: str, rank: int) -> list[di
     """Time the cases of one (workload, M, checkpoint) side by side: steps alternate, order flipped each round."""
     sizes = SIZES[sizes_name]
     made = [(case, *(_ours if case.framework == "ours" else _torch)(case, sizes_name, rank)) for case in group]
-    times: list[list[float]] = [[] for _ in made]
-    for i in range(sizes.warmup + max(1, sizes.gloo_repeats or sizes.repeats)):
-        order = list(range(len(made))) if i % 2 == 0 else list(range(len(made)))[::-1]
-        for j in order:
+
+    def across_ranks(step: Callable[[], None]) -> Callable[[], None]:
+        def timed() -> None:  # ends when the slowest rank has finished its step
+            step()
             dist.barrier()
-            start = time.perf_counter()
-            made[j][1]()
-            dist.barrier()
-            if i >= sizes.warmup:
-                times[j].append(time.perf_counter() - start)
-    return [{**case.__dict__, "step": _summary(t), **report(), "error": None}
-            for (case, _, report), t in zip(made, times)]
+        return timed
+
+    timings = time_rounds({str(j): across_ranks(step) for j, (_, step, _) in enumerate(made)},
+                          max(1, sizes.gloo_repeats or sizes.repeats), sizes.warmup, between=dist.barrier)
+    return [{**case.__dict__, "step": timings[str(j)].summary(), **report(), "error": None}
+            for j, (case, _, report) in enumerate(made)]
 
 
 def gloo_worker(rank: int, world_size: int, cases: Sequence[GlooCase], sizes_name: str) -> list[dict]:

@@ -11,15 +11,15 @@ For each workload, K=2 CPU stages with one intra-op thread each:
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 
 import torch
-from bench_ceiling import ceiling_functions, ceiling_summary
-from bench_common import Sizes, Workload, robust_time, sync
 from torch import Tensor
 
-from gpipe_lab.pipeline import GPipe, analytic_bubble
+from benchmarks.bench_ceiling import ceiling_functions, ceiling_summary
+from benchmarks.bench_common import Sizes, sync
+from gpipe_lab.bench import Workload, time_call, time_rounds
+from gpipe_lab.pipeline import GPipe, Timeline, analytic_bubble
 
 K = 2
 
@@ -42,7 +42,7 @@ def baseline_step(work: Workload, sizes: Sizes, device: str) -> dict[str, float]
         loss.backward()
         sync(device)
 
-    return robust_time(step, sizes.repeats, sizes.warmup, lambda: work.module.zero_grad(set_to_none=True))
+    return time_call(step, sizes.repeats, sizes.warmup, lambda: work.module.zero_grad(set_to_none=True)).summary()
 
 
 def stage_microbatch_times(work: Workload, chunks: int, sizes: Sizes, device: str) -> list[dict[str, float]]:
@@ -79,9 +79,9 @@ def stage_microbatch_times(work: Workload, chunks: int, sizes: Sizes, device: st
             sync(device)
 
         reps, warm = max(3, sizes.repeats), max(1, sizes.warmup)
-        f = robust_time(forward_only, reps, warm)["median"]
-        fb = robust_time(forward_backward, reps, warm, lambda part=part: part.zero_grad(set_to_none=True))
-        result.append({"forward": f, "forward_backward": fb["median"]})
+        f = time_call(forward_only, reps, warm).median
+        fb = time_call(forward_backward, reps, warm, lambda part=part: part.zero_grad(set_to_none=True)).median
+        result.append({"forward": f, "forward_backward": fb})
         with torch.no_grad():
             value = part(arg)
     work.module.zero_grad(set_to_none=True)
@@ -98,13 +98,13 @@ def pipeline_step(work: Workload, chunks: int, checkpoint: str, schedule: str, s
     """
     pipe = GPipe(work.module, balance=work.balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                  devices=[device] * K, threads_per_stage=1, seed=0)
-    bubbles: list[float] = []
-    kinds: list[dict[str, float]] = []
-    times: dict[str, list[float]] = {"pipe": [], "base": []}
+    timelines: list[Timeline] = []
 
     def pipe_step() -> None:
         pipe.train_step(work.inputs, work.targets, work.loss_fn)
         sync(device)
+        assert pipe.timeline is not None
+        timelines.append(pipe.timeline)
 
     def base_step() -> None:
         torch.set_num_threads(1)
@@ -112,28 +112,18 @@ def pipeline_step(work: Workload, chunks: int, checkpoint: str, schedule: str, s
         sync(device)
 
     extra = ceiling_functions(work, chunks) if ceiling else {}
-    order = [("pipe", pipe_step), ("base", base_step), *extra.items()]
-    times.update({name: [] for name in extra})
-    for i in range(sizes.warmup + max(1, sizes.repeats)):
-        for name, fn in order if i % 2 == 0 else order[::-1]:
-            work.module.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            fn()
-            elapsed = time.perf_counter() - start
-            if i >= sizes.warmup:
-                times[name].append(elapsed)
-                if name == "pipe":
-                    assert pipe.timeline is not None
-                    bubbles.append(pipe.timeline.measured_bubble())
-                    kinds.append({kind: pipe.timeline.time_in(kind) for kind in ("F", "B", "R", "wait")})
+    times = time_rounds({"pipe": pipe_step, "base": base_step, **extra}, max(1, sizes.repeats), sizes.warmup,
+                        lambda: work.module.zero_grad(set_to_none=True))
     work.module.zero_grad(set_to_none=True)
-    return {"step": {"median": statistics.median(times["pipe"]), "min": min(times["pipe"]),
-                     "max": max(times["pipe"]), "n": len(times["pipe"])},
-            "baseline": statistics.median(times["base"]), "bubble": statistics.median_low(bubbles),
-            "bubble_min": min(bubbles),
+    measured = timelines[sizes.warmup:]
+    bubbles = [t.measured_bubble() for t in measured]
+    kinds = [{kind: t.time_in(kind) for kind in ("F", "B", "R", "wait")} for t in measured]
+    return {"step": times["pipe"].summary(), "baseline": times["base"].median,
+            "bubble": statistics.median_low(bubbles), "bubble_min": min(bubbles),
             "time_in": {k: statistics.median_low([d[k] for d in kinds]) for k in kinds[0]},
             "memory": pipe.memory(),
-            "ceiling": ceiling_summary(times["sequential"], times["parallel"], chunks) if ceiling else None}
+            "ceiling": ceiling_summary(times["sequential"].times, times["parallel"].times, chunks)
+            if ceiling else None}
 
 
 def run_workload(work: Workload, sizes: Sizes, device: str, microbatches: Sequence[int],

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from bench_common import Workload
 from torch import Tensor, nn
 
+from gpipe_lab.bench import Workload
 from gpipe_lab.pipeline import GPipe
 
 K = 2

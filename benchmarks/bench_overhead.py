@@ -14,8 +14,9 @@ each micro-batch in turn, on one thread. The target is judged with memory counti
 from __future__ import annotations
 
 import torch
-from bench_common import Sizes, make_workload, robust_time
 
+from benchmarks.bench_common import Sizes, make_workload
+from gpipe_lab.bench import time_call
 from gpipe_lab.pipeline import GPipe
 
 K = 2
@@ -34,7 +35,7 @@ def run_overhead(sizes: Sizes, device: str) -> dict[str, float]:
 
     reps, warm = max(5, sizes.repeats), max(2, sizes.warmup)
     zero = lambda: work.module.zero_grad(set_to_none=True)  # noqa: E731
-    compute_s = robust_time(compute, reps, warm, zero)["median"]
+    compute_s = time_call(compute, reps, warm, zero).median
     actions = 2 * K * chunks
 
     def measure(track_memory: bool) -> tuple[float, float]:
@@ -47,7 +48,7 @@ def run_overhead(sizes: Sizes, device: str) -> dict[str, float]:
             assert pipe.timeline is not None
             inside.append(sum(pipe.timeline.busy()))
 
-        step_s = robust_time(step, reps, warm, zero)["median"]
+        step_s = time_call(step, reps, warm, zero).median
         return step_s, sorted(inside)[len(inside) // 2]
 
     # the scheduling overhead proper: memory counting (saved-tensor hooks) off

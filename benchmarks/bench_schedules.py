@@ -2,20 +2,27 @@
 
 The 8-block MLP (Linear 512->2048, GELU, Linear 2048->512), batch 1024, MSE,
 no re-materialization, M in {2, 4, 8}. All schedules are measured in one run,
-round-robin (each round runs every schedule once), so a change in the
-machine's load hits them alike; the step time is the median over rounds. The
+in alternating rounds (each round runs every schedule once), so a change in the
+machine's load hits them alike; the step time is the median over rounds of the
+engine's own timeline. The
 prediction feeds the simulator with per-action costs measured in the same
 schedule's earlier steps (median over them). The replay feeds it each step's own
 action durations: replayed / measured below 1 is the share of the step lost to
 hand-overs and waits that the schedule did not ask for.
 
-    python benchmarks/bench_schedules.py --out results/schedules --steps 7
+    python -m benchmarks.bench_schedules --out results/schedules --steps 7   # from the repository root
 
 Writes ``schedules.json`` and one ``timeline_<schedule>_M<M>.png`` per
 configuration (the last measured step above the predicted one).
 """
 
 from __future__ import annotations
+
+if not __package__:  # run as a file, ``python benchmarks/bench_schedules.py``: rerun as the module
+    import os
+    import sys
+
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.bench_schedules", *sys.argv[1:]])
 
 import argparse
 import json
@@ -25,37 +32,33 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
-from gpipe_lab import GPipe
-from gpipe_lab.pipeline import get_schedule
+from gpipe_lab.bench import mlp, time_rounds
+from gpipe_lab.pipeline import GPipe, Timeline, get_schedule
 from gpipe_lab.planner import costs_from_timeline, durations_from_timeline, predict_step
 from gpipe_lab.plotting import plot_timeline
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "gpipe-bw")
 
 
-def build_mlp(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
-                           for _ in range(8)])
-
-
 def bench_chunks(chunks: int, steps: int, warmup: int, out: Path) -> list[dict]:
-    x, y = torch.randn(1024, 512), torch.randn(1024, 512)
-    pipes = {name: GPipe(build_mlp(), balance=[4, 4], chunks=chunks, checkpoint="never", schedule=name)
-             for name in SCHEDULES}
-    timelines: dict[str, list] = {name: [] for name in SCHEDULES}
-    for step in range(warmup + steps):
-        for name, pipe in pipes.items():
-            pipe.module.zero_grad(set_to_none=True)
-            pipe.train_step(x, y, F.mse_loss)
-            if step >= warmup:
-                timelines[name].append(pipe.timeline)
+    """One row per schedule at M=``chunks``: measured and predicted step, replay ratio, bubbles, costs."""
+    works = {name: mlp(1024, 512, 2048) for name in SCHEDULES}
+    pipes = {name: GPipe(w.module, balance=w.balance, chunks=chunks, checkpoint="never", schedule=name)
+             for name, w in works.items()}
+    timelines: dict[str, list[Timeline]] = {name: [] for name in SCHEDULES}
+
+    def step(name: str) -> None:
+        work, pipe = works[name], pipes[name]
+        work.module.zero_grad(set_to_none=True)
+        pipe.train_step(work.inputs, work.targets, work.loss_fn)
+        assert pipe.timeline is not None
+        timelines[name].append(pipe.timeline)
+
+    time_rounds({name: (lambda name=name: step(name)) for name in SCHEDULES}, steps, warmup)
     rows = []
     for name in SCHEDULES:
-        tls = timelines[name]
+        tls = timelines[name][warmup:]
         walls = [t.wall for t in tls]
         costs = costs_from_timeline(tls)
         actions = get_schedule(name, 2, chunks)

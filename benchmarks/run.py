@@ -1,14 +1,22 @@
-"""Issue 8 benchmarks: GPipe vs unpipelined training vs torch.distributed.pipelining (K=2).
+"""The benchmarks: GPipe vs unpipelined training vs torch.distributed.pipelining (K=2).
 
-    python benchmarks/run.py            # full grid (the lead's run, on a quiet machine)
-    python benchmarks/run.py --quick    # the targets' configurations only (< 3 min, quiet 2 cores)
-    python benchmarks/run.py --smoke --out /tmp/b   # tiny sizes, 1 repeat: a structure check
+Run from the repository root:
+
+    python -m benchmarks.run            # full grid (for the committed results: a quiet machine)
+    python -m benchmarks.run --quick    # the targets' configurations only (< 3 min, quiet 2 cores)
+    python -m benchmarks.run --smoke --out /tmp/b   # tiny sizes, 1 repeat: a structure check
 
 Writes ``benchmarks.md``, ``benchmarks.json`` and ``benchmarks/*.png`` under
 ``--out`` (default ``results/``), and prints PASS / MISS per target.
 """
 
 from __future__ import annotations
+
+if not __package__:  # run as a file, ``python benchmarks/run.py``: rerun as the module, from the root
+    import os
+    import sys
+
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.run", *sys.argv[1:]])
 
 import argparse
 import datetime
@@ -19,14 +27,15 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import SIZES, Sizes, load_average, machine_info, make_workload, prepare_process
-from bench_gloo import GlooCase, run_gloo
-from bench_local import run_workload
-from bench_memory import run_memory
-from bench_overhead import run_overhead
-from diagnose import diagnose
-from report import write_report
-from targets import evaluate, memory_m
+
+from benchmarks.bench_common import SIZES, Sizes, load_average, machine_info, make_workload, prepare_process
+from benchmarks.bench_gloo import GlooCase, run_gloo
+from benchmarks.bench_local import run_workload
+from benchmarks.bench_memory import run_memory
+from benchmarks.bench_overhead import run_overhead
+from benchmarks.diagnose import diagnose
+from benchmarks.report import write_report
+from benchmarks.targets import evaluate, memory_m
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     retained = prepare_process()
     results: dict = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                              "command": "python benchmarks/run.py " + shlex.join(sys.argv[1:] if argv is None
+                              "command": "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None
                                                                                    else argv),
                               "mode": sizes.name, "machine": machine_info(args.device),
                               "load_before": load_average(),

@@ -1,4 +1,4 @@
-"""Issue 8's performance targets, checked against one run's results (K=2, this machine).
+"""The lab's performance targets (speed-up, bubble, overhead, memory, vs torch), checked against one run (K=2).
 
 Each target yields a row ``{name, value, goal, status}`` with status PASS,
 MISS or N/A (the run did not measure it, e.g. ``--smoke`` sizes or a failed case).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from bench_common import BEYOND_TORCH
+from benchmarks.bench_common import BEYOND_TORCH
 
 K = 2
 

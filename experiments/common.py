@@ -130,14 +130,20 @@ def configs(args: argparse.Namespace, defaults: Sequence[str], tiny: dict[str, S
 
 
 def provenance(argv: Sequence[str] | None = None) -> str:
-    """One markdown line: date, machine, torch version and the exact command."""
+    """One markdown line: date, machine, torch version and the exact command.
+
+    A script of this repository is named as the module ``python -m`` runs (``-m experiments.table1_capacity``).
+    """
     argv = list(sys.argv if argv is None else argv)
-    script = os.path.relpath(argv[0]) if argv else "?"
+    command = [os.path.relpath(argv[0]) if argv else "?"]
+    path = Path(argv[0]).resolve() if argv else None
+    if path is not None and path.suffix == ".py" and path.is_relative_to(ROOT):
+        command = ["-m", ".".join(path.relative_to(ROOT).with_suffix("").parts)]
     cpu = platform.processor() or platform.machine()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     return (f"_Generated {now} on {platform.node()} ({cpu}, {os.cpu_count()} CPU cores, {gpu}), "
-            f"torch {torch.__version__}, by `python {shlex.join([script] + argv[1:])}`._")
+            f"torch {torch.__version__}, by `python {shlex.join(command + argv[1:])}`._")
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

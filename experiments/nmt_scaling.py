@@ -1,10 +1,10 @@
 """Depth vs width at equal parameters, and tokens per batch (paper §5), as small labelled analogues.
 
-    python experiments/nmt_scaling.py              # results/nmt_scaling.md + nmt_scaling.png
-    python experiments/nmt_scaling.py --tiny --out /tmp/nmt
+    python -m experiments.nmt_scaling              # results/nmt_scaling.md + nmt_scaling.png
+    python -m experiments.nmt_scaling --tiny --out /tmp/nmt
     gpipe-train -m experiment=paper_nmt_deep,paper_nmt_wide     # and, as a second multirun:
     gpipe-train -m experiment=paper_nmt_batch data.tokens_per_batch=128,512,2048
-    python experiments/nmt_scaling.py --from-multirun logs/train/multiruns/<time 1> logs/train/multiruns/<time 2>
+    python -m experiments.nmt_scaling --from-multirun logs/train/multiruns/<time 1> logs/train/multiruns/<time 2>
 
 (1) A deep-narrow and a shallow-wide encoder-decoder Transformer with (nearly)
 equal parameter counts, the analogue of T(24, 8192, 16) vs T(12, 16384, 32);
@@ -17,15 +17,20 @@ warm-up, the token budgets).
 
 from __future__ import annotations
 
+if not __package__:  # run as a file, ``python experiments/nmt_scaling.py``: rerun as the module, from the root
+    import os
+    import sys
+
+    os.execv(sys.executable, [sys.executable, "-m", "experiments.nmt_scaling", *sys.argv[1:]])
+
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from omegaconf import DictConfig
 
-from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
-from multirun import load_runs, run_dirs_note  # noqa: E402
-from nmt_lib import RunResult, train_translation  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from experiments.common import configs, log_wandb, md_table, parser, provenance, write
+from experiments.multirun import load_runs, run_dirs_note
+from experiments.nmt_lib import RunResult, train_translation
 
 EXPERIMENTS = ["paper_nmt_deep", "paper_nmt_wide", "paper_nmt_batch"]
 SIZE_KEYS = ("num_layers", "d_model", "ffn_dim", "num_heads")

@@ -1,10 +1,10 @@
 """Overhead breakdown of a K=2 pipeline step (paper §3.1): recompute, bubble, imbalance, hand-over.
 
-    python experiments/overheads.py              # results/overheads.md + overheads_timeline_*.png
-    python experiments/overheads.py --tiny --out /tmp/ov
-    python experiments/overheads.py experiment.chunks=[8] experiment.workloads.transformer.batch=32
+    python -m experiments.overheads              # results/overheads.md + overheads_timeline_*.png
+    python -m experiments.overheads --tiny --out /tmp/ov
+    python -m experiments.overheads experiment.chunks=[8] experiment.workloads.transformer.batch=32
     gpipe-train -m experiment=paper_overheads pipeline.chunks=4,32
-    python experiments/overheads.py --from-multirun logs/train/multiruns/<time>   # bubble + imbalance only
+    python -m experiments.overheads --from-multirun logs/train/multiruns/<time>   # bubble + imbalance only
 
 Settings (workloads, K, the M list, timed steps) are the ``experiment`` block of
 ``conf/experiment/paper_overheads.yaml``.
@@ -23,19 +23,29 @@ Shares are of the total stage-time K x wall:
 
 from __future__ import annotations
 
+if not __package__:  # run as a file, ``python experiments/overheads.py``: rerun as the module, from the root
+    import os
+    import sys
+
+    os.execv(sys.executable, [sys.executable, "-m", "experiments.overheads", *sys.argv[1:]])
+
 import shutil
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
-from multirun import load_runs, run_dirs_note  # noqa: E402
-from throughput_lib import Workload, hop_seconds, layer_times, measure_step, simulate_step, workload_of  # noqa: E402
-
-from gpipe_lab.plotting.timeline import plot_timeline  # noqa: E402
+from experiments.common import configs, log_wandb, md_table, parser, provenance, write
+from experiments.multirun import load_runs, run_dirs_note
+from experiments.throughput_lib import (
+    hop_seconds,
+    layer_times,
+    measure_step,
+    simulate_step,
+    workload_of,
+)
+from gpipe_lab.bench import WorkloadSpec, time_call
+from gpipe_lab.plotting.timeline import plot_timeline
 
 EXPERIMENT = "paper_overheads"
 #: ``--tiny``: toy networks (Table 2's tiny ones), one timed step.
@@ -54,15 +64,12 @@ def update_seconds(model: torch.nn.Module) -> float:
         for p in model.parameters():
             p.grad = torch.ones_like(p)
         opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
-        opt.step()
-        start = time.perf_counter()
-        opt.step()
-        return time.perf_counter() - start
+        return time_call(opt.step, repeats=1, warmup=1).median
     finally:
         torch.set_num_threads(threads)
 
 
-def breakdown(work: Workload, chunks: int, steps: int, repeat: int, out: Path, k: int = 2) -> tuple[dict, Path]:
+def breakdown(work: WorkloadSpec, chunks: int, steps: int, repeat: int, out: Path, k: int = 2) -> tuple[dict, Path]:
     """One row of shares for ``work`` at K=``k``, M=``chunks``, and its timeline picture."""
     seconds, tl, balance = measure_step(work, k, chunks, steps)
     busy, wall = tl.busy(), tl.wall
@@ -71,15 +78,15 @@ def breakdown(work: Workload, chunks: int, steps: int, repeat: int, out: Path, k
     sim_s, sim_tl = simulate_step(layer_times(work, work.batch // chunks, repeat), balance, chunks, hop)
     hops_on_path = 2 * (chunks + k - 1)  # fill and drain each cross the boundaries once per micro-batch + ends
     update = update_seconds(work.model())
-    row = {"workload": work.label, "K": k, "M": chunks, "balance": balance, "wall_s": wall,
+    row = {"workload": work.name, "K": k, "M": chunks, "balance": balance, "wall_s": wall,
            "recompute": tl.time_in("R") / total, "forward": tl.time_in("F") / total,
            "backward": tl.time_in("B") / total, "wait": tl.time_in("wait") / total,
            "bubble_measured": tl.measured_bubble(), "bubble_theory": (k - 1) / (chunks + k - 1),
            "bubble_simulated": sim_tl.measured_bubble(), "imbalance": 1 - (sum(busy) / k) / max(busy),
            "handover_ms": hop * 1e3, "handover_share": min(1.0, hop * hops_on_path / wall),
            "update_share": update / (seconds + update), "simulated_wall_s": sim_s}
-    png = out / f"overheads_timeline_{work.label}_m{chunks}.png"
-    plot_timeline(tl, png, title=f"{work.label} analogue, K={k}, M={chunks}: measured (top) vs simulated",
+    png = out / f"overheads_timeline_{work.name}_m{chunks}.png"
+    plot_timeline(tl, png, title=f"{work.name} analogue, K={k}, M={chunks}: measured (top) vs simulated",
                   predicted=sim_tl)
     return row, png
 
@@ -101,7 +108,7 @@ def collected(dirs: list[Path], out: Path) -> tuple[list[dict], list[Path], str]
             shutil.copyfile(run.path / "timeline_last.png", images[-1])
     text = (f"{run_dirs_note(dirs, runs)} Bubble and load imbalance from each job's summary.json (means over "
             "its steps after the first, through Lightning and GPipeStrategy); recompute, hand-over and "
-            "weight-update shares need the engine's event timeline: `python experiments/overheads.py`.")
+            "weight-update shares need the engine's event timeline: `python -m experiments.overheads`.")
     return rows, images, text
 
 

@@ -1,8 +1,8 @@
 """Table 1: the largest AmoebaNet-D and Transformer-L that fit, beside the paper.
 
-    python experiments/table1_capacity.py            # results/table1_capacity.md (about a minute)
-    python experiments/table1_capacity.py --tiny --out /tmp/t1
-    python experiments/table1_capacity.py experiment.amoebanet.memory_gib=16   # any config key
+    python -m experiments.table1_capacity            # results/table1_capacity.md (about a minute)
+    python -m experiments.table1_capacity --tiny --out /tmp/t1
+    python -m experiments.table1_capacity experiment.amoebanet.memory_gib=16   # any config key
 
 Everything is planned on the meta device with ``gpipe_lab.planner.capacity``:
 parameter counts are exact, activation bytes are what PyTorch's autograd saves.
@@ -12,16 +12,20 @@ search range) are the ``experiment`` block of ``conf/experiment/paper_table1_cap
 
 from __future__ import annotations
 
+if not __package__:  # run as a file, ``python experiments/table1_capacity.py``: rerun as the module, from the root
+    import os
+    import sys
+
+    os.execv(sys.executable, [sys.executable, "-m", "experiments.table1_capacity", *sys.argv[1:]])
+
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from omegaconf import DictConfig
 
-from common import configs, fmt_bytes, fmt_count, log_wandb, md_table, parser, provenance, write  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from gpipe_lab.planner.capacity import GiB, Plan, best_plan, layer_records  # noqa: E402
+from experiments.common import configs, fmt_bytes, fmt_count, log_wandb, md_table, parser, provenance, write
+from gpipe_lab.planner.capacity import GiB, Plan, best_plan, layer_records
 
 EXPERIMENT = "paper_table1_capacity"
 #: ``--tiny``: toy sizes (3-cell AmoebaNets, 8-layer Transformers on at most 4 partitions).

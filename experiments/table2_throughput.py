@@ -1,10 +1,10 @@
 """Table 2: normalized training throughput against K and M, beside the paper (TPU).
 
-    python experiments/table2_throughput.py              # results/table2_throughput.md (+ .png)
-    python experiments/table2_throughput.py --tiny --out /tmp/t2
-    python experiments/table2_throughput.py --experiment paper_table2_amoebanet experiment.chunks=[1,4]
+    python -m experiments.table2_throughput              # results/table2_throughput.md (+ .png)
+    python -m experiments.table2_throughput --tiny --out /tmp/t2
+    python -m experiments.table2_throughput --experiment paper_table2_amoebanet experiment.chunks=[1,4]
     gpipe-train -m experiment=paper_table2_amoebanet pipeline.partitions=1,2 pipeline.chunks=1,4,32
-    python experiments/table2_throughput.py --from-multirun logs/train/multiruns/<time>
+    python -m experiments.table2_throughput --from-multirun logs/train/multiruns/<time>
 
 The workloads and the K / M grid are the ``experiment`` blocks of
 ``conf/experiment/paper_table2_{amoebanet,transformer}.yaml``. K in ``measured_k``
@@ -20,15 +20,19 @@ exercised here: no GPU). ``--from-multirun`` builds the table from gpipe-train r
 
 from __future__ import annotations
 
+if not __package__:  # run as a file, ``python experiments/table2_throughput.py``: rerun as the module, from the root
+    import os
+    import sys
+
+    os.execv(sys.executable, [sys.executable, "-m", "experiments.table2_throughput", *sys.argv[1:]])
+
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import log_wandb, md_table, provenance, throughput_rows_from_command_line, write  # noqa: E402
-from multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows  # noqa: E402
-from throughput_lib import run_grid, tiny_overrides, workload_of  # noqa: E402
+from experiments.common import log_wandb, md_table, provenance, throughput_rows_from_command_line, write
+from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
+from experiments.throughput_lib import run_grid, tiny_overrides, workload_of
 
 PAPER = {  # (model, M) -> K=2, K=4, K=8
     ("amoeba", 1): (1, 1.13, 1.38), ("amoeba", 4): (1.07, 1.26, 1.72), ("amoeba", 32): (1.21, 1.84, 3.48),
@@ -111,9 +115,9 @@ def measured_table(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], li
                              "experiment.measured_k / simulated_k once for all, or run one --experiment at a time")
         header = mine
         for m in e.chunks:
-            cells = [cell(meas, sim, (work.label, k, m), kind, k in e.measured_k) for k, kind in cols]
-            table.append([f"{NAMES[work.label]} analogue", m, *cells, *paper(work.label, m)])
-    sizes = "; ".join(f"{w.label}: `{w.preset}` {w.sizes}, mini-batch {w.batch}" for w in works)
+            cells = [cell(meas, sim, (work.name, k, m), kind, k in e.measured_k) for k, kind in cols]
+            table.append([f"{NAMES[work.name]} analogue", m, *cells, *paper(work.name, m)])
+    sizes = "; ".join(f"{w.name}: `{w.preset}` {w.sizes}, mini-batch {w.batch}" for w in works)
     text = (f"Throughput = samples/s, normalized to K=2, M=1 of the same kind (measured / simulated). "
             f"Ours: CPU analogues at sizes this 2-core CPU can run ({sizes}); fixed mini-batch for every M; "
             "checkpoint `except_last`. Measured K on CPU stages with one thread each (wall-clock: rerun on a "

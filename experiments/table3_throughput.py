@@ -1,9 +1,9 @@
 """Table 3: throughput at M = 32 against K without fast interconnect, beside the paper (P100, PCI-E).
 
-    python experiments/table3_throughput.py              # results/table3_throughput.md (+ .png)
-    python experiments/table3_throughput.py --tiny --out /tmp/t3
+    python -m experiments.table3_throughput              # results/table3_throughput.md (+ .png)
+    python -m experiments.table3_throughput --tiny --out /tmp/t3
     gpipe-train -m experiment=paper_table3_amoebanet pipeline.partitions=1,2
-    python experiments/table3_throughput.py --from-multirun logs/train/multiruns/<time>
+    python -m experiments.table3_throughput --from-multirun logs/train/multiruns/<time>
 
 Same method as Table 2 (``table2_throughput.py``), settings from the ``experiment``
 blocks of ``conf/experiment/paper_table3_{amoebanet,transformer}.yaml``: K = 2
@@ -17,15 +17,19 @@ PCI-E link. ``--from-multirun`` builds the table from gpipe-train runs instead.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file, ``python experiments/table3_throughput.py``: rerun as the module, from the root
+    import os
+    import sys
+
+    os.execv(sys.executable, [sys.executable, "-m", "experiments.table3_throughput", *sys.argv[1:]])
+
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import log_wandb, md_table, provenance, throughput_rows_from_command_line, write  # noqa: E402
-from multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows  # noqa: E402
-from throughput_lib import run_grid, tiny_overrides, workload_of  # noqa: E402
+from experiments.common import log_wandb, md_table, provenance, throughput_rows_from_command_line, write
+from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
+from experiments.throughput_lib import run_grid, tiny_overrides, workload_of
 
 PAPER = {"amoeba": (1, 1.7, 2.7), "transformer": (1, 1.8, 3.3)}
 NAMES = {"amoeba": "AmoebaNet-D(18, 128)", "transformer": "Transformer-24"}
@@ -83,17 +87,17 @@ def measured(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], list[str
         rows += grid
         r = {row["K"]: row for row in grid if row["M"] == max(e.chunks)}
         base = r[2]["simulated_sps"]
-        table.append([f"{NAMES[work.label]} analogue (M={max(e.chunks)})", f2(r[2]["measured_sps"]),
+        table.append([f"{NAMES[work.name]} analogue (M={max(e.chunks)})", f2(r[2]["measured_sps"]),
                       *(f"{r[k]['simulated_sps'] / base:.2f}" if k == 2 or not r[k]["measured_sps"] else
                         f"{r[k]['measured_sps'] / r[2]['measured_sps']:.2f} (measured)" for k in (2, 4, 8) if k in r),
-                      *PAPER[work.label]])
+                      *PAPER[work.name]])
         if r[2]["measured_s"]:
             err = (r[2]["simulated_s"] - r[2]["measured_s"]) / r[2]["measured_s"]
-            validation.append([work.label, r[2]["balance"], f"{r[2]['measured_s']:.3f}",
+            validation.append([work.name, r[2]["balance"], f"{r[2]['measured_s']:.3f}",
                                f"{r[2]['simulated_s']:.3f}", f"{err:+.1%}", f"{r[2]['hop_s'] * 1e3:.2f} ms"])
     header = ["model (ours)", "K=2 measured (samples/s)", "K=2 simulated", "K=4 simulated", "K=8 simulated",
               "paper K=2", "paper K=4", "paper K=8"]
-    sizes = "; ".join(f"{w.label}: `{w.preset}` {w.sizes}, mini-batch {w.batch}" for w in works)
+    sizes = "; ".join(f"{w.name}: `{w.preset}` {w.sizes}, mini-batch {w.batch}" for w in works)
     text = (f"Normalized to K=2. Ours: {sizes}. K=2 measured on two CPU stages (wall-clock: rerun on a quiet "
             "machine before quoting); K=4, 8 simulated from per-layer times measured here, FLOPs balance, "
             f"hand-over delay measured at K=2. Settings: {', '.join(f'`conf/experiment/{n}.yaml`' for n in cfgs)}.\n\n"

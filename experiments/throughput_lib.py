@@ -11,62 +11,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
 
-from gpipe_lab.models import build, example_input, translation_loss
-from gpipe_lab.models import layer_costs as model_layer_costs
-from gpipe_lab.pipeline import GPipe, Timeline, balance_by_cost, checkpointed_microbatches, get_schedule
+from gpipe_lab.bench import Timing, WorkloadSpec, time_call
+from gpipe_lab.pipeline import GPipe, Timeline, checkpointed_microbatches, get_schedule
 from gpipe_lab.planner.simulator import StageCosts, predict_step
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A preset with overrides, a mini-batch size, and its loss."""
-
-    label: str
-    preset: str
-    sizes: dict
-    batch: int
-
-    @property
-    def key(self) -> tuple:
-        """The network's identity (preset and sizes), for caching what depends only on it."""
-        return (self.preset, tuple(sorted((k, repr(v)) for k, v in self.sizes.items())))
-
-    def model(self, seed: int = 0) -> nn.Sequential:
-        torch.manual_seed(seed)
-        return build(self.preset, "cpu", **self.sizes)
-
-    def batch_data(self, model: nn.Sequential, seed: int = 0) -> tuple[object, Tensor]:
-        torch.manual_seed(seed)
-        x = example_input(model, self.batch, "cpu")
-        if self.preset.startswith("amoebanet"):
-            return x, torch.randint(0, self.sizes.get("num_classes", 1000), (self.batch,))
-        tokens = x[0] if isinstance(x, tuple) else x
-        return x, tokens.roll(-1, dims=1)
-
-    def loss_fn(self) -> Callable[[Tensor, Tensor], Tensor]:
-        return F.cross_entropy if self.preset.startswith("amoebanet") else translation_loss()
-
-
-_FLOPS: dict[tuple, list[float]] = {}
-
-
-def engine_balance(model: nn.Sequential, partitions: int, key: tuple) -> list[int]:
-    """The balance ``GPipe(model, partitions=K, cost=<per-layer FLOPs>)`` chooses (Lingvo balances FLOPs).
-
-    ``key`` (``Workload.key``) names the network, so its per-layer FLOPs, which
-    take a second or more to count, are counted once per run, not once per (K, M).
-    """
-    if key not in _FLOPS:
-        _FLOPS[key] = list(model_layer_costs(model, "flops"))
-    return balance_by_cost(_FLOPS[key], partitions)
 
 
 def gpu_devices(partitions: int) -> list[str] | None:
@@ -74,7 +25,7 @@ def gpu_devices(partitions: int) -> list[str] | None:
     return [f"cuda:{i}" for i in range(partitions)] if torch.cuda.device_count() >= partitions else None
 
 
-def measure_step(work: Workload, partitions: int, chunks: int, steps: int = 3,
+def measure_step(work: WorkloadSpec, partitions: int, chunks: int, steps: int = 3,
                  checkpoint: str = "except_last", devices: list[str] | None = None,
                  ) -> tuple[float, Timeline, list[int]]:
     """Median seconds per training step of GPipe, the median step's timeline, the balance.
@@ -83,23 +34,22 @@ def measure_step(work: Workload, partitions: int, chunks: int, steps: int = 3,
     exercised on the CPU-only machine these results were made on). With
     ``partitions=1`` on CPU this is the single-stage run on one thread.
     """
-    model = work.model()
-    x, y = work.batch_data(model)
-    if devices:
-        y = y.to(devices[-1])  # the last stage computes the loss
-    pipe = GPipe(model, balance=engine_balance(model, partitions, work.key), chunks=chunks, checkpoint=checkpoint,
+    built = work.build(partitions)
+    y = built.targets.to(devices[-1]) if devices else built.targets  # the last stage computes the loss
+    pipe = GPipe(built.module, balance=built.balance, chunks=chunks, checkpoint=checkpoint,
                  threads_per_stage=1, seed=0, devices=devices)
-    runs: list[tuple[float, Timeline]] = []
-    for step in range(steps + 1):  # the first step warms up
-        start = time.perf_counter()
-        pipe.train_step(x, y, work.loss_fn())
+    timelines: list[Timeline] = []
+
+    def step() -> None:
+        pipe.train_step(built.inputs, y, built.loss_fn)
         if devices:
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
-        if step and pipe.timeline is not None:
-            runs.append((elapsed, pipe.timeline))
-    runs.sort(key=lambda r: r[0])
+        assert pipe.timeline is not None
+        timelines.append(pipe.timeline)
+
+    timing: Timing = time_call(step, steps, warmup=1, between=lambda: built.module.zero_grad(set_to_none=True))
+    built.module.zero_grad(set_to_none=True)
+    runs = sorted(zip(timing.times, timelines[1:]), key=lambda r: r[0])
     seconds, timeline = runs[len(runs) // 2]
     return seconds, timeline, list(pipe.balance)
 
@@ -108,14 +58,14 @@ def _as_tuple(value: object) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
-def layer_times(work: Workload, micro_batch: int, repeat: int = 3) -> dict[str, list[float]]:
+def layer_times(work: WorkloadSpec, micro_batch: int, repeat: int = 3) -> dict[str, list[float]]:
     """Per-layer median seconds on one micro-batch, one thread: ``forward_grad``,
     ``forward_nograd`` and ``backward`` (the loss is part of the last layer)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = work.model()
-        x, y = work.batch_data(model)
+        built = work.build()
+        model, x, y, loss_fn = built.module, built.inputs, built.targets, built.loss_fn
         x = tuple(t[:micro_batch] for t in x) if isinstance(x, tuple) else x[:micro_batch]
         y = y[:micro_batch]
         n = len(model)
@@ -133,7 +83,7 @@ def layer_times(work: Workload, micro_batch: int, repeat: int = 3) -> dict[str, 
                 start = time.perf_counter()
                 out = layer(arg)
                 if i == n - 1:
-                    out = work.loss_fn()(out, y)
+                    out = loss_fn(out, y)
                 samples["forward_grad"][i].append(time.perf_counter() - start)
                 saved.append((ins, out))
                 value = out
@@ -185,7 +135,7 @@ def hop_seconds(timeline: Timeline) -> float:
     return float(statistics.median(transfer))
 
 
-def run_grid(work: Workload, measured_k: list[int], simulated_k: list[int], chunks: list[int],
+def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], chunks: list[int],
              steps: int = 3, repeat: int = 3, gpu: bool = False) -> list[dict]:
     """Measure (K in ``measured_k``) and simulate (K in ``measured_k + simulated_k``) every M.
 
@@ -201,14 +151,14 @@ def run_grid(work: Workload, measured_k: list[int], simulated_k: list[int], chun
         times = layer_times(work, work.batch // m, repeat)
         hop = 0.0
         for k in sorted(set(measured_k) | set(simulated_k)):
-            balance = engine_balance(model, k, work.key)
+            balance = work.balance(model, k)
             measured, timeline = None, None
             devices = gpu_devices(k) if gpu else None
             if k in measured_k or devices:
                 measured, timeline, balance = measure_step(work, k, m, steps, devices=devices)
                 hop = max(hop, hop_seconds(timeline))
             simulated, sim_timeline = simulate_step(times, balance, m, hop)
-            rows.append({"workload": work.label, "K": k, "M": m, "batch": work.batch, "balance": balance,
+            rows.append({"workload": work.name, "K": k, "M": m, "batch": work.batch, "balance": balance,
                          "measured_s": measured, "simulated_s": simulated, "hop_s": hop,
                          "measured_sps": None if measured is None else work.batch / measured,
                          "simulated_sps": work.batch / simulated,
@@ -218,8 +168,8 @@ def run_grid(work: Workload, measured_k: list[int], simulated_k: list[int], chun
     return rows
 
 
-def workload_of(block: Any, label: str | None = None) -> Workload:
-    """A ``Workload`` from a config block ``{preset, sizes, batch}`` named ``label``, or from an
+def workload_of(block: Any, label: str | None = None) -> WorkloadSpec:
+    """A ``WorkloadSpec`` from a config block ``{preset, sizes, batch}`` named ``label``, or from an
     ``experiment`` block holding ``label`` and ``workload``.
 
     Raises:
@@ -233,7 +183,7 @@ def workload_of(block: Any, label: str | None = None) -> Workload:
     missing = [k for k in ("preset", "sizes", "batch") if k not in data]
     if missing:
         raise KeyError(f"workload {label!r}: missing {missing} (needs preset, sizes, batch)")
-    return Workload(str(label), str(data["preset"]), dict(data["sizes"]), int(data["batch"]))
+    return WorkloadSpec(str(label), str(data["preset"]), dict(data["sizes"]), int(data["batch"]))
 
 
 def tiny_overrides(amoebanet_config: str, transformer_config: str) -> dict[str, list[str]]:

@@ -1,9 +1,9 @@
 """Trainability of a deep narrow Transformer (paper §5): FFN init scaling and logit clipping.
 
-    python experiments/trainability.py              # results/trainability.md + trainability.png
-    python experiments/trainability.py --tiny --out /tmp/tr
+    python -m experiments.trainability              # results/trainability.md + trainability.png
+    python -m experiments.trainability --tiny --out /tmp/tr
     gpipe-train -m experiment=paper_trainability model.ffn_init_scaling=true,false model.logit_clip=10,null seed=0,1,2
-    python experiments/trainability.py --from-multirun logs/train/multiruns/<time>
+    python -m experiments.trainability --from-multirun logs/train/multiruns/<time>
 
 Four variants (none / FFN init scaling / logit clipping / both) x several
 seeds, trained through GPipe (K=2 CPU stages, M=2) on the built-in synthetic
@@ -16,15 +16,19 @@ K / M, ``trainer.max_steps`` and the ``experiment`` block: seeds, clip threshold
 
 from __future__ import annotations
 
+if not __package__:  # run as a file, ``python experiments/trainability.py``: rerun as the module, from the root
+    import os
+    import sys
+
+    os.execv(sys.executable, [sys.executable, "-m", "experiments.trainability", *sys.argv[1:]])
+
 import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import configs, log_wandb, md_table, parser, provenance, write  # noqa: E402
-from multirun import load_runs, run_dirs_note  # noqa: E402
-from nmt_lib import spikes, train_translation  # noqa: E402
+from experiments.common import configs, log_wandb, md_table, parser, provenance, write
+from experiments.multirun import load_runs, run_dirs_note
+from experiments.nmt_lib import spikes, train_translation
 
 EXPERIMENT = "paper_trainability"
 #: ``--tiny``: a 2 + 2-layer model, one seed, 4 steps.
@@ -94,7 +98,7 @@ def collected(dirs: list[Path]) -> tuple[list[str], list[list[object]], str, dic
     clips = sorted({str(r.get("model.logit_clip")) for r in runs if r.get("model.logit_clip") is not None})
     text = (f"{run_dirs_note(dirs, runs)} Each job: gpipe-train (Lightning, GPipeStrategy), loss/metrics from "
             f"its summary.json; logit clip threshold(s) {', '.join(clips) or '-'}. Gradient norms are not in "
-            "summary.json: `python experiments/trainability.py` records them.")
+            "summary.json: `python -m experiments.trainability` records them.")
     return header, table, text, {n: [r.summary for r in rs] for n, rs in groups.items()}
 
 

@@ -1,8 +1,8 @@
 """Transfer learning (paper §4): load an AmoebaNet checkpoint, swap in a fresh classifier, fine-tune.
 
-    python experiments/transfer.py                                  # synthetic end-to-end, results/transfer.md
-    python experiments/transfer.py --experiment transfer_cifar10 transfer.checkpoint=/ckpt/amoebanet.ckpt
-    python experiments/transfer.py --tiny --out /tmp/transfer
+    python -m experiments.transfer                                  # synthetic end-to-end, results/transfer.md
+    python -m experiments.transfer --experiment transfer_cifar10 transfer.checkpoint=/ckpt/amoebanet.ckpt
+    python -m experiments.transfer --tiny --out /tmp/transfer
 
 Configs are Hydra ``experiment=`` files (``conf/experiment/transfer_*.yaml``)
 composed with the app's ``train.yaml``; their ``transfer`` block names the
@@ -15,19 +15,31 @@ datasets' rows are filled when their files exist under ``data.root``.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file, ``python experiments/transfer.py``: rerun as the module, from the root
+    import os
+    import sys
+
+    os.execv(sys.executable, [sys.executable, "-m", "experiments.transfer", *sys.argv[1:]])
+
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from common import compose_experiment, experiment_names, log_wandb, md_table, parser, provenance, write  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-
-from gpipe_lab.data import Cutout, build_datamodule  # noqa: E402
-from gpipe_lab.models import build  # noqa: E402
-from gpipe_lab.pipeline import GPipe  # noqa: E402
+from experiments.common import (
+    compose_experiment,
+    experiment_names,
+    log_wandb,
+    md_table,
+    parser,
+    provenance,
+    write,
+)
+from gpipe_lab.data import Cutout, build_datamodule
+from gpipe_lab.models import build
+from gpipe_lab.pipeline import GPipe
 
 PAPER = [("transfer_cifar10", "CIFAR-10", 99.0), ("transfer_cifar100", "CIFAR-100", 91.3),
          ("transfer_cars", "Stanford Cars", 94.6), ("transfer_pets", "Oxford-IIIT Pets", 95.9),

@@ -4,18 +4,23 @@ Times, alternately in the same rounds, the 8-block MLP's forward and
 forward+backward on the full batch (1024 rows) and as M micro-batches
 (128 rows each at M=8), with and without gradient accumulation between them.
 
-    python benchmarks/probes/microbatch_penalty.py [M] [rounds]
+    python -m benchmarks.probes.microbatch_penalty [M] [rounds]   # from the repository root; the first round warms up
 """
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: rerun as the module, from the repository root
+    import os
+    import sys
+
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.probes.microbatch_penalty", *sys.argv[1:]])
+
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_common import SIZES, alternating_medians, make_workload, prepare_process  # noqa: E402
+from benchmarks.bench_common import SIZES, make_workload, prepare_process
+from gpipe_lab.bench import time_rounds
 
 
 def main() -> None:
@@ -50,9 +55,9 @@ def main() -> None:
     fns = {"forward full": forward_full, f"forward {chunks} micro-batches": forward_micro,
            "F+B full": step_full, f"F+B {chunks} micro-batches": step_micro,
            f"F+B {chunks} micro-batches, no accumulation": step_micro_no_accumulation}
-    medians = alternating_medians(fns, rounds, lambda: model.zero_grad(set_to_none=True))
-    for name, seconds in medians.items():
-        print(f"{name:45s} {seconds:.3f} s")
+    timings = time_rounds(fns, max(1, rounds - 1), 1, lambda: model.zero_grad(set_to_none=True))
+    for name, timing in timings.items():
+        print(f"{name:45s} {timing.median:.3f} s")
 
 
 if __name__ == "__main__":

@@ -8,20 +8,25 @@ into the accumulation (``addmm_``). Compared, alternately in the same rounds,
 with plain autograd on the full batch and on the micro-batches. The probe
 checks the gradients against plain autograd first.
 
-    python benchmarks/probes/weight_grad_batching.py [M] [rounds]
+    python -m benchmarks.probes.weight_grad_batching [M] [rounds]   # from the repository root; the first round warms up
 """
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: rerun as the module, from the repository root
+    import os
+    import sys
+
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.probes.weight_grad_batching", *sys.argv[1:]])
+
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_common import SIZES, alternating_medians, make_workload, prepare_process  # noqa: E402
+from benchmarks.bench_common import SIZES, make_workload, prepare_process
+from gpipe_lab.bench import time_rounds
 
 STASH: dict[int, list[tuple[Tensor, Tensor]]] = {}
 
@@ -96,9 +101,9 @@ def main() -> None:
         print(f"{fn.__name__}: max |grad - autograd| = {diff:.2e}")
     fns = {"autograd, full batch": plain_full, f"autograd, {chunks} micro-batches": plain_micro,
            "weight gradients batched over micro-batches": batched, "weight gradients fused (addmm_)": fused}
-    medians = alternating_medians(fns, rounds, lambda: model.zero_grad(set_to_none=True))
-    for name, seconds in medians.items():
-        print(f"{name:45s} {seconds:.3f} s")
+    timings = time_rounds(fns, max(1, rounds - 1), 1, lambda: model.zero_grad(set_to_none=True))
+    for name, timing in timings.items():
+        print(f"{name:45s} {timing.median:.3f} s")
 
 
 if __name__ == "__main__":

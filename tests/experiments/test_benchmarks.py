@@ -8,17 +8,10 @@ stage 0, the closed-form MLP model) are checked exactly.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import bench_common as common  # noqa: E402
-import bench_memory  # noqa: E402
-import run  # noqa: E402
+from benchmarks import bench_common as common
+from benchmarks import bench_gloo, bench_memory, run, targets
 
 TARGET_KEYS = {"name", "value", "unit", "goal", "status"}
 
@@ -104,16 +97,12 @@ def test_mlp_memory_model_matches_closed_form():
 
 
 def test_targets_na_without_data():
-    import targets
-
     rows = targets.evaluate({"meta": {}})
     assert all(r["status"] == "N/A" for r in rows)
 
 
 @pytest.mark.distributed
 def test_gloo_cases_run():
-    import bench_gloo
-
     cases = [bench_gloo.GlooCase("mlp", "ours", "gpipe", 2), bench_gloo.GlooCase("mlp", "torch", "gpipe", 2)]
     rows = bench_gloo.run_gloo(cases, "smoke", timeout=240)
     assert [r["framework"] for r in rows] == ["ours", "torch"]

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from experiments.common import compose_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"
@@ -29,17 +30,10 @@ SCRIPTS = ["table1_capacity.py", "table2_throughput.py", "table3_throughput.py",
 @pytest.fixture(scope="module")
 def scripts() -> object:
     """Import experiment modules by name (``scripts("table2_throughput")``)."""
-    sys.path.insert(0, str(EXPERIMENTS))
-    yield importlib.import_module
-    sys.path.remove(str(EXPERIMENTS))
+    return lambda name: importlib.import_module(f"experiments.{name}")
 
 
 def compose(name: str, *overrides: str) -> object:
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        from common import compose_experiment
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
     return compose_experiment(name, list(overrides))
 
 
@@ -80,7 +74,7 @@ def test_bad_names_overrides_and_multirun_dirs_are_named(tmp_path: Path, scripts
 
 
 def run_main(module: object, monkeypatch: pytest.MonkeyPatch, *argv: str) -> None:
-    monkeypatch.setattr(sys, "argv", [f"experiments/{module.__name__}.py", *argv])
+    monkeypatch.setattr(sys, "argv", [module.__file__, *argv])
     module.main()
 
 
@@ -98,7 +92,7 @@ def fake_grid(calls: list) -> object:
     def run_grid(work: object, measured_k: list, simulated_k: list, chunks: list, steps: int, repeat: int,
                  gpu: bool = False) -> list[dict]:
         calls.append((work, measured_k, simulated_k, chunks, steps, repeat))
-        return [{"workload": work.label, "K": k, "M": m, "batch": work.batch, "balance": [1] * k,
+        return [{"workload": work.name, "K": k, "M": m, "batch": work.batch, "balance": [1] * k,
                  "measured_s": 1.0 if k in measured_k else None, "simulated_s": 1.0, "hop_s": 0.0,
                  "measured_sps": 10.0 * k / m if k in measured_k else None, "simulated_sps": 10.0 * k / m,
                  "measured_bubble": 0.1 if k in measured_k else None, "simulated_bubble": 0.1}
@@ -113,7 +107,7 @@ def test_throughput_scripts_run_what_their_configs_say(script: str, tmp_path: Pa
     monkeypatch.setattr(module, "run_grid", fake_grid(calls))
     run_main(module, monkeypatch, "--tiny", "--out", str(tmp_path), "model.num_filters=16",
              "experiment.chunks=[1,32]", "experiment.steps=2")
-    assert [c[0].label for c in calls] == ["amoeba", "transformer"]
+    assert [c[0].name for c in calls] == ["amoeba", "transformer"]
     amoeba, transformer = calls
     assert amoeba[0].sizes["num_filters"] == 16 and amoeba[0].sizes["num_layers"] == 3  # tiny, then ours
     assert transformer[0].sizes["num_layers"] == 8 and transformer[0].preset == "transformer_l"
@@ -126,10 +120,10 @@ def test_overheads_reads_its_workloads(tmp_path: Path, scripts: object, monkeypa
     module, seen = scripts("overheads"), []
 
     def breakdown(work: object, chunks: int, steps: int, repeat: int, out: Path, k: int = 2) -> tuple[dict, Path]:
-        seen.append((work.label, work.batch, chunks, k))
+        seen.append((work.name, work.batch, chunks, k))
         row = dict.fromkeys(("recompute", "bubble_measured", "bubble_theory", "bubble_simulated", "imbalance",
                              "wait", "handover_share", "handover_ms", "update_share", "wall_s"), 0.1)
-        return {**row, "workload": work.label, "K": k, "M": chunks, "balance": [1, 1]}, out / "x.png"
+        return {**row, "workload": work.name, "K": k, "M": chunks, "balance": [1, 1]}, out / "x.png"
 
     monkeypatch.setattr(module, "breakdown", breakdown)
     run_main(module, monkeypatch, "--tiny", "--out", str(tmp_path), "experiment.chunks=[8]",

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from experiments.transfer import load_backbone, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"
@@ -27,7 +28,8 @@ CASES = {
 
 def run_script(script: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    return subprocess.run([sys.executable, str(EXPERIMENTS / script), "--tiny", "--out", str(out), *extra],
+    module = f"experiments.{Path(script).stem}"
+    return subprocess.run([sys.executable, "-m", module, "--tiny", "--out", str(out), *extra],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
 
 
@@ -50,11 +52,6 @@ def test_script_tiny_end_to_end(script, tmp_path):
 
 
 def test_transfer_backbone_loading_swaps_only_the_classifier(tmp_path):
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        from transfer import load_backbone
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
     import torch
 
     from gpipe_lab.models import build
@@ -85,11 +82,6 @@ def test_paper_experiment_configs_validate(experiment):
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("transfer_*.yaml")))
 def test_transfer_configs_compose_with_a_transfer_block(experiment):
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        from transfer import load_config
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
     cfg = load_config(experiment, [])
     assert cfg.model.name.startswith("amoebanet")
     assert cfg.transfer.steps > 0 and "dataset_label" in cfg.transfer
@@ -99,7 +91,7 @@ def test_transfer_configs_compose_with_a_transfer_block(experiment):
 
 @pytest.mark.slow
 def test_transfer_pretrained_start_beats_scratch(tmp_path):
-    """Issue 7, §6: pretrain on synthetic classes, fine-tune on others; the pretrained start wins
+    """Pretrain on synthetic classes, fine-tune on others; the pretrained start wins
     at equal fine-tuning steps. --tiny's 4+2 steps on 32 images are too few to tell (chance is 10%);
     40 pretraining and 10 fine-tuning steps, scored on 160 images, take ~10 s and separate clearly
     (seeds 0-2 measured: 44/67/48% pretrained vs 14/12/11% scratch)."""
