@@ -1,0 +1,1 @@
+"""The benchmarks, run from the repository root as modules: ``python -m benchmarks.run [--quick | --smoke]``."""

@@ -1,0 +1,1 @@
+"""One-off probes of what this CPU does without the engine (``python -m benchmarks.probes.<name>``)."""
