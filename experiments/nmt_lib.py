@@ -1,10 +1,12 @@
-"""A small translation training loop on the built-in synthetic language pair, through GPipe.
+"""A small translation training run on the built-in synthetic language pair, through gpipe-train's path.
 
 ``train_translation`` trains an encoder-decoder Transformer (``models.build``
-preset ``transformer_tiny`` with overrides) with the engine (K=2 CPU stages),
-records the loss, the gradient norm and non-finite steps of every step, and
-evaluates validation NLL (token mean, no label smoothing) and greedy-decoding
-BLEU (sacrebleu) at the end.
+preset ``transformer_tiny`` with overrides) the way ``gpipe-train`` does: the
+``Translator`` LightningModule under a ``GPipeStrategy`` (K CPU stages, local
+transport) and a Lightning ``Trainer``. A callback records the loss, the gradient
+norm and whether the step was non-finite (the strategy skips those optimizer steps,
+``nonfinite="skip"``); at the end the validation NLL (token mean, no label
+smoothing) and greedy-decoding BLEU (sacrebleu) are computed on the trained layers.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
 from gpipe_lab.data import SyntheticTranslationDataModule, corpus_bleu
-from gpipe_lab.models import build, count_tokens, greedy_decode, token_cross_entropy, translation_loss
-from gpipe_lab.pipeline import GPipe
+from gpipe_lab.lightning import GPipeStrategy
+from gpipe_lab.lightning.modules import Translator
+from gpipe_lab.models import build, count_tokens, greedy_decode, token_cross_entropy
 
 
 @dataclass
@@ -32,6 +37,43 @@ class RunResult:
     params: int = 0
     tokens_per_step: float = 0.0
     seconds: float = 0.0
+
+
+class WarmupTranslator(Translator):
+    """``Translator`` whose learning rate rises linearly over the first ``warmup`` optimizer steps."""
+
+    def __init__(self, layers: torch.nn.Sequential, optimizer: dict[str, Any], label_smoothing: float,
+                 warmup: int) -> None:
+        super().__init__(layers, optimizer, label_smoothing=label_smoothing)
+        self.warmup = warmup
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        if not self.warmup:
+            return optimizer
+        warmup = self.warmup
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class StepRecorder(pl.Callback):
+    """Appends each training step's loss, gradient norm and token count to a ``RunResult``."""
+
+    def __init__(self, result: RunResult) -> None:
+        self.result = result
+        self.tokens = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = float(trainer.callback_metrics["train/loss"])
+        grads = [p.grad.detach().float() for p in pl_module.parameters() if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) \
+            if grads else 0.0
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.result.nonfinite_steps += 1
+        self.result.losses.append(loss)
+        self.result.grad_norms.append(norm)
+        self.tokens += int(count_tokens(batch[1]))
 
 
 def make_data(seed: int, tokens_per_batch: int | None, batch_size: int | None, num_train: int,
@@ -63,43 +105,29 @@ def train_translation(steps: int, seed: int = 0, lr: float = 1e-3, warmup: int =
                       tokens_per_batch: int | None = None, batch_size: int | None = 32, num_train: int = 4000,
                       num_val: int = 128, partitions: int = 2, chunks: int = 2, eval_batches: int = 4,
                       **model: object) -> RunResult:
-    """Train ``transformer_tiny`` with ``model`` overrides for ``steps`` optimizer steps.
+    """Train ``transformer_tiny`` with ``model`` overrides for ``steps`` optimizer steps (Adam, betas 0.9/0.98).
 
     Non-finite losses or gradients skip the update (counted in ``nonfinite_steps``).
 
     Raises:
-        ValueError: invalid model overrides (from ``models.build``).
+        ValueError: invalid model overrides (from ``models.build``) or pipeline settings (from the strategy).
     """
     torch.set_num_threads(1)  # two intra-op threads thrash on a shared 2-core machine (80x slower seen)
     data = make_data(seed, tokens_per_batch, batch_size, num_train, num_val)
     torch.manual_seed(seed)
     net = build("transformer_tiny", "cpu", vocab_size=data.vocab_size, **model)
-    pipe = GPipe(net, partitions=partitions, chunks=chunks, seed=seed, threads_per_stage=1)
-    opt = torch.optim.Adam(net.parameters(), lr=lr, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-    loss_fn = translation_loss(float(model.get("label_smoothing", 0.0)), "sum")
+    module = WarmupTranslator(net, {"name": "adam", "lr": lr, "betas": (0.9, 0.98)},
+                              float(model.get("label_smoothing", 0.0)), warmup)
     result = RunResult(params=sum(p.numel() for p in net.parameters()))
-    start, done, seen_tokens = time.perf_counter(), 0, 0
-    while done < steps:
-        for (src, tgt_in), tgt_out in data.train_dataloader():
-            if done >= steps:
-                break
-            chunks_now = min(chunks, src.shape[0])
-            pipe.chunks = chunks_now
-            loss = pipe.train_step((src, tgt_in), tgt_out, loss_fn, loss_normalizer=count_tokens)
-            norm = float(torch.nn.utils.clip_grad_norm_(net.parameters(), float("inf")))
-            finite = math.isfinite(float(loss)) and math.isfinite(norm)
-            if finite:
-                opt.step()
-            else:
-                result.nonfinite_steps += 1
-            opt.zero_grad(set_to_none=True)
-            sched.step()
-            result.losses.append(float(loss))
-            result.grad_norms.append(norm)
-            seen_tokens += int(count_tokens(tgt_out))
-            done += 1
-    result.tokens_per_step = seen_tokens / max(done, 1)
+    recorder = StepRecorder(result)
+    strategy = GPipeStrategy(partitions=partitions, chunks=chunks, seed=seed, threads_per_stage=1,
+                             nonfinite="skip")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, max_epochs=-1,
+                         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder])
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    result.tokens_per_step = recorder.tokens / max(len(result.losses), 1)
     result.val_nll, result.bleu = evaluate(net, data, eval_batches)
     result.seconds = time.perf_counter() - start
     return result

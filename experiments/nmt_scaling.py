@@ -9,8 +9,8 @@
 (1) A deep-narrow and a shallow-wide encoder-decoder Transformer with (nearly)
 equal parameter counts, the analogue of T(24, 8192, 16) vs T(12, 16384, 32);
 (2) one model trained with three token budgets per batch, 4x apart like the
-paper's 260K / 1M / 4M. All on the synthetic translation task through GPipe
-(K=2, M=2) on CPU, for a fixed number of steps. Settings: ``conf/experiment/paper_nmt_{deep,wide,batch}.yaml``
+paper's 260K / 1M / 4M. All on the synthetic translation task through gpipe-train's path
+(``Translator`` under ``GPipeStrategy``, K=2, M=2) on CPU, for a fixed number of steps. Settings: ``conf/experiment/paper_nmt_{deep,wide,batch}.yaml``
 (model, ``optimizer.lr``, data, K / M, ``trainer.max_steps``, ``seed`` and their ``experiment`` blocks:
 warm-up, the token budgets).
 """

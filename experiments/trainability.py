@@ -6,7 +6,8 @@
     python -m experiments.trainability --from-multirun logs/train/multiruns/<time>
 
 Four variants (none / FFN init scaling / logit clipping / both) x several
-seeds, trained through GPipe (K=2 CPU stages, M=2) on the built-in synthetic
+seeds, trained through gpipe-train's path (``Translator`` under ``GPipeStrategy``, K=2 CPU stages,
+M=2) on the built-in synthetic
 translation task with a deliberately aggressive learning rate (no warm-up).
 Records loss curves, gradient-norm spikes (> 5x the median of the previous 10
 steps), non-finite steps (skipped updates), validation NLL and BLEU. Settings:
