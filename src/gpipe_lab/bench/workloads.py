@@ -127,6 +127,8 @@ class WorkloadSpec:
         Raises:
             ValueError: more partitions than layers (from ``balance_by_cost``).
         """
+        if partitions == 1:
+            return [len(model)]
         if self.key not in _FLOPS:
             _FLOPS[self.key] = list(layer_costs(model, "flops"))
         return balance_by_cost(_FLOPS[self.key], partitions)

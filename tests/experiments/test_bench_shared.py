@@ -1,0 +1,60 @@
+"""The workloads and the timer the benchmarks and experiments share (``gpipe_lab.bench``).
+
+No duration is asserted: only what the timer calls, in which order, and what it keeps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpipe_lab.bench import Timing, WorkloadSpec, mlp, time_call, time_rounds, tiny_linear
+
+
+def test_rounds_alternate_their_order_and_drop_the_warmup():
+    calls: list[str] = []
+    between: list[int] = []
+    timings = time_rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1,
+                          between=lambda: between.append(len(calls)))
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert between == list(range(8))  # before every call
+    assert {name: len(t.times) for name, t in timings.items()} == {"a": 3, "b": 3}
+
+
+def test_timing_summary_is_read_from_its_times():
+    timing = Timing((3.0, 1.0, 2.0, 10.0))
+    assert timing.summary() == {"median": 2.5, "min": 1.0, "max": 10.0, "n": 4}
+
+
+@pytest.mark.parametrize(("repeats", "warmup"), [(0, 0), (1, -1)])
+def test_bad_repeats_or_warmup_are_named(repeats, warmup):
+    with pytest.raises(ValueError, match=f"repeats={repeats}, warmup={warmup}"):
+        time_call(lambda: None, repeats, warmup)
+    with pytest.raises(ValueError, match="at least one function"):
+        time_rounds({}, 1)
+
+
+def test_mlp_splits_whole_blocks_and_is_seeded():
+    work = mlp(16, 8, 32, blocks=8, partitions=3)
+    assert work.balance == [9, 9, 6] and sum(work.balance) == len(work.module)
+    again = mlp(16, 8, 32, blocks=8, partitions=3)
+    assert torch.equal(work.inputs, again.inputs)
+    assert all(torch.equal(p, q) for p, q in zip(work.module.parameters(), again.module.parameters()))
+    assert work.loss_fn(work.module(work.inputs), work.targets).item() > 0
+    with pytest.raises(ValueError, match="partitions must be in 1..8"):
+        mlp(16, 8, 32, blocks=8, partitions=9)
+    assert tiny_linear(8, partitions=2).balance == [2, 2]
+
+
+def test_preset_specs_build_the_same_workload_twice_with_a_flops_balance():
+    spec = WorkloadSpec("t", "transformer_tiny", {"seq_len": 6, "num_layers": 1, "d_model": 16, "ffn_dim": 32,
+                                                  "num_heads": 2, "vocab_size": 32}, 3)
+    one, two = spec.build(2), spec.build(2)
+    assert one.name == "t" and one.batch == 3 and len(one.balance) == 2
+    assert sum(one.balance) == len(one.module) and one.balance == two.balance
+    src, tgt_in = one.inputs
+    assert torch.equal(src, two.inputs[0]) and torch.equal(one.targets, src.roll(-1, dims=1))
+    assert one.loss_fn(one.module(one.inputs), one.targets).item() > 0
+    images = WorkloadSpec("a", "amoebanet_d_tiny", {"num_layers": 3, "num_filters": 8, "image_size": 16}, 4).build()
+    assert images.balance == [len(images.module)] and images.targets.dtype == torch.int64
+    assert images.loss_fn(images.module(images.inputs), images.targets).item() > 0
