@@ -1,9 +1,12 @@
 """Measuring pipeline steps on CPU stages and per-layer times for the simulator.
 
-``measure_step`` runs ``GPipe`` (one thread per stage) for a few steps and keeps
-the median step time and the timeline of the median step. ``layer_times``
-times every layer's forward (with and without autograd) and backward on one
-micro-batch with one thread, the way a stage runs it. ``simulate_step`` sums
+``measure_step`` runs ``GPipe`` (one thread per stage) for a few steps, timed by
+``gpipe_lab.bench``'s timer, and keeps the median step time and the timeline of
+the median step. ``layer_times`` times every layer's forward (with and without
+autograd) and backward on one micro-batch with one thread, the way a stage runs
+it; each figure is one slice of a single chained pass (a layer's input is the
+previous layer's output, its backward needs that pass's graph), so the clock is
+read around each call instead of through the shared timer. ``simulate_step`` sums
 those per layer over the engine's balance and runs the planner's simulator.
 """
 
