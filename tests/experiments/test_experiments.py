@@ -12,7 +12,6 @@ import pytest
 from experiments.transfer import load_backbone, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPERIMENTS = ROOT / "experiments"
 
 # script -> (markdown file, strings from the paper that must appear in it)
 CASES = {
