@@ -51,7 +51,7 @@ class Workload:
 
 
 def mse(output: Any, target: Tensor) -> Tensor:
-    """Mean squared error (a named function: workloads travel to spawned ranks)."""
+    """Mean squared error of a regression workload's output against its targets."""
     return F.mse_loss(output, target)
 
 
