@@ -138,6 +138,35 @@ def test_the_callers_global_generator_is_left_alone() -> None:
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_fused_dropout_is_replayed_with_its_mask() -> None:
+    """``native_dropout`` (the accelerators' fused dropout; callable on CPU too) is re-implemented."""
+    x = torch.randn(64, 8, requires_grad=True)
+    runs = []
+    for _ in range(2):
+        with microbatch_context(torch.Generator().manual_seed(5)):
+            runs.append(torch.ops.aten.native_dropout(x, 0.3, True))
+    (out, mask), (again, _) = runs
+    assert torch.equal(out, again) and mask.dtype == torch.bool and 0 < mask.float().mean() < 1
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, mask.float() / 0.7)
+
+
+def test_ops_reading_the_default_generator_are_reseeded() -> None:
+    """Ops without a generator argument (fused attention kernels on GPUs; here native_dropout.out)."""
+    x = torch.randn(64, 8)
+
+    def run(seed: int) -> Tensor:
+        out, mask = torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+        with microbatch_context(torch.Generator().manual_seed(seed)):
+            torch.ops.aten.native_dropout.out(x, 0.3, True, out0=out, out1=mask)
+        return out
+
+    state = torch.get_rng_state()
+    first, again, other = run(1), run(1), run(2)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 class CudnnLikeRnn(nn.Module):
     """Calls the cuDNN RNN op, whose dropout state no generator can rewind."""
 
