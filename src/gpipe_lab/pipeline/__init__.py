@@ -15,6 +15,7 @@ from gpipe_lab.pipeline.gpipe import (
 )
 from gpipe_lab.pipeline.partition import balance_by_cost, layer_costs
 from gpipe_lab.pipeline.profiling import balance_by_size, balance_by_time
+from gpipe_lab.pipeline.random_replay import UnreplayableRandomError
 from gpipe_lab.pipeline.schedule import (
     SCHEDULES,
     Action,
@@ -29,7 +30,7 @@ from gpipe_lab.pipeline.timeline import Event, Timeline
 
 __all__ = [
     "CHECKPOINT_MODES", "NONFINITE_POLICIES", "NonFiniteError", "SCHEDULES", "Action", "DeferredBatchNorm", "Event", "GPipe",
-    "PipelineTimeoutError", "StageDropout", "Timeline", "analytic_bubble", "balance_by_cost",
+    "PipelineTimeoutError", "StageDropout", "Timeline", "UnreplayableRandomError", "analytic_bubble", "balance_by_cost",
     "balance_by_size", "balance_by_time", "checkpointed_microbatches", "commit_forward", "convert_dropout", "get_schedule",
     "gpipe_schedule", "layer_costs", "one_f_one_b_schedule", "register_schedule",
     "validate_schedule", "retain_freed_memory", "all_finite",

@@ -69,13 +69,17 @@ def _current_layer() -> str:
 
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    """Where the op runs: its first tensor argument, else ``device=``, else its ``out=`` tensor."""
     for a in args:
         if isinstance(a, Tensor):
             return a.device
         if isinstance(a, (list, tuple)) and a and isinstance(a[0], Tensor):
             return a[0].device
     device = kwargs.get("device")
-    return torch.device(device) if device is not None else torch.device("cpu")
+    if device is not None:
+        return torch.device(device)
+    out = next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
+    return out.device if out is not None else torch.device("cpu")
 
 
 def _with_generator(func: Any) -> Handler:
