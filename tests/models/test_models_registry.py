@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -10,14 +9,12 @@ import torch
 from gpipe_lab.models import COST_KINDS, PRESETS, build, layer_costs
 
 
-def test_every_preset_builds_on_meta_quickly():
-    start = time.perf_counter()
+def test_every_preset_builds_on_meta():
     for name in PRESETS:
         model = build(name, device="meta")
         assert isinstance(model, torch.nn.Sequential)
         assert all(p.is_meta for p in model.parameters())
         assert model.spec.name == name
-    assert time.perf_counter() - start < 30
 
 
 def test_unknown_names_and_overrides():
@@ -68,6 +65,32 @@ def test_activation_bytes_scale_with_input():
 def test_big_preset_costs_on_meta():
     costs = layer_costs(build("transformer_l", device="meta", num_layers=4), "activation_bytes")
     assert len(costs) == 6 and costs[1] == costs[2] > 0
+
+
+def test_costs_on_a_given_batch_leave_the_model_as_it_was():
+    model = build("amoebanet_d_tiny", num_filters=8, image_size=8)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.train()
+    x = torch.randn(4, 3, 8, 8)
+    for kind in COST_KINDS[1:]:
+        costs = layer_costs(model, kind, example_input_=x, batch_size=4)
+        assert len(costs) == len(model) and sum(costs) > 0
+    assert model.training
+    for k, v in model.state_dict().items():  # BatchNorm statistics included
+        assert torch.equal(v, state[k]), k
+
+
+def test_one_measuring_implementation():
+    import gpipe_lab.measure as measure
+    import gpipe_lab.models.costs as model_costs
+    from gpipe_lab.pipeline import layer_costs as engine_layer_costs
+
+    assert engine_layer_costs is measure.layer_costs
+    assert model_costs.measure_layers is measure.measure_layers
+    model = build("transformer_tiny")
+    sample = torch.randint(4, 64, (2, 16))
+    assert layer_costs(model, "flops", example_input_=(sample, sample)) == \
+        engine_layer_costs(model, "flops", (sample, sample))
 
 
 def test_models_do_not_import_the_engine():

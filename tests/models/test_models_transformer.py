@@ -1,7 +1,6 @@
 """Transformer: preset counts, boundary formats, trainability fixes, loss, pipeline equivalence."""
 
 import copy
-import time
 from dataclasses import replace
 
 import pytest
@@ -62,9 +61,8 @@ def test_table1_transformer_l_family():
     assert round(counts[103] / 1e8) / 10 == 5.3
     assert round(counts[415] / 1e8) / 10 == 21.0
     assert round(counts[1663] / 1e8) / 10 == 83.9
-    start = time.perf_counter()
     model = build("transformer_l", device="meta", num_layers=1663)
-    assert time.perf_counter() - start < 30
+    assert all(p.is_meta for p in model.parameters())  # 84B parameters, none allocated
     assert n_params(model) == counts[1663] == 83_876_882_432
     assert "83.88B" in describe_presets()
 

@@ -2,7 +2,7 @@
 
 from gpipe_lab.pipeline import zero_bubble  # noqa: F401 - registers zb-h1, zb-h2 and gpipe-bw
 from gpipe_lab.pipeline.allocator import retain_freed_memory
-from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
+from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm, commit_forward
 from gpipe_lab.pipeline.dropout import StageDropout, convert_dropout
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.finite import all_finite
@@ -13,7 +13,9 @@ from gpipe_lab.pipeline.gpipe import (
     NonFiniteError,
     checkpointed_microbatches,
 )
-from gpipe_lab.pipeline.partition import balance_by_cost, balance_by_time, layer_costs
+from gpipe_lab.pipeline.partition import balance_by_cost, layer_costs
+from gpipe_lab.pipeline.profiling import balance_by_size, balance_by_time
+from gpipe_lab.pipeline.random_replay import UnreplayableRandomError
 from gpipe_lab.pipeline.schedule import (
     SCHEDULES,
     Action,
@@ -28,8 +30,8 @@ from gpipe_lab.pipeline.timeline import Event, Timeline
 
 __all__ = [
     "CHECKPOINT_MODES", "NONFINITE_POLICIES", "NonFiniteError", "SCHEDULES", "Action", "DeferredBatchNorm", "Event", "GPipe",
-    "PipelineTimeoutError", "StageDropout", "Timeline", "analytic_bubble", "balance_by_cost",
-    "balance_by_time", "checkpointed_microbatches", "convert_dropout", "get_schedule",
+    "PipelineTimeoutError", "StageDropout", "Timeline", "UnreplayableRandomError", "analytic_bubble", "balance_by_cost",
+    "balance_by_size", "balance_by_time", "checkpointed_microbatches", "commit_forward", "convert_dropout", "get_schedule",
     "gpipe_schedule", "layer_costs", "one_f_one_b_schedule", "register_schedule",
     "validate_schedule", "retain_freed_memory", "all_finite",
 ]

@@ -4,6 +4,15 @@ Each micro-batch is normalized with its own statistics (as a small batch would
 be), while the running mean and variance are updated once per mini-batch from
 the statistics of the whole mini-batch. Sums are not accumulated while a
 checkpointed micro-batch is recomputed, so every sample counts once.
+
+What counts as a mini-batch is what ``nn.BatchNorm`` would see as one call on
+the unpipelined module: a ``train_step`` (committed at its end, unless the step
+is skipped), and equally a training-mode forward ``pipe(x)``, with or without a
+graph: its sums are committed when the forward ends (``commit_forward``), not
+left pending for the next step. So forward, then ``train_step``, then eval
+gives the running statistics ``nn.BatchNorm`` gives for the same calls (exactly
+with one micro-batch; with M > 1 for the first BatchNorm, later ones see
+micro-batch-normalized inputs).
 """
 
 from __future__ import annotations
@@ -97,3 +106,14 @@ class DeferredBatchNorm(_BatchNorm):
             if new is not child:
                 setattr(module, name, new)
         return module
+
+
+def commit_forward(module: nn.Module) -> int:
+    """End a training-mode forward of ``module``: commit each ``DeferredBatchNorm``'s sums.
+
+    The forward (all its micro-batches) is one mini-batch, as one call of
+    ``nn.BatchNorm`` on the whole batch. Layers that accumulated nothing (eval
+    mode, or already committed) are left alone, so calling it twice is harmless.
+    Returns the number of layers whose running statistics changed.
+    """
+    return sum(m.commit() for m in module.modules() if isinstance(m, DeferredBatchNorm))

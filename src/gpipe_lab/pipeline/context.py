@@ -4,15 +4,19 @@ Each stage runs in its own worker thread (local transport) or process
 (distributed transport). Layers that need to know about the pipeline (the
 deterministic dropout, the deferred BatchNorm) read this state; outside a
 pipeline it is empty and they behave like their ``torch.nn`` originals.
+Inside ``microbatch_context`` every random op draws from the micro-batch's
+generators (``random_replay``), so a re-materialized forward draws the same.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
+
+from gpipe_lab.pipeline.random_replay import RandomReplay
 
 _state = threading.local()
 
@@ -41,10 +45,15 @@ def is_recomputing() -> bool:
 def microbatch_context(
     generator: torch.Generator | None, recomputing: bool = False
 ) -> Iterator[None]:
-    """Run a stage's forward with its own generator (and the recompute flag)."""
+    """Run a stage's forward with its own generator (and the recompute flag).
+
+    With a generator, every random op inside draws from it (see ``RandomReplay``,
+    which raises ``UnreplayableRandomError`` for a draw it cannot repeat).
+    """
     previous = (getattr(_state, "generator", None), getattr(_state, "recomputing", False))
     _state.generator, _state.recomputing = generator, recomputing
     try:
-        yield
+        with RandomReplay(generator) if generator is not None else nullcontext():
+            yield
     finally:
         _state.generator, _state.recomputing = previous

@@ -4,7 +4,9 @@ The CPU has a single default generator shared by all threads, so ``nn.Dropout``
 in two worker threads would draw in timing-dependent order. ``StageDropout``
 draws from the generator of the (step, stage, micro-batch) being computed, so
 the masks are the same on every run and identical when a checkpointed
-micro-batch is recomputed.
+micro-batch is recomputed. Inside a stage every other random op is routed to
+the same generators (``random_replay``); ``StageDropout`` names it explicitly,
+so it also works in code that runs a stage's layers outside that mode.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def convert_dropout(module: nn.Module) -> int:
     """
     replaced = 0
     for name, child in list(module.named_children()):
-        if type(child) is nn.Dropout:  # channel dropouts (Dropout2d...) keep the global RNG
+        if type(child) is nn.Dropout:  # the others are replayed by random_replay as they are
             setattr(module, name, StageDropout(child.p))
             replaced += 1
         else:

@@ -3,51 +3,19 @@
 The paper gives each layer a cost c_i and balances the cells' costs. We pick
 contiguous partitions that minimize the most expensive one (the stage that
 sets the pipeline's pace): a binary search on that maximum with a greedy
-feasibility check, which is exact for non-negative costs.
+feasibility check, which is exact for non-negative costs. Per-layer costs come
+from ``gpipe_lab.measure.layer_costs``; measured balances live in ``profiling``.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
+from gpipe_lab.measure import layer_costs, parameter_costs
 
-def parameter_costs(module: nn.Sequential) -> list[float]:
-    """Cost of each layer = its number of parameter elements (the default c_i)."""
-    return [float(sum(p.numel() for p in layer.parameters())) for layer in module]
-
-
-def layer_costs(module: nn.Sequential, cost: object = None) -> list[float]:
-    """Resolve a cost specification to one number per layer.
-
-    ``cost`` is ``None`` or ``"params"`` (parameter count), a sequence of numbers,
-    or a callable ``layer -> number``.
-
-    Raises:
-        ValueError: wrong length, negative or non-finite costs, or an unknown name.
-    """
-    if cost is None or cost == "params":
-        costs = parameter_costs(module)
-    elif isinstance(cost, str):
-        raise ValueError(
-            f"unknown cost {cost!r}; allowed: 'params', a list of per-layer numbers, or a callable "
-            "(for measured time use gpipe_lab.pipeline.balance_by_time)"
-        )
-    elif callable(cost):
-        costs = [float(cost(layer)) for layer in module]
-    else:
-        costs = [float(c) for c in cost]  # type: ignore[union-attr]
-    if len(costs) != len(module):
-        raise ValueError(f"got {len(costs)} layer costs for a module of {len(module)} layers")
-    for i, c in enumerate(costs):
-        if not c >= 0 or c == float("inf"):
-            raise ValueError(f"layer {i} has cost {c}; costs must be finite and non-negative")
-    if sum(costs) == 0:
-        costs = [1.0] * len(costs)
-    return costs
+__all__ = ["balance_by_cost", "check_balance", "layer_costs", "parameter_costs", "split_module"]
 
 
 def _greedy_parts(costs: Sequence[float], partitions: int, limit: float) -> list[int] | None:
@@ -94,28 +62,6 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
             best, high = found, mid
     assert best is not None  # the total cost is always feasible when n >= partitions
     return best
-
-
-def balance_by_time(
-    module: nn.Sequential, sample: torch.Tensor | tuple[torch.Tensor, ...], partitions: int,
-    repeat: int = 3,
-) -> list[int]:
-    """Balance by the measured forward+backward time of each layer on ``sample``."""
-    times = [0.0] * len(module)
-    for _ in range(repeat):
-        value: object = sample
-        for i, layer in enumerate(module):
-            start = time.perf_counter()
-            value = layer(value)
-            outputs = value if isinstance(value, tuple) else (value,)
-            loss = sum(t.float().sum() for t in outputs if t.requires_grad)
-            if isinstance(loss, torch.Tensor):
-                loss.backward(retain_graph=True)
-            times[i] += time.perf_counter() - start
-            value = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outputs)
-            value = value[0] if len(value) == 1 else value
-    module.zero_grad(set_to_none=True)
-    return balance_by_cost(times, partitions)
 
 
 def check_balance(balance: Sequence[int], num_layers: int) -> list[int]:

@@ -1,0 +1,159 @@
+"""Per-layer costs of a layer sequence, and running a module without leaving a trace.
+
+The one ``layer_costs`` of the lab. The engine balances stages with it
+(``gpipe_lab.pipeline``) and the models give it their preset sample batch
+(``gpipe_lab.models.layer_costs``); this module imports torch only, so it
+belongs to neither and both may use it.
+
+Cost kinds:
+- ``"params"``: parameter elements of the layer (a tied table counts in every layer using it);
+- ``"flops"``: forward FLOPs on the sample (``torch.utils.flop_counter``: matmuls,
+  convolutions, attention; elementwise ops are not counted);
+- ``"activation_bytes"``: bytes autograd saves inside the layer on the sample
+  (``saved_tensors_hooks``; parameters saved for backward are not activations);
+- ``"output_bytes"``: bytes of the layer's output (what a stage keeps or sends).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["COST_KINDS", "MEASURED_KINDS", "layer_costs", "measure_layers", "parameter_costs",
+           "untouched"]
+
+COST_KINDS = ("params", "flops", "activation_bytes", "output_bytes")
+MEASURED_KINDS = COST_KINDS[1:]
+
+
+def parameter_costs(module: nn.Sequential) -> list[float]:
+    """Cost of each layer = its number of parameter elements (the default c_i)."""
+    return [float(sum(p.numel() for p in layer.parameters())) for layer in module]
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of the tensors in ``value``, each distinct tensor object once."""
+    tensors = {id(t): t for t in (value if isinstance(value, (tuple, list)) else (value,))
+               if isinstance(t, Tensor)}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _saved_bytes(layer: nn.Module, value: Any) -> tuple[Any, int]:
+    """Run ``layer`` with grad; count the bytes autograd saves that are not its parameters."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters() if not p.is_meta}
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t: Tensor) -> Tensor:
+        nonlocal total
+        if id(t) in seen or (not t.is_meta and t.requires_grad and
+                             t.untyped_storage().data_ptr() in params):
+            return t
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(value)
+    return out, total
+
+
+def measure_layers(module: nn.Sequential, sample: Any, kind: str) -> list[float]:
+    """Run ``sample`` through ``module`` layer by layer, measuring ``kind`` for each.
+
+    Raises:
+        ValueError: ``kind`` is not one of ``MEASURED_KINDS``.
+    """
+    if kind not in MEASURED_KINDS:
+        raise ValueError(f"unknown measured cost {kind!r}; allowed: {list(MEASURED_KINDS)}")
+    costs: list[float] = []
+    value = sample
+    for layer in module:
+        if kind == "flops":
+            with FlopCounterMode(display=False) as counter:
+                value = layer(value)
+            costs.append(float(counter.get_total_flops()))
+        elif kind == "output_bytes":
+            value = layer(value)
+            costs.append(float(_nbytes(value)))
+        else:
+            value, n = _saved_bytes(layer, value)
+            costs.append(float(n))
+    return costs
+
+
+def layer_costs(module: nn.Sequential, cost: object = None, sample: Any = None) -> list[float]:
+    """One cost per layer of ``module``.
+
+    ``cost`` is ``None`` or ``"params"`` (parameter elements), a measured kind
+    (``"flops"``, ``"activation_bytes"``, ``"output_bytes"``: measured on
+    ``sample``, with the module left as it was, see ``untouched``), a sequence
+    of numbers, or a callable ``layer -> number``. When every cost is zero,
+    each layer costs 1 (a balance by layer count).
+
+    Raises:
+        ValueError: an unknown name, a measured kind without ``sample``, a wrong
+            number of costs, or a negative or non-finite cost.
+    """
+    if cost is None or cost == "params":
+        costs = parameter_costs(module)
+    elif isinstance(cost, str):
+        if cost not in MEASURED_KINDS or sample is None:
+            raise ValueError(
+                f"unknown cost {cost!r} for a module without a sample batch; allowed: 'params', a list "
+                f"of per-layer numbers, a callable, or one of {list(MEASURED_KINDS)} with sample= "
+                "(gpipe_lab.models.layer_costs gives the presets' sample; for measured time use "
+                "gpipe_lab.pipeline.balance_by_time)")
+        with untouched(module):
+            costs = measure_layers(module, sample, cost)
+    elif callable(cost):
+        costs = [float(cost(layer)) for layer in module]
+    else:
+        costs = [float(c) for c in cost]  # type: ignore[union-attr]
+    if len(costs) != len(module):
+        raise ValueError(f"got {len(costs)} layer costs for a module of {len(module)} layers")
+    for i, c in enumerate(costs):
+        if not (c >= 0 and math.isfinite(c)):
+            raise ValueError(f"layer {i} has cost {c}; costs must be finite and non-negative")
+    if sum(costs) == 0:
+        costs = [1.0] * len(costs)
+    return costs
+
+
+@contextmanager
+def untouched(module: nn.Module, train: bool | None = None) -> Iterator[None]:
+    """Run a block on ``module`` and leave no trace of it.
+
+    On exit, every parameter's values and ``.grad`` (the same tensor object, or
+    ``None``), every buffer (BatchNorm running statistics, ``num_batches_tracked``,
+    any accumulators), each submodule's training flag, and the CPU and CUDA RNG
+    states are as on entry; inside, ``.grad`` starts at ``None``. ``train``
+    sets every submodule's mode inside the block (``None``: unchanged).
+    Parameters and buffers are copied, so the block needs twice their memory.
+    """
+    modes = [(m, m.training) for m in module.modules()]
+    params = [(p, p.detach().clone(), p.grad) for p in module.parameters()]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = sorted({p.device.index or 0 for p, _, _ in params if p.device.type == "cuda"})
+    for p, _, _ in params:
+        p.grad = None
+    try:
+        with torch.random.fork_rng(devices=devices):
+            if train is not None:
+                module.train(train)
+            yield
+    finally:
+        with torch.no_grad():
+            for p, value, grad in params:
+                p.copy_(value)
+                p.grad = grad
+            for b, value in buffers:
+                b.copy_(value)
+        for m, mode in modes:
+            m.training = mode
