@@ -8,12 +8,12 @@ import torch
 from gpipe_lab.pipeline.distributed.links import message_plan
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.distributed.wire import HEADER_SLOTS, decode_header, encode_header
-from gpipe_lab.pipeline.interleaved import (
+from gpipe_lab.pipeline.schedules import (
+    get_schedule,
     interleaved_1f1b_schedule,
     rank_schedule,
     validate_rank_schedule,
 )
-from gpipe_lab.pipeline.schedule import get_schedule
 
 
 def test_header_round_trip_with_none_and_long_shapes() -> None:

@@ -104,3 +104,20 @@ def test_return_outputs_are_the_last_stage_outputs():
     pipe = GPipe(model, partitions=2, chunks=3, checkpoint="always")
     _, out = pipe.train_step(x, y, F.mse_loss, return_outputs=True)
     assert_close(out, expected)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_batch_smaller_than_chunks_trains_on_fewer_microbatches(batch, schedule):
+    """A last batch of fewer samples than chunks runs min(M, batch) micro-batches, exactly."""
+    torch.manual_seed(2)
+    x, y = torch.randn(batch, 8), torch.randn(batch, 8)
+    ref_loss, ref_grads = reference_step(mlp(), x, y, F.mse_loss)
+    model = mlp()
+    pipe = GPipe(model, partitions=3, chunks=8, schedule=schedule)
+    loss = pipe.train_step(x, y, F.mse_loss)
+    assert_close(loss, ref_loss)
+    for got, want in zip(grads(model), ref_grads):
+        assert_close(got, want)
+    assert pipe.timeline.num_microbatches == batch
+    assert {e.microbatch for e in pipe.timeline.events if e.kind == "F"} == set(range(batch))

@@ -18,17 +18,17 @@ from helpers.models import mlp
 @pytest.mark.parametrize("kwargs,error,fragment", [
     (dict(module=nn.Linear(2, 2), partitions=1), TypeError, "nn.Sequential"),
     (dict(balance=[2, 2]), ValueError, "sums to 4 but the module has 6 layers"),
-    (dict(balance=[3, 0, 3]), ValueError, "balance\\[1\\] = 0"),
-    (dict(balance=[3, -1, 4]), ValueError, "positive number of layers"),
+    (dict(balance=[3, 0, 3]), ValueError, r"balance: must be a non-empty list of positive layer counts, got \[3, 0, 3\]"),
+    (dict(balance=[3, -1, 4]), ValueError, "balance: must be a non-empty list of positive layer counts"),
     (dict(partitions=7), ValueError, "partitions=7 is more than the module's 6 layers"),
-    (dict(partitions=0), ValueError, "partitions must be an integer >= 1"),
+    (dict(partitions=0), ValueError, "partitions: must be an integer >= 1, got 0"),
     (dict(partitions=3, devices=["cpu", "cpu"]), ValueError, "3 partitions need 3 devices, got 2"),
-    (dict(partitions=2, chunks=0), ValueError, "chunks must be an integer >= 1, got 0"),
-    (dict(partitions=2, checkpoint="sometimes"), ValueError, "unknown checkpoint mode 'sometimes'"),
-    (dict(partitions=2, schedule="pipedream"), ValueError, "unknown schedule 'pipedream'"),
+    (dict(partitions=2, chunks=0), ValueError, "chunks: must be an integer >= 1, got 0"),
+    (dict(partitions=2, checkpoint="sometimes"), ValueError, "checkpoint: must be one of .*, got 'sometimes'"),
+    (dict(partitions=2, schedule="pipedream"), ValueError, "schedule: must be one of .*, got 'pipedream'"),
     (dict(), ValueError, "either balance"),
-    (dict(balance=[3, 3], partitions=3), ValueError, "partitions=3 but balance"),
-    (dict(partitions=2, timeout=0), ValueError, "timeout must be > 0"),
+    (dict(balance=[3, 3], partitions=3), ValueError, r"balance: \[3, 3\] has 2 entries but partitions=3"),
+    (dict(partitions=2, timeout=0), ValueError, "timeout: must be a finite number of seconds > 0, got 0"),
     (dict(partitions=2, cost=[1.0, 2.0]), ValueError, "got 2 layer costs for a module of 6 layers"),
     (dict(partitions=2, cost="flops"), ValueError, "unknown cost 'flops'"),
 ])
@@ -46,10 +46,10 @@ def test_shared_parameters_across_partitions_are_refused():
     GPipe(nn.Sequential(first, nn.ReLU(), last), balance=[3])  # same partition is fine
 
 
-def test_chunks_larger_than_batch():
+def test_empty_batch_is_refused():
     pipe = GPipe(mlp(), partitions=2, chunks=8)
-    with pytest.raises(ValueError, match="chunks must be between 1 and the batch size 5"):
-        pipe.train_step(torch.randn(5, 8), torch.randn(5, 8), F.mse_loss)
+    with pytest.raises(ValueError, match="chunks must be between 1 and the batch size 0"):
+        pipe.train_step(torch.randn(0, 8), torch.randn(0, 8), F.mse_loss)
 
 
 class ReturnsDict(nn.Module):
@@ -145,61 +145,6 @@ def test_automatic_balance_uses_parameter_count():
     assert GPipe(model, partitions=2).balance == [1, 3]
     assert GPipe(model, partitions=2, cost=[1, 1, 1, 1]).balance == [2, 2]
     assert GPipe(model, partitions=2, cost=lambda layer: 1.0).balance == [2, 2]
-
-
-class Blowup(nn.Module):
-    """Multiplies by inf on demand: a non-finite loss."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.factor = 1.0
-
-    def forward(self, x):
-        return x * self.factor
-
-
-def test_nonfinite_loss_raise_names_step_and_skip_drops_the_step():
-    from gpipe_lab.pipeline import NonFiniteError
-
-    blow = Blowup()
-    model = nn.Sequential(nn.Linear(8, 8), blow, nn.Linear(8, 8))
-    x, y = torch.randn(4, 8), torch.randn(4, 8)
-    pipe = GPipe(model, balance=[2, 1], chunks=2)
-    pipe.train_step(x, y, F.mse_loss)
-    blow.factor = float("inf")
-    with pytest.raises(NonFiniteError, match="step 1: loss is (nan|inf)"):
-        pipe.train_step(x, y, F.mse_loss)
-    skipping = GPipe(model, balance=[2, 1], chunks=2, nonfinite="skip")
-    skipping.train_step(x, y, F.mse_loss)
-    assert skipping.last_step_skipped and skipping.skipped_steps == 1
-    assert all(p.grad is None for p in model.parameters())
-    blow.factor = 1.0
-    skipping.train_step(x, y, F.mse_loss)
-    assert not skipping.last_step_skipped
-    with pytest.raises(ValueError, match="unknown nonfinite policy 'maybe'"):
-        GPipe(model, partitions=2, nonfinite="maybe")
-
-
-def test_nonfinite_gradient_names_the_stage():
-    from gpipe_lab.pipeline import NonFiniteError
-
-    class InfGrad(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * float("inf")
-
-    class Layer(nn.Module):
-        def forward(self, x):
-            return InfGrad.apply(x)
-
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), Layer(), nn.Linear(8, 8))
-    pipe = GPipe(model, balance=[2, 2], chunks=2)
-    with pytest.raises(NonFiniteError, match="gradients of stage 0 are not finite"):
-        pipe.train_step(torch.randn(4, 8), torch.randn(4, 8), F.mse_loss)
 
 
 def test_a_layer_listed_twice_is_applied_twice():

@@ -243,7 +243,7 @@ def test_parameter_hooks_keep_the_autograd_weight_pass():
 
 
 def test_weight_runs_group_consecutive_w_of_one_stage():
-    from gpipe_lab.pipeline.schedule import Action, weight_runs
+    from gpipe_lab.pipeline.schedules import Action, weight_runs
 
     actions = [Action(0, "B", 1), Action(0, "W", 1), Action(0, "W", 0), Action(1, "W", 0),
                Action(0, "F", 2), Action(0, "B", 2), Action(0, "W", 2)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from gpipe_lab.pipeline.checkpointing import checkpointing
 from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
 from gpipe_lab.pipeline.microbatch import as_tuple, unwrap
 from gpipe_lab.pipeline.timeline import Event
@@ -157,7 +158,8 @@ class StageRuntime:
         hooks = (torch.autograd.graph.saved_tensors_hooks(pack, _unpack) if self.track_memory
                  else nullcontext())
         # every micro-batch gets its generator: any layer may draw from current_generator()
-        with microbatch_context(self._generator(mb), recomputing), hooks:
+        with microbatch_context(self._generator(mb), recomputing), hooks, \
+                checkpointing(mb in self.plan.checkpointed):
             out = self.module(unwrap(inputs, was_tensor))
             outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
             out_is_tensor = isinstance(out, Tensor)
