@@ -53,6 +53,13 @@ class PipelineCore(nn.Module):
 
     def _start_core(self, options: PipelineOptions, runtimes: dict[int, StageRuntime], channel: Channel,
                     num_ranks: int, dp_size: int = 1) -> None:
+        """Attach the step to built stages.
+
+        Raises:
+            ValueError: the schedule has no form with ``options.virtual_stages``.
+        """
+        v = options.virtual_stages
+        get_schedule(options.schedule, num_ranks, num_ranks if v > 1 else 1, v)
         self.options = options
         self.runtimes = runtimes
         self.channel = channel

@@ -32,7 +32,6 @@ from gpipe_lab.pipeline.distributed.topology import build_topology
 from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import PipelineOptions, merged_options
-from gpipe_lab.pipeline.schedules import get_schedule
 from gpipe_lab.pipeline.stage import StageRuntime
 from gpipe_lab.pipeline.timeline import Event, Timeline
 
@@ -78,7 +77,6 @@ class DistributedGPipe(PipelineCore):
         full = build_module(module)
         balance, num_stages = resolve_balance(full, opts.balance, opts.partitions, v, opts.cost,
                                               data_parallel_size)
-        get_schedule(opts.schedule, num_stages, 1 if v == 1 else num_stages, v)  # has a form for v
         self.topo = topo = build_topology(num_stages, v, data_parallel_size)
         self.balance = balance
         self.device = resolve_device(device)
