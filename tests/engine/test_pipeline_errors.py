@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -103,10 +102,8 @@ def test_exception_in_middle_stage_propagates_and_pipeline_is_reusable(when, err
     pipe = GPipe(model, balance=[2, 1, 2], chunks=6, checkpoint=checkpoint)
     x, y = torch.randn(12, 8), torch.randn(12, 8)
     before = threading.active_count()
-    start = time.monotonic()
-    with pytest.raises(error, match="boom") as info:
+    with pytest.raises(error, match="boom") as info:  # not after the 300 s stage timeout: the mark bounds it
         pipe.train_step(x, y, F.mse_loss)
-    assert time.monotonic() - start < 10
     assert "stage 1" in str(info.value)
     assert threading.active_count() == before  # every worker thread ended
     explode.armed = False
