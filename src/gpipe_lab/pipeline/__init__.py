@@ -1,10 +1,11 @@
 """The GPipe engine: pure PyTorch (+ torch.distributed); no Lightning, Hydra or wandb."""
 
 from gpipe_lab.pipeline.allocator import retain_freed_memory
+from gpipe_lab.pipeline.batching import checkpointed_microbatches
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.checkpointing import is_checkpointing
 from gpipe_lab.pipeline.context import is_recomputing
-from gpipe_lab.pipeline.core import PipelineCore, checkpointed_microbatches
+from gpipe_lab.pipeline.core import PipelineCore
 from gpipe_lab.pipeline.dropout import StageDropout, convert_dropout
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.gpipe import GPipe

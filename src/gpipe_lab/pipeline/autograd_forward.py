@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gpipe_lab.pipeline.batching import checkpointed_microbatches
 from gpipe_lab.pipeline.channel import StepFeed
-from gpipe_lab.pipeline.core import PipelineCore, checkpointed_microbatches
+from gpipe_lab.pipeline.core import PipelineCore
 from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, split, unwrap
 from gpipe_lab.pipeline.schedules import FILL_DRAIN
 from gpipe_lab.pipeline.stage import StepPlan

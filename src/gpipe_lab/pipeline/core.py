@@ -16,32 +16,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gpipe_lab.pipeline.batching import (
+    Normalizer,
+    checkpointed_microbatches,
+    loss_weights,
+    make_feed,
+    microbatch_count,
+)
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.channel import Channel, StepFeed
-from gpipe_lab.pipeline.microbatch import Value, as_tuple, batch_size, join, split, unwrap
+from gpipe_lab.pipeline.microbatch import Value, join, unwrap
 from gpipe_lab.pipeline.nonfinite import NonFiniteError, describe_problem, verdict_vector
-from gpipe_lab.pipeline.options import CHECKPOINT_MODES, PipelineOptions
+from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs
 from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
 from gpipe_lab.pipeline.timeline import Event, Timeline
 
 LossFn = Callable[[object, object], Tensor]
-Normalizer = Callable[[object], "Tensor | float"]
-
-
-def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset[int]:
-    """Micro-batches whose activations are re-materialized in backward.
-
-    Raises:
-        ValueError: unknown mode.
-    """
-    if mode == "always":
-        return frozenset(range(num_microbatches))
-    if mode == "except_last":
-        return frozenset(range(num_microbatches - 1))
-    if mode == "never":
-        return frozenset()
-    raise ValueError(f"checkpoint: must be one of {list(CHECKPOINT_MODES)}, got {mode!r}")
 
 
 class PipelineCore(nn.Module):
@@ -114,15 +105,7 @@ class PipelineCore(nn.Module):
 
     # ------------------------------------------------------------ the step
     def _num_microbatches(self, inputs: object, targets: object) -> int:
-        """min(chunks, batch): from the inputs, else the targets, else ``chunks``.
-
-        Raises:
-            TypeError, ValueError: the values are not tensors or disagree on the batch size.
-        """
-        for value, name in ((inputs, "inputs"), (targets, "targets")):
-            if value is not None:
-                return max(1, min(self.options.chunks, batch_size(as_tuple(value, name), name)))
-        return self.options.chunks
+        return microbatch_count(self.options.chunks, inputs, targets)
 
     def _schedule(self, num_microbatches: int, kind: str) -> tuple[Schedule, Any]:
         """``kind``: ``train`` (the configured schedule), ``forward`` or ``backward`` (fill-drain halves)."""
@@ -137,14 +120,8 @@ class PipelineCore(nn.Module):
         return self._schedules[key]
 
     def _feed(self, inputs: Value | None, targets: object, num_microbatches: int) -> StepFeed:
-        micro_inputs = None
-        if inputs is not None and 0 in self.runtimes:
-            micro_inputs = split(as_tuple(inputs, "inputs"), num_microbatches, "inputs")
-        micro_targets = None
-        if targets is not None and self._num_virtual - 1 in self.runtimes:
-            micro_targets = [unwrap(t, isinstance(targets, Tensor))
-                             for t in split(as_tuple(targets, "targets"), num_microbatches, "targets")]
-        return StepFeed(micro_inputs, isinstance(inputs, Tensor), micro_targets)
+        return make_feed(inputs, targets, num_microbatches, 0 in self.runtimes,
+                         self._num_virtual - 1 in self.runtimes)
 
     def _execute(self, feed: StepFeed, plan: StepPlan, kind: str, keep_outputs: bool,
                  fresh: bool = True) -> tuple[Tensor | None, Value | None]:
@@ -191,14 +168,7 @@ class PipelineCore(nn.Module):
             return []
         if targets is None and not self.channel.holds_all_stages:
             raise ValueError("this rank runs the last stage: train_step needs targets")
-        ref, name = (inputs, "inputs") if inputs is not None else (targets, "targets")
-        sizes = [mb[0].shape[0] for mb in split(as_tuple(ref, name), num_microbatches, name)]
-        if loss_normalizer is None:
-            return [s / sum(sizes) for s in sizes]
-        total = float(loss_normalizer(targets))
-        if not total > 0:
-            raise ValueError(f"loss_normalizer returned {total}; it must be positive")
-        return [1.0 / total] * num_microbatches
+        return loss_weights(inputs, targets, num_microbatches, loss_normalizer)
 
     def train_step(self, inputs: Value | None, targets: object, loss_fn: LossFn,
                    loss_normalizer: Normalizer | None = None,

@@ -22,8 +22,9 @@ from torch import nn
 
 from gpipe_lab.pipeline.allocator import retain_freed_memory
 from gpipe_lab.pipeline.autograd_forward import pipeline_forward
+from gpipe_lab.pipeline.batching import checkpointed_microbatches
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
-from gpipe_lab.pipeline.core import PipelineCore, checkpointed_microbatches
+from gpipe_lab.pipeline.core import PipelineCore
 from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.local import LocalChannel
 from gpipe_lab.pipeline.microbatch import Value
