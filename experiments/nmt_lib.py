@@ -84,8 +84,6 @@ def train_translation(steps: int, seed: int = 0, lr: float = 1e-3, warmup: int =
         for (src, tgt_in), tgt_out in data.train_dataloader():
             if done >= steps:
                 break
-            chunks_now = min(chunks, src.shape[0])
-            pipe.chunks = chunks_now
             loss = pipe.train_step((src, tgt_in), tgt_out, loss_fn, loss_normalizer=count_tokens)
             norm = float(torch.nn.utils.clip_grad_norm_(net.parameters(), float("inf")))
             finite = math.isfinite(float(loss)) and math.isfinite(norm)
