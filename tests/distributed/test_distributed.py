@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpipe_lab.pipeline import PipelineOptions
 from gpipe_lab.pipeline.distributed import DistributedGPipe, seeded_init
 from gpipe_lab.pipeline.distributed.launch import run_local
 
@@ -176,7 +177,7 @@ def misc_worker(rank: int, world: int) -> dict:
         for p in pipe.parameters():
             p.grad = None
         out["shapes"].append((pipe.train_step(x, y, F.mse_loss).item(), local_grads(pipe)))
-    meta = DistributedGPipe(lambda: mlp(), partitions=2, chunks=2, seed=11)
+    meta = DistributedGPipe(lambda: mlp(), options=PipelineOptions(partitions=2, chunks=2, seed=11))
     x, y = batch(6)
     out["meta"] = (meta.train_step(x, y, F.mse_loss).item(), local_grads(meta))
     out["eval"] = meta.forward(x)

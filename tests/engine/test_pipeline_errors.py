@@ -154,3 +154,17 @@ def test_a_layer_listed_twice_is_applied_twice():
     assert torch.allclose(pipe.train_step(x, y, F.mse_loss), expected, atol=1e-6)
     with pytest.raises(ValueError, match="shared parameters cannot cross partitions"):
         GPipe(model, balance=[2, 3], chunks=2)
+
+
+def test_options_object_and_keywords_agree_and_keywords_win():
+    from gpipe_lab.pipeline import OptionError, PipelineOptions
+
+    opts = PipelineOptions(partitions=2, chunks=2, checkpoint="never", schedule="1f1b")
+    pipe = GPipe(mlp(), options=opts, chunks=3)
+    assert (pipe.chunks, pipe.checkpoint, pipe.schedule, len(pipe.partitions)) == (3, "never", "1f1b", 2)
+    assert opts.chunks == 2  # the caller's object is not changed
+    assert GPipe(mlp(), partitions=2).chunks == PipelineOptions().chunks == 4
+    with pytest.raises(OptionError, match="chunks: must be an integer >= 1, got 0"):
+        GPipe(mlp(), options=opts.replace(chunks=0))
+    with pytest.raises(OptionError, match="options: must be a PipelineOptions, got dict"):
+        GPipe(mlp(), options={"chunks": 2})
