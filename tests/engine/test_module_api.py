@@ -82,13 +82,18 @@ def test_deferred_batch_norm_commits_once_per_backward_like_train_step():
         assert_close(got, want)
 
 
-@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "eval"])
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "eval", "layers_eval"])
 def test_forward_only_path_builds_no_graph(context):
-    pipe = GPipe(mlp(), partitions=2, chunks=2)
+    model = mlp()
+    pipe = GPipe(model, partitions=2, chunks=2)
     x = torch.randn(4, 8)
     if context == "eval":
         pipe.eval()
         out = pipe(x)
+    elif context == "layers_eval":  # as Lightning does: the layers' module, not the pipe, goes to eval
+        model.eval()
+        with torch.inference_mode(), torch.inference_mode(False):
+            out = pipe(x)
     elif context == "no_grad":
         with torch.no_grad():
             out = pipe(x)

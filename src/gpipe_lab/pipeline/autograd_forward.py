@@ -83,11 +83,16 @@ class _RefuseBackward(torch.autograd.Function):
         raise RuntimeError(ctx.message)
 
 
-def _needs_graph(core: PipelineCore, inputs: tuple[Tensor, ...]) -> bool:
-    if not (core.training and torch.is_grad_enabled()) or torch.is_inference_mode_enabled():
+def wants_graph(core: PipelineCore, inputs: tuple[Tensor, ...] = ()) -> bool:
+    """Whether ``pipe(x)`` should be differentiable: gradients on, not inference mode, the
+    pipeline and its layers in training mode (a framework may put only the layers in eval),
+    and something (an input or a parameter) requiring grad."""
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or not core.training:
         return False
-    return any(t.requires_grad for t in inputs) or any(
-        p.requires_grad for r in core.runtimes.values() for p in r.module.parameters())
+    modules = [r.module for r in core.runtimes.values()]
+    if not any(layer.training for m in modules for layer in m.children()):
+        return False
+    return any(t.requires_grad for t in inputs) or any(p.requires_grad for m in modules for p in m.parameters())
 
 
 def refuse_backward(outputs: Value, message: str) -> Value:
@@ -105,7 +110,7 @@ def pipeline_forward(core: PipelineCore, inputs: Value) -> Value:
         TypeError, ValueError: inputs that are not tensors or cannot be split.
     """
     values = as_tuple(inputs, "inputs")
-    if not _needs_graph(core, values):
+    if not wants_graph(core, values):
         outputs = core._forward_only(inputs)
         assert outputs is not None
         return outputs
@@ -122,4 +127,4 @@ def pipeline_forward(core: PipelineCore, inputs: Value) -> Value:
     return unwrap(tuple(parts), was_tensor)
 
 
-__all__ = ["pipeline_forward", "refuse_backward"]
+__all__ = ["pipeline_forward", "refuse_backward", "wants_graph"]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline.allocator import retain_freed_memory
-from gpipe_lab.pipeline.autograd_forward import refuse_backward
+from gpipe_lab.pipeline.autograd_forward import refuse_backward, wants_graph
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.core import PipelineCore
 from gpipe_lab.pipeline.distributed.failure import AbortChannel
@@ -156,8 +156,7 @@ class DistributedGPipe(PipelineCore):
             dist.broadcast_object_list(box, src=self.topo.last_rank, group=self.pp_group,
                                        device=self.device if self.device.type == "cuda" else None)
             outputs = box[0]
-        if outputs is not None and self.training and torch.is_grad_enabled() \
-                and not torch.is_inference_mode_enabled():
+        if outputs is not None and wants_graph(self):
             outputs = refuse_backward(outputs, "DistributedGPipe cannot back-propagate pipe(x) across "
                                       "processes; use pipe.train_step(x, y, loss_fn)")
         return outputs
