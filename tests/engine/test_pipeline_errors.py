@@ -1,8 +1,10 @@
-"""Bad input is refused with a clear message; a failing layer never hangs the pipeline."""
+"""Bad input is refused with a clear message naming the value and what is allowed.
+
+A layer that fails mid-step is tested in test_reliability_faults.py (every stage,
+phase and schedule); a NaN/inf step in test_nonfinite.py.
+"""
 
 from __future__ import annotations
-
-import threading
 
 import pytest
 import torch
@@ -60,64 +62,6 @@ def test_non_tensor_between_partitions():
     pipe = GPipe(nn.Sequential(nn.Linear(8, 8), ReturnsDict(), nn.Identity()), balance=[1, 1, 1], chunks=2)
     with pytest.raises(TypeError, match="partition 1 output.*dict"):
         pipe.train_step(torch.randn(4, 8), torch.randn(4, 8), F.mse_loss)
-
-
-class Explode(nn.Module):
-    """Raises on the given micro-batch (counted by calls) in forward or backward."""
-
-    def __init__(self, when: str, at_call: int) -> None:
-        super().__init__()
-        self.when, self.at_call, self.calls, self.armed = when, at_call, 0, True
-
-    def forward(self, x):
-        self.calls += 1
-        if self.armed and self.when == "forward" and self.calls == self.at_call + 1:
-            raise ArithmeticError("boom in forward")
-        if self.armed and self.when == "backward" and torch.is_grad_enabled():
-            return _FailingGrad.apply(x)
-        return x
-
-
-class _FailingGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        raise KeyError("boom in backward")
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("when,error,checkpoint", [
-    ("forward", ArithmeticError, "never"),
-    ("forward", ArithmeticError, "always"),
-    ("backward", KeyError, "never"),
-    ("backward", KeyError, "always"),  # raised from inside the recompute's backward
-])
-def test_exception_in_middle_stage_propagates_and_pipeline_is_reusable(when, error, checkpoint):
-    torch.manual_seed(0)
-    explode = Explode(when, at_call=3)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), explode, nn.Linear(8, 8), nn.Linear(8, 8))
-    pipe = GPipe(model, balance=[2, 1, 2], chunks=6, checkpoint=checkpoint)
-    x, y = torch.randn(12, 8), torch.randn(12, 8)
-    before = threading.active_count()
-    with pytest.raises(error, match="boom") as info:  # not after the 300 s stage timeout: the mark bounds it
-        pipe.train_step(x, y, F.mse_loss)
-    assert "stage 1" in str(info.value)
-    assert threading.active_count() == before  # every worker thread ended
-    explode.armed = False
-    model.zero_grad()
-    loss = pipe.train_step(x, y, F.mse_loss)
-    assert torch.isfinite(loss)
-
-
-def test_forward_failure_names_the_microbatch():
-    explode = Explode("forward", at_call=3)
-    pipe = GPipe(nn.Sequential(nn.Linear(8, 8), explode, nn.Linear(8, 8)), balance=[1, 1, 1], chunks=6,
-                 checkpoint="never")
-    with pytest.raises(ArithmeticError, match="stage 1, forward of micro-batch 3"):
-        pipe.train_step(torch.randn(12, 8), torch.randn(12, 8), F.mse_loss)
 
 
 def test_balance_by_cost_minimizes_the_largest_partition():
