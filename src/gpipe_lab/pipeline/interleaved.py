@@ -1,4 +1,4 @@
-"""Old import path of the virtual-stage schedules: see ``gpipe_lab.pipeline.schedules``."""
+"""Compatibility import path (a public name): the virtual-stage schedules live in ``gpipe_lab.pipeline.schedules``."""
 
 from gpipe_lab.pipeline.schedules import (  # noqa: F401 - re-exported
     interleaved_1f1b_schedule,

@@ -1,4 +1,4 @@
-"""Old import path of the schedules: see ``gpipe_lab.pipeline.schedules``."""
+"""Compatibility import path (a public name): the schedules live in ``gpipe_lab.pipeline.schedules``."""
 
 from gpipe_lab.pipeline.schedules import (  # noqa: F401 - re-exported
     SCHEDULES,

@@ -73,7 +73,7 @@ class _Saved:
         """Drop the graph. With memory tracking the graph holds the pack hook, whose closure holds
         this object: a cycle through C++ that Python's GC cannot see. A plain backward frees the
         graph's buffers and breaks it; a graph kept for a split W (``retain_graph``) is only freed
-        here (~25 MB/step leaked on the MLP under zb-h1 before)."""
+        here (otherwise ~25 MB/step leaks on the MLP under zb-h1)."""
         self.outputs = self.grads = self.split = self.target = None
         self.inputs = ()
 

@@ -65,7 +65,7 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stag
 
 
 def rank_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Alias of ``get_schedule`` (its name from when virtual stages had their own lookup).
+    """``get_schedule`` under the name the distributed transport's callers use.
 
     Raises:
         ValueError: as ``get_schedule``.

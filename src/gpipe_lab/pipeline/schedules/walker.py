@@ -91,7 +91,7 @@ def validate_schedule(schedule: Schedule, num_microbatches: int, virtual_stages:
 
 
 def validate_rank_schedule(ranks: Schedule, num_microbatches: int, virtual_stages: int) -> None:
-    """``validate_schedule`` for v virtual stages per rank (kept for its callers).
+    """``validate_schedule`` for v virtual stages per rank (a public name).
 
     Raises:
         ValueError: naming the offending action or where the ranks wait.
