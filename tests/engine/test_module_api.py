@@ -158,3 +158,16 @@ def test_layers_can_tell_a_checkpointed_forward_and_its_replay(checkpoint, expec
     pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), F.mse_loss)
     assert set(probe.seen) == expected
     assert (is_checkpointing(), is_recomputing()) == (False, False)  # nothing leaks to the caller
+
+
+def test_a_stale_or_repeated_backward_is_refused_clearly():
+    pipe = GPipe(mlp(), partitions=2, chunks=2)
+    x = torch.randn(4, 8)
+    first = pipe(x)
+    second = pipe(x)
+    with pytest.raises(RuntimeError, match="ran another step .* before this output's backward"):
+        first.sum().backward()
+    loss = second.sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="can run once"):
+        loss.backward()

@@ -41,7 +41,7 @@ class _PipelineOutput(torch.autograd.Function):
                  for mb in split(inputs, M, "inputs")]
         with torch.enable_grad():
             _, outputs = core._execute(StepFeed(micro, was_tensor), plan, "forward", keep_outputs=True)
-        ctx.core, ctx.plan, ctx.micro = core, plan, micro
+        ctx.core, ctx.plan, ctx.micro, ctx.generation = core, plan, micro, core.generation
         ctx.devices = [t.device for t in inputs]
         parts = [core.runtimes[len(core.runtimes) - 1].outputs[i][0] for i in range(M)]
         ctx.sizes = [p[0].shape[0] for p in parts]
@@ -51,6 +51,11 @@ class _PipelineOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> Any:  # noqa: D102
         core, plan, micro = ctx.core, ctx.plan, ctx.micro
+        if core is None:
+            raise RuntimeError("the backward of a pipe(x) output can run once (retain_graph is not supported)")
+        if core.generation != ctx.generation:
+            raise RuntimeError("the pipeline ran another step (pipe(x) or train_step) before this output's "
+                               "backward; back-propagate each pipe(x) output before the next call")
         per_output = [None if g is None else torch.split(g, ctx.sizes) for g in grads]
         output_grads = [tuple(None if g is None else g[i] for g in per_output)
                         for i in range(plan.num_microbatches)]

@@ -58,6 +58,7 @@ class PipelineCore(nn.Module):
         self._dp_size = dp_size
         self._schedules: dict[tuple[int, str], tuple[Schedule, Any]] = {}
         self.step_count = 0
+        self.generation = 0  # bumped by every step begun: a pending pipe(x) graph belongs to one
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.timeline: Timeline | None = None
@@ -138,6 +139,7 @@ class PipelineCore(nn.Module):
                 plan.weight_runs.update(weight_runs(lists[k]))
             for runtime in self.runtimes.values():
                 runtime.begin(plan, keep_outputs)
+            self.generation += 1
             self._step_start = time.perf_counter()
         timeline = Timeline(self._num_ranks, start=self._step_start)
         try:
