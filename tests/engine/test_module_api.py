@@ -43,6 +43,9 @@ def test_backward_through_pipe_call_equals_unpipelined(build, partitions, chunks
     assert_close(x_pipe.grad, x_ref.grad)
     recomputed = {e.microbatch for e in pipe.timeline.events if e.kind == "R"}
     assert len(recomputed) == {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
+    for k in range(partitions):  # every stage ran its own backwards, in fill-drain order
+        order = [e.microbatch for e in pipe.timeline.events if e.kind == "B" and e.stage == k]
+        assert order == list(reversed(range(chunks)))
 
 
 def test_a_whole_batch_loss_and_tuple_outputs_get_exact_gradients():
