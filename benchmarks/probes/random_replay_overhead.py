@@ -18,8 +18,8 @@ import sys
 import time
 
 import torch
-from benchmarks.bench_common import SIZES, make_workload, token_loss
 
+from benchmarks.bench_common import SIZES, make_workload, token_loss
 from gpipe_lab.models import build
 from gpipe_lab.pipeline import GPipe, context
 

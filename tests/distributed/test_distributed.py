@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpipe_lab.pipeline import PipelineOptions
 from gpipe_lab.pipeline.distributed import DistributedGPipe, seeded_init
 from gpipe_lab.pipeline.distributed.launch import run_local
 
@@ -176,7 +177,7 @@ def misc_worker(rank: int, world: int) -> dict:
         for p in pipe.parameters():
             p.grad = None
         out["shapes"].append((pipe.train_step(x, y, F.mse_loss).item(), local_grads(pipe)))
-    meta = DistributedGPipe(lambda: mlp(), partitions=2, chunks=2, seed=11)
+    meta = DistributedGPipe(lambda: mlp(), options=PipelineOptions(partitions=2, chunks=2, seed=11))
     x, y = batch(6)
     out["meta"] = (meta.train_step(x, y, F.mse_loss).item(), local_grads(meta))
     out["eval"] = meta.forward(x)
@@ -184,6 +185,17 @@ def misc_worker(rank: int, world: int) -> dict:
         pipe = DistributedGPipe(mlp(blocks=8), partitions=2, virtual_stages=2, chunks=4,
                                 schedule=v_schedule, checkpoint="never", seed=5)
         out[v_schedule] = (pipe.train_step(*batch(16), F.mse_loss).item(), local_grads(pipe))
+    for schedule in ("gpipe", "zb-h1"):  # a last batch of 3 samples with chunks=8 trains on 3 micro-batches
+        pipe = DistributedGPipe(mlp(), partitions=2, chunks=8, schedule=schedule, seed=5)
+        loss = pipe.train_step(*batch(3), F.mse_loss)
+        out["short-" + schedule] = (loss.item(), local_grads(pipe), pipe.gather_timeline().num_microbatches)
+    x, y = batch(4)
+    out["views"] = (pipe.chunks, pipe.checkpoint, pipe.balance, len(pipe.partitions), pipe.devices)
+    try:
+        pipe(x, broadcast=True).sum().backward()
+        out["backward"] = "no error"
+    except RuntimeError as exc:
+        out["backward"] = str(exc)
     return out
 
 
@@ -202,6 +214,12 @@ def test_shapes_meta_eval_and_interleaved() -> None:
         torch.testing.assert_close(r.value["eval"], model(x).detach())
     for v_schedule in ("gpipe", "1f1b"):
         check([_pick(r, v_schedule) for r in results], *reference(mlp(blocks=8), *batch(16)), 0)
+    for schedule in ("gpipe", "zb-h1"):
+        check([_pick(r, "short-" + schedule) for r in results], *reference(mlp(), *batch(3)), 0)
+        assert all(r.value["short-" + schedule][2] == 3 for r in results)  # the M actually used
+    for r in results:
+        assert r.value["views"] == (8, "except_last", [2, 2], 1, [torch.device("cpu")])
+        assert "use pipe.train_step" in r.value["backward"]
 
 
 class _Picked:

@@ -1,4 +1,4 @@
-"""Pieces of the distributed transport that need no processes: headers, plans, schedules."""
+"""Pieces of the distributed transport that need no processes: headers, link plans, world checks."""
 
 from __future__ import annotations
 
@@ -8,12 +8,7 @@ import torch
 from gpipe_lab.pipeline.distributed.links import message_plan
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.distributed.wire import HEADER_SLOTS, decode_header, encode_header
-from gpipe_lab.pipeline.interleaved import (
-    interleaved_1f1b_schedule,
-    rank_schedule,
-    validate_rank_schedule,
-)
-from gpipe_lab.pipeline.schedule import get_schedule
+from gpipe_lab.pipeline.schedules import interleaved_1f1b_schedule, validate_rank_schedule
 
 
 def test_header_round_trip_with_none_and_long_shapes() -> None:
@@ -42,10 +37,3 @@ def test_interleaved_schedule_is_valid_and_links_stay_in_order(K: int, M: int, v
     warmup = total if M == K else min(total, 2 * (K - 1) + (v - 1) * K)
     first_backward = next(i for i, a in enumerate(ranks[0]) if a.kind == "B")
     assert first_backward == (warmup if warmup == total else warmup + 1)
-
-
-def test_rank_schedule_with_one_virtual_stage_is_the_plain_schedule() -> None:
-    assert rank_schedule("1f1b", 3, 5) == get_schedule("1f1b", 3, 5)
-    assert get_schedule("interleaved-1f1b", 3, 5) == get_schedule("1f1b", 3, 5)
-    with pytest.raises(ValueError, match="no form with virtual_stages=2"):
-        rank_schedule("zb-h1", 2, 4, 2)

@@ -75,8 +75,7 @@ def test_through_gpipe(chunks: int) -> None:
     pipe = GPipe(net, balance=[3, 3], chunks=chunks, deferred_batch_norm=True, retain_cpu_memory=False)
     pipe.train()
     with torch.no_grad():
-        pipe(forward_x)
-    commit_forward(net)  # what the front door does at the end of a training-mode forward
+        pipe(forward_x)  # a training-mode forward commits its statistics, as nn.BatchNorm's call does
     pipe.train_step(step_x, target, F.mse_loss)
     pipe.eval()
     first, ref_first = net[1], reference[1]
@@ -85,3 +84,21 @@ def test_through_gpipe(chunks: int) -> None:
     assert int(first.num_batches_tracked) == 2
     if chunks == 1:  # later BatchNorms see micro-batch-normalized inputs when M > 1
         torch.testing.assert_close(pipe(eval_x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_differentiable_forward_commits_once_in_the_forward() -> None:
+    forward_x, _, eval_x, _ = batches()
+    reference = model()
+    reference(forward_x).square().mean().backward()
+
+    net = model()
+    pipe = GPipe(net, balance=[3, 3], chunks=1, deferred_batch_norm=True, retain_cpu_memory=False,
+                 checkpoint="always")
+    pipe.train()
+    out = pipe(forward_x)
+    first, ref_first = net[1], reference[1]
+    assert int(first.num_batches_tracked) == 1  # already after the forward
+    out.square().mean().backward()  # the recompute in backward adds nothing
+    assert int(first.num_batches_tracked) == 1
+    torch.testing.assert_close(first.running_mean, ref_first.running_mean, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(first.running_var, ref_first.running_var, atol=1e-6, rtol=1e-6)

@@ -104,3 +104,49 @@ def test_return_outputs_are_the_last_stage_outputs():
     pipe = GPipe(model, partitions=2, chunks=3, checkpoint="always")
     _, out = pipe.train_step(x, y, F.mse_loss, return_outputs=True)
     assert_close(out, expected)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_batch_smaller_than_chunks_trains_on_fewer_microbatches(batch, schedule):
+    """A last batch of fewer samples than chunks runs min(M, batch) micro-batches, exactly."""
+    torch.manual_seed(2)
+    x, y = torch.randn(batch, 8), torch.randn(batch, 8)
+    ref_loss, ref_grads = reference_step(mlp(), x, y, F.mse_loss)
+    model = mlp()
+    pipe = GPipe(model, partitions=3, chunks=8, schedule=schedule)
+    loss = pipe.train_step(x, y, F.mse_loss)
+    assert_close(loss, ref_loss)
+    for got, want in zip(grads(model), ref_grads):
+        assert_close(got, want)
+    assert pipe.timeline.num_microbatches == batch
+    assert {e.microbatch for e in pipe.timeline.events if e.kind == "F"} == set(range(batch))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("partitions,virtual,chunks", [(2, 2, 4), (2, 3, 2), (3, 2, 6)])
+@pytest.mark.parametrize("checkpoint", ["except_last", "never"])
+def test_interleaved_virtual_stages_on_threads_equal_unpipelined(partitions, virtual, chunks, schedule, checkpoint):
+    torch.manual_seed(1)
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    ref_loss, ref_grads = reference_step(mlp(), x, y, F.mse_loss)
+    model = mlp()
+    pipe = GPipe(model, partitions=partitions, virtual_stages=virtual, chunks=chunks, schedule=schedule,
+                 checkpoint=checkpoint)
+    assert len(pipe.partitions) == partitions * virtual and len(pipe.devices) == partitions
+    loss = pipe.train_step(x, y, F.mse_loss)
+    assert_close(loss, ref_loss)
+    for got, want in zip(grads(model), ref_grads):
+        assert_close(got, want)
+    assert {e.stage for e in pipe.timeline.events} == set(range(partitions))  # events per rank
+    with torch.no_grad():
+        assert_close(pipe(x), model(x))
+
+
+def test_virtual_stages_take_one_balance_entry_per_chunk():
+    pipe = GPipe(mlp(), balance=[1, 2, 2, 1], virtual_stages=2, chunks=2)
+    assert pipe.num_stages == 2 and [len(p) for p in pipe.partitions] == [1, 2, 2, 1]
+    with pytest.raises(ValueError, match="not a multiple of virtual_stages=2"):
+        GPipe(mlp(), balance=[1, 2, 3], virtual_stages=2)
+    with pytest.raises(ValueError, match="no form with virtual_stages=2"):
+        GPipe(mlp(), partitions=2, virtual_stages=2, schedule="zb-h1")

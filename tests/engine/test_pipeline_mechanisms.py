@@ -144,3 +144,17 @@ def test_caller_autocast_reaches_the_stage_threads():
     assert torch.allclose(out.float(), expected.float(), atol=1e-2)
     _, out32 = pipe.train_step(x, y, F.mse_loss, return_outputs=True)
     assert out32.dtype == torch.float32
+
+
+def test_each_schedule_is_built_once_per_microbatch_count(monkeypatch):
+    from gpipe_lab.pipeline import core
+
+    built = []
+    real = core.get_schedule
+    monkeypatch.setattr(core, "get_schedule", lambda *a: built.append(a) or real(*a))
+    pipe = GPipe(mlp(), partitions=2, chunks=4, schedule="zb-h2")
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    for _ in range(3):
+        pipe.train_step(x, y, F.mse_loss)
+    pipe.train_step(x[:3], y[:3], F.mse_loss)  # a short batch: M=3, a schedule of its own
+    assert [a[2] for a in built if a[0] == "zb-h2"] == [1, 4, 3]  # construction check, M=4, M=3

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 from collections import Counter
 
 import pytest
@@ -13,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpipe_lab import GPipe
-from gpipe_lab.pipeline import PipelineTimeoutError, get_schedule, validate_schedule
+from gpipe_lab.pipeline import PipelineTimeoutError
 from gpipe_lab.pipeline.weight_gradients import input_backward, plan_split, split_weight_backward
 from helpers.models import grads, mlp, reference_step, tuple_model
 
@@ -41,35 +40,6 @@ def test_loss_and_grads_equal_unpipelined(build, K, M, checkpoint, schedule):
     assert set(counts.values()) == {1} and len(counts) == 3 * K * M
     replays = sum(e.kind == "R" for e in pipe.timeline.events)
     assert replays == (K * M if checkpoint == "always" else 0)  # recompute once, before B
-
-
-@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "gpipe-bw"])
-@pytest.mark.parametrize("K", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 8, 16])
-def test_lists_are_complete_and_valid(name, K, M):
-    schedule = get_schedule(name, K, M)
-    validate_schedule(schedule, M)
-    for actions in schedule:
-        assert Counter(a.kind for a in actions) == {"F": M, "B": M, "W": M}
-        order = {(a.kind, a.microbatch): pos for pos, a in enumerate(actions)}
-        assert all(order[("F", i)] < order[("B", i)] < order[("W", i)] for i in range(M))
-
-
-@pytest.mark.parametrize("K,M", [(2, 4), (4, 4), (4, 8), (8, 16)])
-def test_zb_h1_keeps_1f1b_peak_in_flight(K, M):
-    def peak(schedule):
-        worst = 0
-        for actions in schedule:
-            alive = 0
-            split = {a.microbatch for a in actions if a.kind == "W"}
-            for a in actions:
-                if a.kind == "F":
-                    alive += 1
-                    worst = max(worst, alive)
-                elif a.kind == "W" or (a.kind == "B" and a.microbatch not in split):
-                    alive -= 1
-        return worst
-    assert peak(get_schedule("zb-h1", K, M)) == peak(get_schedule("1f1b", K, M)) == K
 
 
 def test_weight_pass_does_not_repeat_the_input_pass():
@@ -134,7 +104,7 @@ def test_conv_layers_split_exactly():
 
 
 class Stall(nn.Module):
-    """Sleeps in its backward on micro-batch ``at``, so the neighbours time out waiting."""
+    """Stalls on micro-batch ``at`` until the other stage has timed out waiting for it."""
 
     def __init__(self, at: int) -> None:
         super().__init__()
@@ -143,7 +113,9 @@ class Stall(nn.Module):
     def forward(self, x):
         self.calls += 1
         if self.armed and self.calls == self.at + 1:
-            time.sleep(3.0)
+            for t in threading.enumerate():
+                if t.name.startswith("gpipe-stage-") and t is not threading.current_thread():
+                    t.join(30)
         return x
 
 
@@ -240,16 +212,6 @@ def test_parameter_hooks_keep_the_autograd_weight_pass():
     assert len(fired) == 2  # once per micro-batch, as in a plain backward
     want = sum(torch.autograd.grad(model(x), [model[0].weight], g)[0] for x, g in zip(xs, gs))
     assert_close(model[0].weight.grad, want)
-
-
-def test_weight_runs_group_consecutive_w_of_one_stage():
-    from gpipe_lab.pipeline.schedule import Action, weight_runs
-
-    actions = [Action(0, "B", 1), Action(0, "W", 1), Action(0, "W", 0), Action(1, "W", 0),
-               Action(0, "F", 2), Action(0, "B", 2), Action(0, "W", 2)]
-    assert weight_runs(actions) == {0: {1: (1, 0), 0: (1, 0), 2: (2,)}, 1: {0: (0,)}}
-    bw = get_schedule("gpipe-bw", 3, 4)
-    assert all(weight_runs(stage)[k] == {i: (3, 2, 1, 0) for i in range(4)} for k, stage in enumerate(bw))
 
 
 def test_batched_weight_pass_equals_per_microbatch_autograd():

@@ -1,22 +1,20 @@
 """The GPipe engine: pure PyTorch (+ torch.distributed); no Lightning, Hydra or wandb."""
 
-from gpipe_lab.pipeline import zero_bubble  # noqa: F401 - registers zb-h1, zb-h2 and gpipe-bw
 from gpipe_lab.pipeline.allocator import retain_freed_memory
+from gpipe_lab.pipeline.batching import checkpointed_microbatches
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm, commit_forward
+from gpipe_lab.pipeline.checkpointing import is_checkpointing
+from gpipe_lab.pipeline.context import is_recomputing
+from gpipe_lab.pipeline.core import PipelineCore
 from gpipe_lab.pipeline.dropout import StageDropout, convert_dropout
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
-from gpipe_lab.pipeline.finite import all_finite
-from gpipe_lab.pipeline.gpipe import (
-    CHECKPOINT_MODES,
-    NONFINITE_POLICIES,
-    GPipe,
-    NonFiniteError,
-    checkpointed_microbatches,
-)
+from gpipe_lab.pipeline.gpipe import GPipe
+from gpipe_lab.pipeline.nonfinite import NONFINITE_POLICIES, NonFiniteError, all_finite
+from gpipe_lab.pipeline.options import CHECKPOINT_MODES, OptionError, PipelineOptions
 from gpipe_lab.pipeline.partition import balance_by_cost, layer_costs
 from gpipe_lab.pipeline.profiling import balance_by_size, balance_by_time
 from gpipe_lab.pipeline.random_replay import UnreplayableRandomError
-from gpipe_lab.pipeline.schedule import (
+from gpipe_lab.pipeline.schedules import (
     SCHEDULES,
     Action,
     analytic_bubble,
@@ -29,9 +27,10 @@ from gpipe_lab.pipeline.schedule import (
 from gpipe_lab.pipeline.timeline import Event, Timeline
 
 __all__ = [
-    "CHECKPOINT_MODES", "NONFINITE_POLICIES", "NonFiniteError", "SCHEDULES", "Action", "DeferredBatchNorm", "Event", "GPipe",
-    "PipelineTimeoutError", "StageDropout", "Timeline", "UnreplayableRandomError", "analytic_bubble", "balance_by_cost",
-    "balance_by_size", "balance_by_time", "checkpointed_microbatches", "commit_forward", "convert_dropout", "get_schedule",
-    "gpipe_schedule", "layer_costs", "one_f_one_b_schedule", "register_schedule",
-    "validate_schedule", "retain_freed_memory", "all_finite",
+    "CHECKPOINT_MODES", "NONFINITE_POLICIES", "NonFiniteError", "OptionError", "PipelineCore",
+    "PipelineOptions", "SCHEDULES", "Action", "DeferredBatchNorm", "Event", "GPipe",
+    "PipelineTimeoutError", "StageDropout", "Timeline", "UnreplayableRandomError", "analytic_bubble",
+    "balance_by_cost", "balance_by_size", "balance_by_time", "checkpointed_microbatches", "commit_forward",
+    "convert_dropout", "get_schedule", "gpipe_schedule", "is_checkpointing", "is_recomputing", "layer_costs",
+    "one_f_one_b_schedule", "register_schedule", "validate_schedule", "retain_freed_memory", "all_finite",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpipe_lab.pipeline.schedule import Action
+from gpipe_lab.pipeline.schedules import Action
 
 
 def describe(stage: int, action: Action | None) -> str:

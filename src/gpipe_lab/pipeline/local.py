@@ -1,6 +1,7 @@
-"""Local transport: one process, one worker thread per stage.
+"""Local channel: one process, one worker thread per pipeline rank, mailboxes between them.
 
-Each worker walks its stage's action list. Activations and gradients travel
+Each worker walks its rank's action list (``channel.run_actions``) for the
+stages it holds (one, or v virtual stages). Activations and gradients travel
 through a mailbox keyed by (kind, destination stage, micro-batch). On CPU
 devices every worker runs with its own share of the cores, and because the
 backward of each stage is explicit, stages compute in parallel.
@@ -14,15 +15,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping
 from contextlib import ExitStack
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from gpipe_lab.pipeline.channel import StepFeed, Values, run_actions
 from gpipe_lab.pipeline.errors import PipelineTimeoutError, annotate
-from gpipe_lab.pipeline.microbatch import to_device
-from gpipe_lab.pipeline.schedule import Action, Schedule
+from gpipe_lab.pipeline.schedules import Action, Schedule
 from gpipe_lab.pipeline.stage import StageRuntime
 from gpipe_lab.pipeline.timeline import Event
 
@@ -37,7 +39,7 @@ class _Aborted(Exception):
 
 
 class Mailbox:
-    """Hand-over of boundary tensors between worker threads."""
+    """Hand-over of boundary values between worker threads."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -50,6 +52,12 @@ class Mailbox:
             self._cond.notify_all()
 
     def get(self, key: tuple[str, int, int], deadline: float) -> object:
+        """The value for ``key``.
+
+        Raises:
+            TimeoutError: nothing came before ``deadline`` (``time.monotonic()``).
+            _Aborted: another worker failed.
+        """
         with self._cond:
             while key not in self._items:
                 if self.failed:
@@ -66,30 +74,65 @@ class Mailbox:
             self._cond.notify_all()
 
 
-class LocalTransport:
-    """Runs a schedule over ``StageRuntime`` objects with one thread each."""
+class _Endpoint:
+    """One worker's side of the mailbox."""
 
-    def __init__(self, stages: Sequence[StageRuntime], threads_per_stage: int) -> None:
-        self.stages = list(stages)
+    def __init__(self, box: Mailbox, runtimes: Mapping[int, StageRuntime], deadline: float) -> None:
+        self.box, self.runtimes, self.deadline = box, runtimes, deadline
+
+    def receive(self, key: tuple[str, int, int], action: Action) -> tuple[Values, bool]:
+        if self.box.failed:  # another stage failed or the caller was interrupted: stop now
+            raise _Aborted
+        runtime = self.runtimes[action.stage]
+        start = time.perf_counter()
+        values, flag = self.box.get(key, self.deadline)  # type: ignore[misc]
+        runtime.events.append(Event(action.stage, "wait", action.microbatch, start, time.perf_counter()))
+        if values is not None:
+            values = tuple(None if v is None else v.to(runtime.device, non_blocking=True) for v in values)
+        return values, flag
+
+    def send(self, key: tuple[str, int, int], values: Values, was_tensor: bool) -> None:
+        self.box.put(key, (values, was_tensor))
+
+
+class LocalChannel:
+    """Runs every rank's list over ``StageRuntime`` objects, one thread per rank."""
+
+    holds_all_stages = True
+
+    def __init__(self, runtimes: Mapping[int, StageRuntime], num_ranks: int, threads_per_stage: int,
+                 timeout: float) -> None:
+        self.runtimes = dict(runtimes)
+        self.ranks = list(range(num_ranks))
+        self.num_stages = len(self.runtimes)
         self.threads_per_stage = threads_per_stage
+        self.timeout = timeout
 
-    def run(self, schedule: Schedule, inputs: Sequence[tuple[Tensor, ...]], input_was_tensor: bool,
-            targets: Sequence[object] | None, timeout: float) -> None:
-        """Execute ``schedule``; stage 0 reads ``inputs``, the last stage ``targets``.
+    def prepare(self, schedule: Schedule) -> Any:
+        return None
+
+    def share(self, vector: Tensor) -> Tensor:
+        return vector
+
+    def fail_early(self, exc: BaseException) -> None:
+        return None
+
+    def run(self, schedule: Schedule, prepared: Any, feed: StepFeed, sync_gradients: bool) -> None:
+        """Execute ``schedule``; stage 0 reads ``feed.inputs``, the last stage ``feed.targets``.
 
         Raises:
             Exception: the first exception raised by any stage, re-raised with its
                 original type after every worker has stopped.
-            PipelineTimeoutError: a stage waited longer than ``timeout`` seconds.
+            PipelineTimeoutError: a stage waited longer than the timeout.
         """
         box = Mailbox()
-        deadline = time.monotonic() + timeout
-        num_stages = len(self.stages)
-        done: list[Action | None] = [None] * num_stages
-        current: list[Action | None] = [None] * num_stages
+        deadline = time.monotonic() + self.timeout
+        K = len(schedule)
+        done: list[Action | None] = [None] * K
+        current: list[Action | None] = [None] * K
         errors: list[tuple[float, int, Action | None, BaseException]] = []
         main_threads = torch.get_num_threads()
-        finished = [threading.Event() for _ in range(num_stages)]
+        finished = [threading.Event() for _ in range(K)]
         autocast = caller_autocast()
 
         def work(k: int) -> None:
@@ -97,55 +140,36 @@ class LocalTransport:
                 with ExitStack() as stack:
                     for device_type, dtype in autocast:  # autocast is per thread: carry the caller's
                         stack.enter_context(torch.autocast(device_type, dtype=dtype))
-                    run_stage(k)
+                    run_rank(k)
             finally:
                 finished[k].set()
 
-        def run_stage(k: int) -> None:
-            stage = self.stages[k]
-            if stage.device.type == "cpu":
+        def run_rank(k: int) -> None:
+            actions = schedule[k]
+            device = self.runtimes[actions[0].stage].device if actions else torch.device("cpu")
+            if device.type == "cpu":
                 torch.set_num_threads(self.threads_per_stage)
-            elif stage.device.type == "cuda":
-                torch.cuda.set_device(stage.device)
-            action = None
+            elif device.type == "cuda":
+                torch.cuda.set_device(device)
+
+            def after(i: int, action: Action) -> None:
+                done[k] = action
+                current[k] = actions[i + 1] if i + 1 < len(actions) else None
+                if box.failed:
+                    raise _Aborted
+
+            current[k] = actions[0] if actions else None
             try:
-                for action in schedule[k]:
-                    if box.failed:  # another stage failed or the caller was interrupted: stop now
-                        raise _Aborted
-                    current[k] = action
-                    mb = action.microbatch
-                    if action.kind == "F":
-                        if k == 0:
-                            values, was_tensor = to_device(inputs[mb], stage.device), input_was_tensor
-                        else:
-                            values, was_tensor = self._receive(box, ("F", k, mb), k, deadline, stage)
-                        target = targets[mb] if targets is not None and stage.is_last else None
-                        outputs, out_tensor = stage.forward(mb, values, was_tensor, target)
-                        if k < num_stages - 1:
-                            box.put(("F", k + 1, mb), (outputs, out_tensor))
-                    elif action.kind == "B":
-                        grads = None
-                        stage.rematerialize(mb)  # overlaps the wait for the gradient
-                        if k < num_stages - 1:
-                            grads, _ = self._receive(box, ("B", k, mb), k, deadline, stage)
-                        grads_in = stage.backward(mb, grads)
-                        if k > 0:
-                            box.put(("B", k - 1, mb), (grads_in, False))
-                    else:
-                        stage.weight_backward(mb)
-                    done[k] = action
-                current[k] = None
+                run_actions(actions, self.runtimes, _Endpoint(box, self.runtimes, deadline), feed,
+                            self.num_stages, after)
             except _Aborted:
                 pass
-            except TimeoutError as exc:
-                errors.append((time.monotonic(), k, action, exc))
-                box.fail()
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                errors.append((time.monotonic(), k, action, exc))
+                errors.append((time.monotonic(), k, current[k], exc))
                 box.fail()
 
         threads = [threading.Thread(target=work, args=(k,), name=f"gpipe-stage-{k}", daemon=True)
-                   for k in range(num_stages)]
+                   for k in range(K)]
         try:
             for t in threads:
                 t.start()
@@ -157,26 +181,18 @@ class LocalTransport:
             for t, event in zip(threads, finished):
                 if t.ident is not None:
                     event.wait()
-            for stage in self.stages:
-                stage.abort()
+            self._abort()
             raise
         finally:
             torch.set_num_threads(main_threads)
         if errors:
-            for stage in self.stages:
-                stage.abort()
+            self._abort()
             real = [e for e in errors if not isinstance(e[3], TimeoutError)]
             _, k, action, exc = min(real or errors, key=lambda e: e[0])
             if isinstance(exc, TimeoutError):
-                raise PipelineTimeoutError(timeout, done, current) from None
-            raise annotate(exc, k, action)
+                raise PipelineTimeoutError(self.timeout, done, current) from None
+            raise annotate(exc, k if action is None else action.stage, action)
 
-    @staticmethod
-    def _receive(box: Mailbox, key: tuple[str, int, int], k: int, deadline: float,
-                 stage: StageRuntime) -> tuple:
-        start = time.perf_counter()
-        values, flag = box.get(key, deadline)  # type: ignore[misc]
-        stage.events.append(Event(k, "wait", key[2], start, time.perf_counter()))
-        if values is not None:
-            values = tuple(None if v is None else v.to(stage.device, non_blocking=True) for v in values)
-        return values, flag
+    def _abort(self) -> None:
+        for runtime in self.runtimes.values():
+            runtime.abort()

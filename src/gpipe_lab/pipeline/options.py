@@ -68,7 +68,7 @@ class PipelineOptions:
         Raises:
             OptionError: naming ``prefix + key``, the value and what is allowed.
         """
-        from gpipe_lab.pipeline.schedule import SCHEDULES
+        from gpipe_lab.pipeline.schedules import SCHEDULES
 
         def fail(key: str, what: str) -> None:
             raise OptionError(f"{prefix}{key}: {what}, got {getattr(self, key)!r}")
@@ -89,9 +89,11 @@ class PipelineOptions:
                     or not self.balance
                     or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in self.balance)):
                 fail("balance", "must be a non-empty list of positive layer counts")
-            if self.partitions is not None and self.partitions != len(self.balance):
+            v = self.virtual_stages if isinstance(self.virtual_stages, int) and self.virtual_stages > 0 else 1
+            if self.partitions is not None and self.partitions * v != len(self.balance):
+                per = "" if v == 1 else f" × {prefix}virtual_stages={v}"
                 raise OptionError(f"{prefix}balance: {list(self.balance)} has {len(self.balance)} entries but "
-                                  f"{prefix}partitions={self.partitions}; give one of them, or make them agree")
+                                  f"{prefix}partitions={self.partitions}{per}; give one of them, or make them agree")
         if self.checkpoint not in CHECKPOINT_MODES:
             fail("checkpoint", f"must be one of {list(CHECKPOINT_MODES)}")
         if self.schedule not in SCHEDULES:
@@ -109,9 +111,9 @@ class PipelineOptions:
 
     @property
     def num_stages(self) -> int:
-        """K: the balance's length, else ``partitions``, else 1."""
+        """K: the balance's length over ``virtual_stages``, else ``partitions``, else 1."""
         if self.balance is not None:
-            return len(self.balance)
+            return len(self.balance) // max(1, int(self.virtual_stages))
         return int(self.partitions or 1)
 
     def replace(self, **changes: Any) -> PipelineOptions:
@@ -126,10 +128,22 @@ class PipelineOptions:
         return asdict(self)
 
 
+def merged_options(options: PipelineOptions | None, **given: Any) -> PipelineOptions:
+    """``options`` (default ``PipelineOptions()``) with every keyword that is not ``None`` applied.
+
+    Raises:
+        OptionError: ``options`` is not a ``PipelineOptions``, or an unknown keyword.
+    """
+    if options is not None and not isinstance(options, PipelineOptions):
+        raise OptionError(f"options: must be a PipelineOptions, got {type(options).__name__}")
+    base = options if options is not None else PipelineOptions()
+    return base.replace(**{k: v for k, v in given.items() if v is not None})
+
+
 def option_names() -> list[str]:
     """The ``pipeline.*`` keys, in declaration order."""
     return [f.name for f in fields(PipelineOptions)]
 
 
 __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "TRANSPORTS", "OptionError", "PipelineOptions",
-           "option_names"]
+           "merged_options", "option_names"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from gpipe_lab.pipeline.checkpointing import checkpointing
 from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
 from gpipe_lab.pipeline.microbatch import as_tuple, unwrap
 from gpipe_lab.pipeline.timeline import Event
@@ -72,7 +73,7 @@ class _Saved:
         """Drop the graph. With memory tracking the graph holds the pack hook, whose closure holds
         this object: a cycle through C++ that Python's GC cannot see. A plain backward frees the
         graph's buffers and breaks it; a graph kept for a split W (``retain_graph``) is only freed
-        here (~25 MB/step leaked on the MLP under zb-h1 before)."""
+        here (otherwise ~25 MB/step leaks on the MLP under zb-h1)."""
         self.outputs = self.grads = self.split = self.target = None
         self.inputs = ()
 
@@ -157,7 +158,8 @@ class StageRuntime:
         hooks = (torch.autograd.graph.saved_tensors_hooks(pack, _unpack) if self.track_memory
                  else nullcontext())
         # every micro-batch gets its generator: any layer may draw from current_generator()
-        with microbatch_context(self._generator(mb), recomputing), hooks:
+        with microbatch_context(self._generator(mb), recomputing), hooks, \
+                checkpointing(mb in self.plan.checkpointed):
             out = self.module(unwrap(inputs, was_tensor))
             outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
             out_is_tensor = isinstance(out, Tensor)

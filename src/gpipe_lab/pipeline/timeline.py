@@ -33,6 +33,8 @@ class Timeline:
     start: float = 0.0
     end: float = 0.0
     events: list[Event] = field(default_factory=list)
+    #: M the step actually ran (min(chunks, batch)); 0 for timelines not measured by an engine
+    num_microbatches: int = 0
 
     @property
     def wall(self) -> float:

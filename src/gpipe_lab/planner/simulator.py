@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpipe_lab.pipeline.schedule import Action, Schedule
+from gpipe_lab.pipeline.schedules import Action, Schedule, dependency, walk
 from gpipe_lab.pipeline.timeline import Event, Timeline
 
 
@@ -104,63 +104,41 @@ def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] 
     K = len(schedule)
     if costs.num_stages != K:
         raise ValueError(f"costs are for {costs.num_stages} stages but the schedule has {K}")
+    try:
+        order = walk(schedule)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (in the simulator)") from None
     recompute = costs.recompute if costs.recompute is not None else costs.forward
     replayed = frozenset(checkpointed)
     split = [{a.microbatch for a in actions if a.kind == "W"} for actions in schedule]
     end: dict[Action, float] = {}
     free = [0.0] * K
-    cursor = [0] * K
-    recomputed: set[Action] = set()
     own = durations or {}
     events: list[Event] = []
-    remaining = sum(len(a) for a in schedule)
-    while remaining:
-        progressed = False
-        for k in range(K):
-            while cursor[k] < len(schedule[k]):
-                a = schedule[k][cursor[k]]
-                if a.kind == "B" and a.microbatch in replayed and a not in recomputed:
-                    # the engine re-materializes before it waits for the gradient
-                    took = own.get((k, "R", a.microbatch), recompute[k])
-                    events.append(Event(k, "R", a.microbatch, free[k], free[k] + took))
-                    free[k] += took
-                    recomputed.add(a)
-                ready = _ready_time(a, K, end, costs)
-                if ready is None:
-                    break
-                start = max(free[k], ready)
-                if start > free[k]:
-                    events.append(Event(k, "wait", a.microbatch, free[k], start))
-                if a.kind == "F":
-                    duration = costs.forward[k]
-                elif a.kind == "B":
-                    duration = costs.backward_input[k]
-                    if a.microbatch not in split[k]:
-                        duration += costs.backward_weight[k]
-                else:
-                    duration = costs.backward_weight[k]
-                duration = own.get((k, a.kind, a.microbatch), duration)
-                events.append(Event(k, a.kind, a.microbatch, start, start + duration))
-                end[a] = free[k] = start + duration
-                cursor[k] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            waiting = [str(schedule[k][cursor[k]]) for k in range(K) if cursor[k] < len(schedule[k])]
-            raise ValueError(f"schedule deadlocks in the simulator; stages wait at {waiting}")
+    for k, a in order:
+        if a.kind == "B" and a.microbatch in replayed:
+            # the engine re-materializes before it waits for the gradient
+            took = own.get((k, "R", a.microbatch), recompute[k])
+            events.append(Event(k, "R", a.microbatch, free[k], free[k] + took))
+            free[k] += took
+        dep = dependency(a, K)
+        ready = 0.0 if dep is None else end[dep] + costs.hop(min(dep.stage, a.stage))
+        start = max(free[k], ready)
+        if start > free[k]:
+            events.append(Event(k, "wait", a.microbatch, free[k], start))
+        if a.kind == "F":
+            duration = costs.forward[k]
+        elif a.kind == "B":
+            duration = costs.backward_input[k]
+            if a.microbatch not in split[k]:
+                duration += costs.backward_weight[k]
+        else:
+            duration = costs.backward_weight[k]
+        duration = own.get((k, a.kind, a.microbatch), duration)
+        events.append(Event(k, a.kind, a.microbatch, start, start + duration))
+        end[a] = free[k] = start + duration
     events.sort(key=lambda e: (e.start, e.stage))
     return Timeline(K, 0.0, max(free, default=0.0), events)
-
-
-def _ready_time(a: Action, K: int, end: dict[Action, float], costs: StageCosts) -> float | None:
-    """When ``a``'s cross-stage dependency is available, or None if it has not run yet."""
-    if a.kind == "F" and a.stage > 0:
-        dep = Action(a.stage - 1, "F", a.microbatch)
-        return None if dep not in end else end[dep] + costs.hop(a.stage - 1)
-    if a.kind == "B" and a.stage < K - 1:
-        dep = Action(a.stage + 1, "B", a.microbatch)
-        return None if dep not in end else end[dep] + costs.hop(a.stage)
-    return 0.0
 
 
 def predict_step(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] = (),

@@ -6,9 +6,9 @@ local ``GPipe``, with D data-parallel replicas of a K-stage pipeline
 interleaved virtual stages and bounded failure. See docs/distributed.md.
 """
 
+from gpipe_lab.pipeline.distributed.distributed_gpipe import DistributedGPipe
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError, PeerTimeoutError
 from gpipe_lab.pipeline.distributed.materialize import seeded_init
-from gpipe_lab.pipeline.distributed.pipe import DistributedGPipe
 from gpipe_lab.pipeline.distributed.topology import Topology, build_topology
 
 __all__ = ["DistributedGPipe", "PeerFailedError", "PeerTimeoutError", "Topology", "build_topology",

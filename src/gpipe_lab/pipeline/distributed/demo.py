@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gpipe_lab.pipeline.distributed.pipe import DistributedGPipe
-from gpipe_lab.pipeline.schedule import analytic_bubble
+from gpipe_lab.pipeline.distributed.distributed_gpipe import DistributedGPipe
+from gpipe_lab.pipeline.schedules import analytic_bubble
 
 
 def mlp(width: int, hidden: int, blocks: int) -> nn.Sequential:

@@ -1,56 +1,43 @@
-"""Zero-bubble schedules (Qi et al., ICLR'24, arXiv 2401.10241): ``zb-h1`` and ``zb-h2``.
+"""Split-backward schedules (Qi et al., ICLR'24, arXiv 2401.10241): ``zb-h1``, ``zb-h2``, ``gpipe-bw``.
 
 The backward of a micro-batch is split in two actions: ``B`` computes only the
 gradient of the stage input, so the previous stage can start its own ``B`` at
 once; ``W`` computes the weight gradients later, in what would be a bubble
 (see ``weight_gradients`` for how W avoids repeating B's work).
 
-``zb-h1`` is written out (see ``zb_h1_schedule``); ``zb-h2`` comes from a list
-scheduler on unit clocks (``greedy_split_schedule``). Either order is valid on
-any clock: the executor and the simulator just follow the lists.
-
-* ``zb-h1``: ``cap = min(K, M)`` on every stage: the peak activation memory of
-  1F1B (whose first stage holds K micro-batches), and about 1/3 of its bubble
-  when F = B = W, i.e. (K-1)(F+B-W) instead of (K-1)(F+B+W).
-* ``zb-h2``: ``cap = min(2K-1, M)``: extra warm-up forwards fill the start of
-  the step; close to zero bubble at about twice 1F1B's activation memory.
+* ``zb-h1``: ``cap = min(K, M)`` in flight on every stage: the peak activation
+  memory of 1F1B, and about 1/3 of its bubble when F = B = W.
+* ``zb-h2``: ``cap = min(2K-1, M)`` from a list scheduler on unit clocks: close
+  to zero bubble at about twice 1F1B's activation memory.
+* ``gpipe-bw``: fill-drain whose weight gradients all come last, as one run.
 
 K=3, M=4, zb-h1, as the simulator runs it with unit costs (``.`` = idle)::
 
     stage 0 | F0 F1 F2 .  .  B0 W0 F3 B1 W1 B2 W2 B3 W3
     stage 1 | .  F0 F1 .  B0 F2 B1 W0 F3 B2 W1 B3 W2 W3
     stage 2 | .  .  F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3
-
-14 ticks against 1F1B's 18 (F = B = W = 1; a 1F1B backward costs B + W).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from gpipe_lab.pipeline.schedule import Action, Schedule, register_schedule, validate_schedule
-
-
-def _check(num_stages: int, num_microbatches: int) -> None:
-    if num_stages < 1:
-        raise ValueError(f"number of stages must be >= 1, got {num_stages}")
-    if num_microbatches < 1:
-        raise ValueError(f"number of micro-batches (chunks) must be >= 1, got {num_microbatches}")
+from gpipe_lab.pipeline.schedules.actions import Action, Schedule, check_sizes
+from gpipe_lab.pipeline.schedules.walker import validate_schedule
 
 
 def greedy_split_schedule(num_stages: int, num_microbatches: int, cap: int,
                           w_delay: list[int] | None = None) -> Schedule:
     """List-schedule F, B, W on unit clocks with at most ``cap`` micro-batches in flight per stage.
 
-    At each tick (F = B = W = 1, no transfer time) a free stage k runs, by
-    priority: its oldest ``W`` if more than ``w_delay[k]`` are pending; a ready
-    ``B``; its next ``F`` if the input has arrived and fewer than ``cap``
-    micro-batches are in flight (forward done, ``W`` not done); its oldest ``W``.
+    At each tick a free stage k runs, by priority: its oldest ``W`` if more than
+    ``w_delay[k]`` are pending; a ready ``B``; its next ``F`` if the input has
+    arrived and fewer than ``cap`` micro-batches are in flight; its oldest ``W``.
 
     Raises:
         ValueError: fewer than 1 stage or micro-batch, or ``cap < 1``.
     """
-    _check(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     if cap < 1:
         raise ValueError(f"in-flight cap must be >= 1, got {cap}")
     K, M = num_stages, num_microbatches
@@ -62,9 +49,8 @@ def greedy_split_schedule(num_stages: int, num_microbatches: int, cap: int,
     pending_w: list[deque[int]] = [deque() for _ in range(K)]
     in_flight = [0] * K
     lists: Schedule = [[] for _ in range(K)]
-    total = 3 * K * M
     placed, tick = 0, 0
-    while placed < total:
+    while placed < 3 * K * M:
         for k in range(K):
             i = next_b[k]
             # the micro-batch's forward here is done, and its output gradient has arrived
@@ -100,13 +86,12 @@ def zb_h1_schedule(num_stages: int, num_microbatches: int) -> Schedule:
 
     Stage k runs ``K-k`` warm-up forwards, then for each micro-batch j: ``B j``,
     ``W j-k`` (its weight gradients delayed by k micro-batches, which lets the
-    input gradients race down the pipeline), the next ``F``; then its last k
-    ``W``. In flight on stage k: ``(K-k) + k = K``.
+    input gradients race down the pipeline), the next ``F``; then its last k ``W``.
 
     Raises:
         ValueError: fewer than 1 stage or micro-batch.
     """
-    _check(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     K, M = num_stages, num_microbatches
     schedule: Schedule = []
     for k in range(K):
@@ -127,8 +112,12 @@ def zb_h1_schedule(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 def zb_h2_schedule(num_stages: int, num_microbatches: int) -> Schedule:
-    """ZB-H2: split backward with up to 2K-1 micro-batches in flight per stage (about 2x memory)."""
-    _check(num_stages, num_microbatches)
+    """ZB-H2: split backward with up to 2K-1 micro-batches in flight per stage (about 2x memory).
+
+    Raises:
+        ValueError: fewer than 1 stage or micro-batch.
+    """
+    check_sizes(num_stages, num_microbatches)
     schedule = greedy_split_schedule(num_stages, num_microbatches,
                                      min(2 * num_stages - 1, num_microbatches), list(range(num_stages)))
     validate_schedule(schedule, num_microbatches)
@@ -138,20 +127,15 @@ def zb_h2_schedule(num_stages: int, num_microbatches: int) -> Schedule:
 def gpipe_batched_w_schedule(num_stages: int, num_microbatches: int) -> Schedule:
     """Fill-drain with split backward: all F, all B (reverse order), then all W as one run.
 
-    The input gradients race down the pipeline (B only), and each stage's weight
-    gradients come last, run together (one GEMM per ``nn.Linear`` over the whole
-    batch, see ``linear_weights``). Activations stay alive until W: GPipe's peak
-    plus each layer's captured output gradient. K=2, M=4, unit costs::
+    K=2, M=4, unit costs::
 
         stage 0 | F0 F1 F2 F3 .  .  B3 B2 B1 B0 W  W  W  W
         stage 1 | .  F0 F1 F2 F3 B3 B2 B1 B0 W  W  W  W  .
 
-    14 ticks against ``gpipe``'s 15 before batching makes the W columns shorter.
-
     Raises:
         ValueError: fewer than 1 stage or micro-batch.
     """
-    _check(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     M = num_microbatches
     schedule: Schedule = [
         [Action(k, "F", i) for i in range(M)] + [Action(k, "B", i) for i in reversed(range(M))]
@@ -160,8 +144,3 @@ def gpipe_batched_w_schedule(num_stages: int, num_microbatches: int) -> Schedule
     ]
     validate_schedule(schedule, M)
     return schedule
-
-
-register_schedule("gpipe-bw", gpipe_batched_w_schedule)
-register_schedule("zb-h1", zb_h1_schedule)
-register_schedule("zb-h2", zb_h2_schedule)

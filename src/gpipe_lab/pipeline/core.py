@@ -1,0 +1,250 @@
+"""The engine core: one step of a pipeline, whatever carries the tensors between stages.
+
+Both front doors (``GPipe``: threads; ``DistributedGPipe``: one process per stage)
+are this class plus a channel (``channel.Channel``). The core owns the step: its
+micro-batching (min(chunks, batch) micro-batches), the loss weights, the schedule
+(cached per micro-batch count), handing each hosted rank's action list to the
+channel, the non-finite policy with its deferred-BatchNorm commit, and the timeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gpipe_lab.pipeline.batching import (
+    Normalizer,
+    checkpointed_microbatches,
+    loss_weights,
+    make_feed,
+    microbatch_count,
+)
+from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
+from gpipe_lab.pipeline.channel import Channel, StepFeed
+from gpipe_lab.pipeline.microbatch import Value, join, unwrap
+from gpipe_lab.pipeline.nonfinite import NonFiniteError, describe_problem, verdict_vector
+from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs
+from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
+from gpipe_lab.pipeline.timeline import Event, Timeline
+
+LossFn = Callable[[object, object], Tensor]
+
+
+class PipelineCore(nn.Module):
+    """The step shared by every front door; a front door calls ``_start_core`` once built."""
+
+    options: PipelineOptions
+    runtimes: dict[int, StageRuntime]
+    channel: Channel
+
+    def _start_core(self, options: PipelineOptions, runtimes: dict[int, StageRuntime], channel: Channel,
+                    num_ranks: int, dp_size: int = 1) -> None:
+        """Attach the step to built stages.
+
+        Raises:
+            ValueError: the schedule has no form with ``options.virtual_stages``.
+        """
+        v = options.virtual_stages
+        get_schedule(options.schedule, num_ranks, num_ranks if v > 1 else 1, v)
+        self.options = options
+        self.runtimes = runtimes
+        self.channel = channel
+        self._num_ranks = num_ranks
+        self._dp_size = dp_size
+        self._schedules: dict[tuple[int, str], tuple[Schedule, Any]] = {}
+        self.step_count = 0
+        self.generation = 0  # bumped by every step begun: a pending pipe(x) graph belongs to one
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self.timeline: Timeline | None = None
+
+    # ------------------------------------------------------------ options
+    @property
+    def num_stages(self) -> int:
+        """K: pipeline ranks (each holds ``virtual_stages`` chunks)."""
+        return self._num_ranks
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.options.virtual_stages
+
+    @property
+    def chunks(self) -> int:
+        """M: micro-batches per mini-batch (fewer when a batch is smaller)."""
+        return self.options.chunks
+
+    @property
+    def checkpoint(self) -> str:
+        return self.options.checkpoint
+
+    @property
+    def schedule(self) -> str:
+        return self.options.schedule
+
+    @property
+    def nonfinite(self) -> str:
+        return self.options.nonfinite
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a stage may wait for a neighbour; settable between steps."""
+        return float(self.options.timeout)
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self.options = self.options.replace(timeout=seconds).check()
+        self.channel.timeout = float(seconds)  # type: ignore[attr-defined]
+
+    @property
+    def _num_virtual(self) -> int:
+        return self._num_ranks * self.options.virtual_stages
+
+    # ------------------------------------------------------------ the step
+    def _num_microbatches(self, inputs: object, targets: object) -> int:
+        return microbatch_count(self.options.chunks, inputs, targets)
+
+    def _schedule(self, num_microbatches: int, kind: str) -> tuple[Schedule, Any]:
+        """``kind``: ``train`` (the configured schedule), ``forward`` or ``backward`` (fill-drain halves)."""
+        key = (num_microbatches, kind)
+        if key not in self._schedules:
+            name = self.options.schedule if kind == "train" else "gpipe"
+            lists = get_schedule(name, self._num_ranks, num_microbatches, self.options.virtual_stages)
+            if kind != "train":
+                keep = "F" if kind == "forward" else "B"
+                lists = [[a for a in actions if a.kind == keep] for actions in lists]
+            self._schedules[key] = (lists, self.channel.prepare(lists))
+        return self._schedules[key]
+
+    def _feed(self, inputs: Value | None, targets: object, num_microbatches: int) -> StepFeed:
+        return make_feed(inputs, targets, num_microbatches, 0 in self.runtimes,
+                         self._num_virtual - 1 in self.runtimes)
+
+    def _execute(self, feed: StepFeed, plan: StepPlan, kind: str, keep_outputs: bool,
+                 fresh: bool = True) -> tuple[Tensor | None, Value | None]:
+        """Run one schedule over the channel; return the last stage's loss and outputs (if here).
+
+        ``fresh=False`` continues the step the previous call began (the backward half).
+        """
+        lists, prepared = self._schedule(plan.num_microbatches, kind)
+        if fresh:
+            mine = [a for k in self.channel.ranks for a in lists[k]]
+            plan.split_backward = frozenset(a.microbatch for a in mine if a.kind == "W")
+            plan.weight_runs = {}
+            for k in self.channel.ranks:
+                plan.weight_runs.update(weight_runs(lists[k]))
+            for runtime in self.runtimes.values():
+                runtime.begin(plan, keep_outputs)
+            self.generation += 1
+            self._step_start = time.perf_counter()
+        timeline = Timeline(self._num_ranks, start=self._step_start)
+        try:
+            self.channel.run(lists, prepared, feed, sync_gradients=kind != "forward")
+        except BaseException:
+            self._reset_batch_norm()
+            raise
+        finally:
+            timeline.end = time.perf_counter()
+            K = self._num_ranks
+            timeline.events = sorted((Event(e.stage % K, e.kind, e.microbatch, e.start, e.end)
+                                      for r in self.runtimes.values() for e in r.events),
+                                     key=lambda e: e.start)
+            timeline.num_microbatches = plan.num_microbatches
+            self.timeline = timeline
+        last = self.runtimes.get(self._num_virtual - 1)
+        loss = outputs = None
+        if last is not None and last.losses:
+            loss = torch.stack([last.losses[i] for i in sorted(last.losses)]).sum()
+        if last is not None and keep_outputs and last.outputs:
+            parts = [last.outputs[i] for i in sorted(last.outputs)]
+            outputs = unwrap(join([p[0] for p in parts]), parts[0][1])
+        return loss, outputs
+
+    def _loss_weights(self, inputs: object, targets: object, num_microbatches: int,
+                      loss_normalizer: Normalizer | None) -> list[float]:
+        if self._num_virtual - 1 not in self.runtimes:
+            return []
+        if targets is None and not self.channel.holds_all_stages:
+            raise ValueError("this rank runs the last stage: train_step needs targets")
+        return loss_weights(inputs, targets, num_microbatches, loss_normalizer)
+
+    def train_step(self, inputs: Value | None, targets: object, loss_fn: LossFn,
+                   loss_normalizer: Normalizer | None = None,
+                   return_outputs: bool = False) -> Tensor | tuple[Tensor, Value | None]:
+        """Forward and backward of all micro-batches; gradients accumulate into the module.
+
+        ``loss_fn(output_mb, target_mb)`` returns the micro-batch's mean loss; each is
+        weighted by its share of the batch. With ``loss_normalizer``, ``loss_fn``
+        returns the micro-batch's SUM and the total is divided by
+        ``loss_normalizer(targets)`` (e.g. the number of non-pad tokens), exactly.
+        A batch smaller than ``chunks`` runs as that many micro-batches of one sample.
+
+        Returns the full-batch loss (and the last stage's outputs if asked).
+
+        Raises:
+            ValueError: an empty batch, missing inputs/targets, a zero normalizer.
+            NonFiniteError: a NaN/inf loss or gradient under ``nonfinite="raise"``.
+            Exception: whatever a layer raised, with its stage and micro-batch in the message.
+        """
+        try:
+            M = self._num_microbatches(inputs, targets)
+            plan = StepPlan(self.step_count, M, checkpointed_microbatches(self.options.checkpoint, M),
+                            loss_fn=loss_fn)
+            plan.loss_weights = self._loss_weights(inputs, targets, M, loss_normalizer)
+            feed = self._feed(inputs, targets, M)
+        except BaseException as exc:
+            self.channel.fail_early(exc)
+            raise
+        with torch.enable_grad():
+            loss, outputs = self._execute(feed, plan, "train", return_outputs)
+        modules = {j: r.module for j, r in self.runtimes.items()}
+        device = next(iter(self.runtimes.values())).device if loss is None else loss.device
+        shared = self.channel.share(verdict_vector(loss, modules, self._num_virtual, self._dp_size,
+                                                   self.options.nonfinite != "ignore", device))
+        whole = self.channel.holds_all_stages and loss is not None
+        total = loss if whole else shared[0].clone()
+        self._apply_policy(describe_problem(shared, self._num_ranks, self.options.virtual_stages,
+                                            loss if whole else None))
+        if not self.last_step_skipped:
+            self._commit_batch_norm()
+        self.step_count += 1
+        return (total, outputs) if return_outputs else total  # type: ignore[return-value]
+
+    def _forward_only(self, inputs: Value | None) -> Value | None:
+        """The pipelined output without building a graph (on the rank holding the last stage)."""
+        M = self._num_microbatches(inputs, None)
+        plan = StepPlan(self.step_count, M, frozenset(), grad_enabled=False)
+        with torch.no_grad():
+            _, outputs = self._execute(self._feed(inputs, None, M), plan, "forward", True)
+        self._commit_batch_norm()  # a training-mode forward is one mini-batch, as for nn.BatchNorm
+        return outputs
+
+    def _apply_policy(self, problem: str | None) -> None:
+        """Raise, or skip the step (drop the gradients), on every rank alike."""
+        self.last_step_skipped = False
+        if problem is None:
+            return
+        self._reset_batch_norm()
+        if self.options.nonfinite == "raise":
+            raise NonFiniteError(f"step {self.step_count}: {problem} (set nonfinite='skip' to skip such steps)")
+        for runtime in self.runtimes.values():
+            runtime.module.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        self.last_step_skipped = True
+
+    def _batch_norms(self) -> list[DeferredBatchNorm]:
+        found = {id(m): m for r in self.runtimes.values() for m in r.module.modules()
+                 if isinstance(m, DeferredBatchNorm)}
+        return list(found.values())
+
+    def _commit_batch_norm(self) -> None:
+        for m in self._batch_norms():
+            m.commit()
+
+    def _reset_batch_norm(self) -> None:
+        for m in self._batch_norms():
+            m.reset_accumulators()

@@ -1,0 +1,199 @@
+"""``DistributedGPipe``: one pipeline stage per process, D data-parallel replicas.
+
+    dist.init_process_group("gloo")          # torchrun sets rank / world size
+    pipe = DistributedGPipe(model, partitions=2, chunks=8, schedule="1f1b")
+    loss = pipe.train_step(x, y, F.mse_loss)  # same batch on every rank of a replica
+    torch.optim.SGD(pipe.parameters(), lr=0.1).step()   # this rank's stage only
+
+The step is ``core.PipelineCore``'s, as for ``GPipe``; this front door builds only
+this rank's chunks and opens a ``P2PChannel`` to the other ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gpipe_lab.pipeline.allocator import retain_freed_memory
+from gpipe_lab.pipeline.autograd_forward import refuse_backward, wants_graph
+from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
+from gpipe_lab.pipeline.core import PipelineCore
+from gpipe_lab.pipeline.distributed.failure import AbortChannel
+from gpipe_lab.pipeline.distributed.grad_sync import BUCKET_BYTES, GradientSync
+from gpipe_lab.pipeline.distributed.materialize import InitFn, build_module, local_chunks
+from gpipe_lab.pipeline.distributed.p2p_channel import P2PChannel
+from gpipe_lab.pipeline.distributed.resolve import resolve_balance, resolve_device, shared_seed
+from gpipe_lab.pipeline.distributed.state import gather_full_state_dict, local_state_dict
+from gpipe_lab.pipeline.distributed.topology import build_topology
+from gpipe_lab.pipeline.dropout import convert_dropout
+from gpipe_lab.pipeline.microbatch import Value
+from gpipe_lab.pipeline.options import PipelineOptions, merged_options
+from gpipe_lab.pipeline.stage import StageRuntime
+from gpipe_lab.pipeline.timeline import Event, Timeline
+
+
+class DistributedGPipe(PipelineCore):
+    """Pipeline (K ranks) × data parallel (D replicas) training of an ``nn.Sequential``.
+
+    Options are ``GPipe``'s (``options=PipelineOptions(...)`` and/or keywords, a
+    keyword overriding its field); in addition ``device`` (default ``cuda:<local
+    rank>`` with NCCL, else CPU), ``data_parallel_size`` (default world size / K),
+    ``init_fn`` for meta-built layers and ``bucket_bytes`` for the gradient
+    all-reduce. ``module`` may be built on ``meta`` or be a factory. With
+    ``virtual_stages`` v the model is cut into K·v chunks, chunk j on rank j mod K.
+
+    ``nonfinite`` is decided by ALL ranks together: each rank's verdict on its loss
+    and its stages' gradients travels with the loss all-reduce, so every rank
+    raises the same ``NonFiniteError`` or every rank skips the step.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        TypeError: ``module`` is not an ``nn.Sequential``.
+        OptionError: an option outside its allowed values (the message names the key).
+        ValueError: world size not divisible by K (both numbers named), a balance
+            inconsistent with the module.
+    """
+
+    def __init__(self, module: nn.Module | Callable[[], nn.Module], balance: Sequence[int] | None = None,
+                 partitions: int | None = None, chunks: int | None = None, checkpoint: str | None = None,
+                 schedule: str | None = None, deferred_batch_norm: bool | None = None, cost: object = None,
+                 seed: int | None = None, device: str | torch.device | None = None,
+                 data_parallel_size: int | None = None, timeout: float | None = None,
+                 virtual_stages: int | None = None, init_fn: InitFn | None = None,
+                 bucket_bytes: int = BUCKET_BYTES, nonfinite: str | None = None,
+                 retain_cpu_memory: bool | None = None, track_memory: bool | None = None,
+                 options: PipelineOptions | None = None) -> None:
+        super().__init__()
+        opts = merged_options(options, balance=None if balance is None else list(balance),
+                              partitions=partitions, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                              deferred_batch_norm=deferred_batch_norm, cost=cost, seed=seed, timeout=timeout,
+                              virtual_stages=virtual_stages, nonfinite=nonfinite,
+                              retain_cpu_memory=retain_cpu_memory, track_memory=track_memory).check()
+        v = opts.virtual_stages
+        full = build_module(module)
+        balance, num_stages = resolve_balance(full, opts.balance, opts.partitions, v, opts.cost,
+                                              data_parallel_size)
+        self.topo = topo = build_topology(num_stages, v, data_parallel_size)
+        self.balance = balance
+        self.device = resolve_device(device)
+        if self.device.type == "cpu" and opts.retain_cpu_memory:
+            retain_freed_memory()
+        self.seed = shared_seed(opts.seed, self.device)
+        opts = opts.replace(balance=list(balance), partitions=num_stages, seed=self.seed)
+        if opts.deferred_batch_norm:
+            DeferredBatchNorm.convert(full)
+        convert_dropout(full)
+        chunk_ids = [topo.stage_index + c * num_stages for c in range(v)]
+        self._chunks = local_chunks(full, balance, chunk_ids, self.device, self.seed, init_fn)
+        self.local = nn.ModuleDict({str(j): part for j, (_, part) in self._chunks.items()})
+        runtimes = {j: StageRuntime(j, num_stages * v, part, self.device, self.seed)
+                    for j, (_, part) in self._chunks.items()}
+        for runtime in runtimes.values():
+            runtime.track_memory = opts.track_memory
+        self.abort = AbortChannel(dist.distributed_c10d._get_default_store(), topo.rank)
+        self.grad_sync = GradientSync(topo.dp_group, topo.dp_size, self.abort, float(opts.timeout), bucket_bytes)
+        channel = P2PChannel(topo, runtimes, self.device, self.abort, float(opts.timeout), self.grad_sync)
+        self._start_core(opts, runtimes, channel, num_stages, topo.dp_size)
+        dist.barrier(group=topo.pp_group)
+        self._clock_zero = time.perf_counter()  # aligned across the pipeline's ranks by the barrier
+
+    # ------------------------------------------------------------ properties
+    @property
+    def stage_index(self) -> int:
+        return self.topo.stage_index
+
+    @property
+    def stage_module(self) -> nn.Module:
+        """This rank's layers: its chunk, or a ``ModuleDict`` of its v chunks."""
+        return next(iter(self.local.values())) if self.virtual_stages == 1 else self.local
+
+    @property
+    def partitions(self) -> list[nn.Module]:
+        """This rank's chunks (the other stages live in other processes)."""
+        return [part for _, part in self._chunks.values()]
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """This rank's device (one entry: the others' are theirs)."""
+        return [self.device]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topo.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.topo.dp_size
+
+    @property
+    def pp_group(self) -> object:
+        return self.topo.pp_group
+
+    @property
+    def dp_group(self) -> object:
+        return self.topo.dp_group
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.topo.rank == self.topo.last_rank
+
+    # ------------------------------------------------------------ stepping
+    def forward(self, inputs: Value | None, broadcast: bool = True) -> Value | None:  # noqa: D401
+        """Forward only; the output is on the last stage, and on every rank of the
+        pipeline with ``broadcast`` (the default). Every rank of the pipeline calls it.
+
+        A batch smaller than ``chunks`` runs in fewer micro-batches only on ranks given
+        ``inputs`` (pass the batch to every rank when it may be short). The output
+        cannot be back-propagated (its backward says to use ``train_step``).
+        """
+        outputs = self._forward_only(inputs)
+        if broadcast and self.num_stages > 1:
+            box = [outputs if self.is_last_stage else None]
+            dist.broadcast_object_list(box, src=self.topo.last_rank, group=self.pp_group,
+                                       device=self.device if self.device.type == "cuda" else None)
+            outputs = box[0]
+        if outputs is not None and wants_graph(self):
+            outputs = refuse_backward(outputs, "DistributedGPipe cannot back-propagate pipe(x) across "
+                                      "processes; use pipe.train_step(x, y, loss_fn)")
+        return outputs
+
+    # ------------------------------------------------------------ reporting
+    def gather_timeline(self) -> Timeline:
+        """The whole pipeline's last step on one clock, on every rank (collective over the pipeline).
+
+        Raises:
+            RuntimeError: no step has run yet.
+        """
+        if self.timeline is None:
+            raise RuntimeError("gather_timeline() needs a step first (train_step or forward)")
+        t = self.timeline
+        z = self._clock_zero
+        mine = Timeline(t.num_stages, t.start - z, t.end - z,
+                        [Event(e.stage, e.kind, e.microbatch, e.start - z, e.end - z) for e in t.events],
+                        t.num_microbatches)
+        every: list[object] = [None] * self.num_stages
+        dist.all_gather_object(every, mine, group=self.pp_group)
+        merged = Timeline.merge(every)  # type: ignore[arg-type]
+        merged.num_microbatches = t.num_microbatches
+        return merged
+
+    def memory(self) -> list[dict[str, int]]:
+        """Per local chunk: parameter bytes, peak saved-activation bytes, peak live micro-batches."""
+        return [{"stage": j, "parameter_bytes": r.parameter_bytes(), "peak_activation_bytes": r.peak_bytes,
+                 "peak_live_microbatches": self.channel.peak_live.get(j, 0)}
+                for j, r in self.runtimes.items()]
+
+    def full_state_dict(self) -> dict[str, Tensor] | None:
+        """The unpipelined module's state dict on global rank 0 (``None`` elsewhere); collective."""
+        return gather_full_state_dict(self._chunks, self.pp_group, self.topo.pp_ranks, self.dp_rank)
+
+    gather_state_dict = full_state_dict
+
+    def load_full_state_dict(self, state_dict: dict[str, Tensor]) -> None:
+        """Load this rank's chunks from a full (unpipelined) state dict; other keys are ignored."""
+        for first, part in self._chunks.values():
+            part.load_state_dict(local_state_dict(state_dict, first, len(part)))

@@ -1,0 +1,99 @@
+"""The one step-by-step walk of a schedule: dependencies, completeness, deadlock.
+
+``walk`` runs the action lists on unit clocks: a rank executes its next action
+as soon as the action it depends on has run. It returns the actions in an order
+that respects every dependency (each rank's own order included), so the
+validator (``validate_schedule``) and the simulator (``planner.simulator``) are
+the same walk: the validator only needs it to finish; the simulator times each
+action along it.
+"""
+
+from __future__ import annotations
+
+from gpipe_lab.pipeline.schedules.actions import Action, Schedule
+
+
+def dependency(action: Action, num_stages: int) -> Action | None:
+    """The action of a neighbouring stage that ``action`` waits for (None: local input)."""
+    if action.kind == "F" and action.stage > 0:
+        return Action(action.stage - 1, "F", action.microbatch)
+    if action.kind == "B" and action.stage < num_stages - 1:
+        return Action(action.stage + 1, "B", action.microbatch)
+    return None
+
+
+def walk(schedule: Schedule, num_stages: int | None = None) -> list[tuple[int, Action]]:
+    """``(rank, action)`` pairs in an order every rank's list and every dependency allow.
+
+    ``num_stages`` is the number of (virtual) stages S; default: one per rank.
+
+    Raises:
+        ValueError: the lists deadlock (the message names where each rank waits).
+    """
+    S = len(schedule) if num_stages is None else num_stages
+    done: set[Action] = set()
+    cursor = [0] * len(schedule)
+    order: list[tuple[int, Action]] = []
+    total = sum(len(actions) for actions in schedule)
+    while len(order) < total:
+        progressed = False
+        for k, actions in enumerate(schedule):
+            while cursor[k] < len(actions):
+                a = actions[cursor[k]]
+                dep = dependency(a, S)
+                if dep is not None and dep not in done:
+                    break
+                done.add(a)
+                order.append((k, a))
+                cursor[k] += 1
+                progressed = True
+        if not progressed:
+            waiting = [str(actions[cursor[k]]) for k, actions in enumerate(schedule) if cursor[k] < len(actions)]
+            raise ValueError(f"schedule deadlocks; stages wait at {waiting}")
+    return order
+
+
+def validate_schedule(schedule: Schedule, num_microbatches: int, virtual_stages: int = 1) -> None:
+    """Check that a schedule is complete and can run without deadlock.
+
+    Each (virtual) stage must hold exactly one F and one B per micro-batch (and at
+    most one W, after its B), on the rank ``stage mod K``; B after F on the same
+    stage; a forward needs the previous stage's forward, a backward the next
+    stage's backward (checked by ``walk``).
+
+    Raises:
+        ValueError: naming the offending action, or where the stages wait.
+    """
+    K = len(schedule)
+    S = K * virtual_stages
+    positions: dict[tuple[int, str, int], int] = {}
+    for k, actions in enumerate(schedule):
+        for pos, a in enumerate(actions):
+            if not 0 <= a.stage < S or a.stage % K != k:
+                if virtual_stages == 1:
+                    raise ValueError(f"action {a} is in the list of stage {k}")
+                raise ValueError(f"action {a} is on rank {k}, but chunk {a.stage} lives on rank {a.stage % K}")
+            if not 0 <= a.microbatch < num_microbatches:
+                raise ValueError(f"action {a}: micro-batch outside 0..{num_microbatches - 1}")
+            if (a.stage, a.kind, a.microbatch) in positions:
+                raise ValueError(f"action {a} appears twice on stage {a.stage}")
+            positions[(a.stage, a.kind, a.microbatch)] = pos
+    for s in range(S):
+        for i in range(num_microbatches):
+            for kind in ("F", "B"):
+                if (s, kind, i) not in positions:
+                    raise ValueError(f"stage {s} has no {kind} for micro-batch {i}")
+            if positions[(s, "B", i)] < positions[(s, "F", i)]:
+                raise ValueError(f"stage {s}: B{i} before F{i}")
+            if (s, "W", i) in positions and positions[(s, "W", i)] < positions[(s, "B", i)]:
+                raise ValueError(f"stage {s}: W{i} before B{i}")
+    walk(schedule, S)
+
+
+def validate_rank_schedule(ranks: Schedule, num_microbatches: int, virtual_stages: int) -> None:
+    """``validate_schedule`` for v virtual stages per rank (a public name).
+
+    Raises:
+        ValueError: naming the offending action or where the ranks wait.
+    """
+    validate_schedule(ranks, num_microbatches, virtual_stages)
