@@ -96,7 +96,7 @@ class DistributedGPipe(nn.Module):
         num_virtual = num_stages * virtual_stages
         self.runtimes = {j: StageRuntime(j, num_virtual, part, self.device, self.seed)
                          for j, (_, part) in self._chunks.items()}
-        self.abort = AbortChannel(dist.distributed_c10d._get_default_store(), topo.rank)
+        self.abort = AbortChannel(dist.distributed_c10d._get_default_store(), topo.rank, topo.stage_index)
         self.executor = RankExecutor(topo, self.runtimes, self.device, self.abort, self.timeout)
         self.grad_sync = GradientSync(topo.dp_group, topo.dp_size, self.abort, self.timeout, bucket_bytes)
         self._plans: dict[tuple[int, bool], tuple] = {}
