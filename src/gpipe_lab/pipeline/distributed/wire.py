@@ -27,6 +27,7 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 _CODES = {dt: i for i, dt in enumerate(_DTYPES)}
 
+
 class PeerWork:
     """The Work of a send, with the rank it goes to (so that a failure names it)."""
 
