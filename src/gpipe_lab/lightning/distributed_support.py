@@ -10,6 +10,7 @@ reductions, and gradient clipping by the global norm across stages.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -91,6 +92,12 @@ class DistributedMixin:
         if not self.is_distributed:
             return
         self.set_world_ranks()
+        if self.root_device.type == "cpu":  # type: ignore[attr-defined]
+            # Every rank, as each stage of the local transport, gets threads_per_stage (default:
+            # cores / processes here): Lightning sets it on rank 0 only, and kernels reduce in an
+            # order that depends on the thread count, so unequal ranks drift from the local run.
+            threads = self.threads_per_stage or (os.cpu_count() or 1) // self.num_processes  # type: ignore[attr-defined]
+            torch.set_num_threads(max(1, threads))
         world = self.num_nodes * self.num_processes
         if world % self.num_stages:  # type: ignore[attr-defined]
             raise ValueError(f"world size {world} is not divisible by the {self.num_stages} pipeline "  # type: ignore[attr-defined]

@@ -42,7 +42,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         seed: base seed of the per-(step, stage, micro-batch) generators.
         stage_devices: local transport only: one device per stage (default: the
             Trainer's devices when there are K of them, else CUDA when enough GPUs, else CPU).
-        threads_per_stage: intra-op threads of each CPU stage (local transport).
+        threads_per_stage: intra-op threads of each CPU stage (a thread, or a rank's process).
         timeout: seconds a stage waits for a neighbour before the step fails.
         nonfinite: a NaN/inf loss or gradient ``"raise"`` the engine's ``NonFiniteError``
             (naming the step and the stage; training stops), ``"skip"`` the optimizer

@@ -94,7 +94,7 @@ class DistributedGPipe(PipelineCore):
                     for j, (_, part) in self._chunks.items()}
         for runtime in runtimes.values():
             runtime.track_memory = opts.track_memory
-        self.abort = AbortChannel(dist.distributed_c10d._get_default_store(), topo.rank)
+        self.abort = AbortChannel(dist.distributed_c10d._get_default_store(), topo.rank, topo.stage_index)
         self.grad_sync = GradientSync(topo.dp_group, topo.dp_size, self.abort, float(opts.timeout), bucket_bytes)
         channel = P2PChannel(topo, runtimes, self.device, self.abort, float(opts.timeout), self.grad_sync)
         self._start_core(opts, runtimes, channel, num_stages, topo.dp_size)

@@ -2,11 +2,17 @@
 
 A rank that raises writes ``gpipe/abort`` (with who failed where) into the
 job's key-value store before re-raising. Every wait in the distributed
-transport polls: each ~50 ms it looks for that key and checks its deadline, so
-a failure anywhere stops every rank within ``timeout`` seconds, with an error
-that names the failing rank, stage and micro-batch. A rank that dies closes its
-connections: its neighbours' receives fail at once (``PeerFailedError``), and a
-rank that stops answering hits the deadline (``PeerTimeoutError``).
+transport polls: each ~50 ms it looks for that key, checks its deadline and
+asks the kernel whether a peer it waits for is gone (``liveness``), so a failure
+anywhere stops every rank within ``timeout`` seconds, with an error that names
+the failing rank, stage and micro-batch.
+
+A rank that dies closes its connections: a send, a receive or a collective of
+a survivor then fails, whatever it was doing, with ``PeerFailedError`` naming the
+rank(s) that went away and where the survivor was (``[in stage k, <action>]``).
+Which rank that is comes, in order, from another rank's abort message, from the
+processes found gone, or from the failed link's peer. A rank that stops
+answering hits the deadline (``PeerTimeoutError``).
 
 gloo's point-to-point ``Work`` never reports ``is_completed()`` and a timed-out
 ``wait(timeout)`` tears down the whole context, so completion is observed by a
@@ -20,8 +26,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import torch.distributed as dist
+
+from gpipe_lab.pipeline.distributed.liveness import PeerTable
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 
 ABORT_KEY = "gpipe/abort"
@@ -29,11 +38,16 @@ POLL_SECONDS = 0.05
 
 
 class PeerFailedError(RuntimeError):
-    """Another rank failed (its message is included) or became unreachable."""
+    """Another rank failed (its message is included) or went away.
 
-    def __init__(self, message: str, rank: int | None = None) -> None:
+    ``failed_rank`` is the first rank named (``None``: unknown), ``failed_ranks`` all of them.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, ranks: Sequence[int] | None = None) -> None:
         super().__init__(message)
-        self.failed_rank = rank
+        self.failed_ranks: tuple[int, ...] = tuple(ranks) if ranks else (() if rank is None else (rank,))
+        self.failed_rank = self.failed_ranks[0] if self.failed_ranks else None
+        self.explained = False
 
 
 class PeerTimeoutError(PipelineTimeoutError):
@@ -47,14 +61,37 @@ class PeerTimeoutError(PipelineTimeoutError):
         self.waiting: list = []
 
 
-class AbortChannel:
-    """The ``gpipe/abort`` key of the default store, checked at most every ``POLL_SECONDS``."""
+def who(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 1, 3``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
-    def __init__(self, store: object, rank: int) -> None:
+
+def ranks_in(message: str) -> list[int]:
+    """The ranks a message starting with ``rank N`` / ``ranks N, M`` names."""
+    words = message.replace(",", " ").split()
+    if not words or words[0] not in ("rank", "ranks"):
+        return []
+    out = []
+    for w in words[1:]:
+        if not w.isdigit():
+            break
+        out.append(int(w))
+    return out
+
+
+class AbortChannel:
+    """The ``gpipe/abort`` key of the default store, checked at most every ``POLL_SECONDS``,
+    and the table of peer processes. ``stage`` (this rank's pipeline stage) only labels errors."""
+
+    def __init__(self, store: object, rank: int, stage: int | None = None) -> None:
         self.store = store
         self.rank = rank
+        self.stage = stage
         self._next_check = 0.0
         self.message: str | None = None
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.peers = PeerTable(store, rank, world)
+        self.world_size = world
 
     def signal(self, message: str) -> None:
         """Tell every rank to stop (best effort: the store host may be gone)."""
@@ -66,6 +103,19 @@ class AbortChannel:
         except Exception:  # noqa: BLE001 - the store host may be the rank that died
             self.store = None
 
+    def _read(self) -> str | None:
+        """Another rank's abort message, if there is one."""
+        if self.store is None:
+            return None
+        try:
+            if not self.store.check([ABORT_KEY]):  # type: ignore[attr-defined]
+                return None
+            message = self.store.get(ABORT_KEY).decode()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - store unreachable: rely on link errors and deadlines
+            self.store = None
+            return None
+        return None if message == self.message else message
+
     def check(self, force: bool = False) -> None:
         """Raises:
             PeerFailedError: another rank signalled an abort (its message is included).
@@ -74,56 +124,111 @@ class AbortChannel:
         if self.store is None or (not force and now < self._next_check):
             return
         self._next_check = now + POLL_SECONDS
-        try:
-            if not self.store.check([ABORT_KEY]):  # type: ignore[attr-defined]
-                return
-            message = self.store.get(ABORT_KEY).decode()  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - store unreachable: rely on link errors and deadlines
-            self.store = None
-            return
-        if message != self.message:
-            raise PeerFailedError(f"rank {self.rank} stopped because {message}",
-                                  _rank_in(message))
+        self.peers.refresh()
+        message = self._read()
+        if message is not None:
+            raise PeerFailedError(f"rank {self.rank} stopped because {message}", ranks=ranks_in(message))
+
+    def others(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.rank]
+
+    def where(self, what: str) -> str:
+        return what if self.stage is None else f"stage {self.stage}, {what}"
+
+    def explain(self, what: str, peers: Iterable[int], cause: BaseException | None, where: str) -> PeerFailedError:
+        """The error of a survivor whose ``what`` with ``peers`` failed, ``where`` it was; announced
+        to every rank. Another rank's abort message wins (it knows more), then the peers whose
+        process is gone, then the peer itself when there is only one."""
+        peers = sorted(set(peers))
+        message = self._read()
+        gone = self.peers.gone(peers) if message is None else []
+        message = self._read() if message is None else message  # a survivor announces before it exits
+        cause_text = "" if cause is None else f": {cause}"
+        if message is not None:
+            error = PeerFailedError(f"rank {self.rank} stopped because {message}; it was {what}{cause_text} "
+                                    f"[in {where}]", ranks=ranks_in(message))
+        elif gone:
+            error = PeerFailedError(f"rank {self.rank}: {who(gone)} went away (process ended) while "
+                                    f"{what}{cause_text} [in {where}]", ranks=gone)
+            self.signal(f"{who(gone)} went away (seen by rank {self.rank} in {where}){cause_text}")
+        else:
+            named = peers if len(peers) == 1 else []
+            error = PeerFailedError(f"rank {self.rank}: {what} failed; is {who(named) if named else 'a peer rank'} "
+                                    f"alive?{cause_text} [in {where}]", ranks=named)
+            if named:
+                self.signal(f"{who(named)} failed or stopped answering (seen by rank {self.rank} in "
+                            f"{where}){cause_text}")
+        error.explained = True
+        if cause is not None:
+            error.__cause__ = cause
+        return error
+
+    def explain_error(self, exc: PeerFailedError, where: str) -> PeerFailedError:
+        """``explain`` a link error raised without knowing where the survivor was; another
+        rank's abort message seen while polling only gets ``where``."""
+        if exc.explained:
+            return exc
+        if str(exc).startswith(f"rank {self.rank} stopped because"):
+            exc.args = (f"{exc.args[0]} [in {where}]",)
+            exc.explained = True
+            return exc
+        return self.explain(str(exc), exc.failed_ranks, exc.__cause__, where)
 
 
-def _rank_in(message: str) -> int | None:
-    words = message.split()
-    if len(words) > 1 and words[0] == "rank" and words[1].isdigit():
-        return int(words[1])
-    return None
+def link_error(what: str, peer: int, cause: BaseException) -> PeerFailedError:
+    """A failed operation on the link with ``peer``, to ``explain`` where the survivor is known."""
+    error = PeerFailedError(what, peer)
+    error.__cause__ = cause
+    return error
 
 
-def wait_works(works: Sequence[object], what: str, peer: int | None, timeout: float,
+def wait_works(works: Sequence[object], what: str, peer: int | Sequence[int] | None, timeout: float,
                abort: AbortChannel) -> None:
     """Wait for Work handles without ever hanging.
 
+    ``peer``: the rank (or ranks) the operation involves; ``None``: any other rank,
+    or the ``peer`` attribute of each Work (``wire.send_values``).
+
     Raises:
-        PeerFailedError: a peer signalled an abort, or the operation failed
+        PeerFailedError: a peer signalled an abort, went away, or the operation failed
             (e.g. the peer's connection closed).
         PeerTimeoutError: not done within ``timeout`` seconds.
     """
     if not works:
         return
     done = threading.Event()
-    errors: list[BaseException] = []
+    failed: list[tuple[BaseException, object]] = []
 
     def run() -> None:
-        try:
-            for w in works:
+        for w in works:
+            try:
                 w.wait()  # type: ignore[attr-defined]
-        except BaseException as exc:  # noqa: BLE001 - handed to the polling thread
-            errors.append(exc)
+            except BaseException as exc:  # noqa: BLE001 - handed to the polling thread
+                failed.append((exc, w))
+                break
         done.set()
 
+    if peer is None:
+        own = [getattr(w, "peer", None) for w in works]
+        peers = abort.others() if None in own else sorted(set(own))  # type: ignore[type-var]
+    else:
+        peers = [peer] if isinstance(peer, int) else list(peer)
+    where = abort.where(what)
     threading.Thread(target=run, name="gpipe-wait", daemon=True).start()
     deadline = time.monotonic() + timeout
-    peer_name = "a peer rank" if peer is None else f"rank {peer}"
     while not done.wait(POLL_SECONDS):
-        abort.check()
+        try:
+            abort.check()
+        except PeerFailedError as exc:
+            raise abort.explain_error(exc, where) from None
+        if abort.peers.gone(peers):  # a member is gone: the operation can never complete
+            raise abort.explain(what, peers, None, where)
         if time.monotonic() > deadline:
-            raise PeerTimeoutError(f"rank {abort.rank} waited more than {timeout:g} s for {peer_name} "
-                                   f"({what}); is it alive?", peer, timeout)
-    if errors:
-        abort.check(force=True)  # a link closed because a rank failed: name it (its abort message) if it did
-        raise PeerFailedError(f"rank {abort.rank}: {what} with {peer_name} failed: {errors[0]}",
-                              peer) from errors[0]
+            names = "a peer rank" if len(peers) != 1 else f"rank {peers[0]}"
+            raise PeerTimeoutError(f"rank {abort.rank} waited more than {timeout:g} s for {names} "
+                                   f"({what}); is it alive? [in {where}]", peers[0] if len(peers) == 1 else None,
+                                   timeout)
+    if failed:
+        exc, work = failed[0]
+        culprit = getattr(work, "peer", None)
+        raise abort.explain(what, peers if culprit is None else [culprit], exc, where) from exc

@@ -21,6 +21,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from gpipe_lab.pipeline.distributed.failure import AbortChannel, wait_works
 
 BUCKET_BYTES = 25 * 1024 * 1024
+WHAT = "averaging gradients over data-parallel replicas"
 
 
 def buckets(params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> list[list[nn.Parameter]]:
@@ -51,27 +52,35 @@ class GradientSync:
         self.abort = abort
         self.timeout = timeout
         self.bucket_bytes = bucket_bytes
+        self.peers = [r for r in dist.get_process_group_ranks(group) if r != abort.rank] if size > 1 else []
         self._pending: list[tuple[object, Tensor, list[nn.Parameter]]] = []
         self._abandoned: list[tuple[object, Tensor, list[nn.Parameter]]] = []
 
     def start(self, params: Iterable[nn.Parameter]) -> None:
-        """Launch the asynchronous all-reduce of these parameters' gradients (no-op when D = 1)."""
+        """Launch the asynchronous all-reduce of these parameters' gradients (no-op when D = 1).
+
+        Raises:
+            PeerFailedError: a replica went away before the all-reduce could start (naming it).
+        """
         if self.size == 1:
             return
         for bucket in buckets(params, self.bucket_bytes):
             flat = _flatten_dense_tensors([p.grad for p in bucket])
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            try:
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+            except RuntimeError as exc:  # a replica's connection is already closed
+                raise self.abort.explain(WHAT, self.peers, exc, self.abort.where(WHAT)) from exc
             self._pending.append((work, flat, bucket))
 
     def finish(self) -> None:
         """Wait for every started all-reduce and write the averages back into ``.grad``.
 
         Raises:
-            PeerFailedError, PeerTimeoutError: a replica failed or did not answer.
+            PeerFailedError: a replica failed or went away (naming it, and this rank's stage).
+            PeerTimeoutError: a replica did not answer within the timeout.
         """
         pending, self._pending = self._pending, []
-        wait_works([w for w, _, _ in pending], "averaging gradients over data-parallel replicas",
-                   None, self.timeout, self.abort)
+        wait_works([w for w, _, _ in pending], WHAT, self.peers, self.timeout, self.abort)
         for _, flat, bucket in pending:
             flat.div_(self.size)
             for p, avg in zip(bucket, _unflatten_dense_tensors(flat, [p.grad for p in bucket])):

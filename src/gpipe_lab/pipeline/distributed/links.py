@@ -28,6 +28,7 @@ from gpipe_lab.pipeline.distributed.failure import (
     PeerTimeoutError,
 )
 from gpipe_lab.pipeline.distributed.wire import recv_values
+from gpipe_lab.pipeline.errors import describe
 from gpipe_lab.pipeline.schedule import Action, Schedule
 
 MessageKey = tuple[str, int, int]  # ("F" activation | "B" gradient, destination virtual stage, micro-batch)
@@ -102,32 +103,38 @@ class Inbox:
     def get(self, key: MessageKey, peer: int, timeout: float, abort: AbortChannel) -> tuple:
         """Block until ``key`` arrives, polling the abort channel and the deadline.
 
+        A dead peer closes the link, which fails the receive: what it sent before is
+        still delivered, so the error names the first message that never came.
+
         Raises:
-            PeerFailedError: the receive from ``peer`` failed, or a rank aborted.
+            PeerFailedError: the receive from ``peer`` failed, ``peer`` went away, or a rank aborted;
+                the message ends with ``[in stage s, forward|backward of micro-batch i]``.
             PeerTimeoutError: nothing arrived within ``timeout`` seconds.
         """
+        what = "activation" if key[0] == "F" else "gradient"
+        where = describe(key[1], Action(key[1], key[0], key[2]))  # type: ignore[arg-type]
         deadline = time.monotonic() + timeout
         with self._cond:
             while key not in self._items:
-                if self._error is not None:
-                    exc, src = self._error
-                    self._cond.release()
-                    try:  # the link closed because a rank failed: name it (its abort message) if it did
-                        abort.check(force=True)
-                    finally:
-                        self._cond.acquire()
-                    raise PeerFailedError(f"rank {abort.rank}: receiving from rank {src} failed "
-                                          f"(is it alive?): {exc}", src) from exc
+                error: PeerFailedError | None = None
                 self._cond.release()
                 try:
-                    abort.check()
+                    if self._error is not None:
+                        exc, src = self._error
+                        error = abort.explain(f"receiving the {what} of micro-batch {key[2]} from rank {src}",
+                                              [src], exc, where)
+                    else:
+                        abort.check()
+                except PeerFailedError as exc:
+                    error = abort.explain_error(exc, where)
                 finally:
                     self._cond.acquire()
+                if error is not None:
+                    raise error
                 if time.monotonic() > deadline:
-                    what = "activation" if key[0] == "F" else "gradient"
                     raise PeerTimeoutError(
                         f"rank {abort.rank} waited more than {timeout:g} s for the {what} of "
-                        f"micro-batch {key[2]} from rank {peer}; is rank {peer} alive?", peer, timeout)
+                        f"micro-batch {key[2]} from rank {peer}; is rank {peer} alive? [in {where}]", peer, timeout)
                 self._cond.wait(POLL_SECONDS)
             return self._items.pop(key)
 

@@ -137,6 +137,8 @@ class P2PChannel:
     def _fail(self, exc: BaseException, action: Action | None) -> BaseException:
         rank = self.topo.rank
         stage = self.topo.stage_index if action is None else action.stage
+        if isinstance(exc, PeerFailedError):  # a link failed: name who went away, and where this rank was
+            exc = self.abort.explain_error(exc, describe(stage, action))
         culprit = getattr(exc, "failed_rank", None)
         if isinstance(exc, PeerFailedError) and str(exc).startswith(f"rank {rank} stopped because"):
             return exc  # another rank's abort: already announced

@@ -19,11 +19,26 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gpipe_lab.pipeline.distributed.failure import link_error
+
 HEADER_SLOTS = 32
 TAGS_PER_MESSAGE = 1024
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 _CODES = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+class PeerWork:
+    """The Work of a send, with the rank it goes to (so that a failure names it)."""
+
+    __slots__ = ("work", "peer")
+
+    def __init__(self, work: object, peer: int) -> None:
+        self.work, self.peer = work, peer
+
+    def wait(self) -> object:
+        return self.work.wait()  # type: ignore[attr-defined]
+
 
 Values = tuple[Tensor | None, ...]
 Pending = list[tuple[object, object]]  # (Work, the tensor it reads or writes: kept alive until done)
@@ -73,20 +88,26 @@ def _wire(t: Tensor) -> Tensor:
 
 def send_values(values: Values, was_tensor: bool, dst: int, group: object, seq: int,
                 header_device: torch.device) -> Pending:
-    """Start sending a boundary value; returns the Work handles (with their tensors) to keep."""
+    """Start sending a boundary value; returns the Work handles (with their tensors) to keep.
+
+    Raises:
+        PeerFailedError: the link to ``dst`` is closed (``dst`` went away), naming ``dst``.
+    """
     words = encode_header(values, was_tensor)
     fixed = words[:HEADER_SLOTS] + [0] * max(0, HEADER_SLOTS - len(words))
     base = seq * TAGS_PER_MESSAGE
     parts = [torch.tensor(fixed, dtype=torch.int64, device=header_device)]
     if len(words) > HEADER_SLOTS:
         parts.append(torch.tensor(words[HEADER_SLOTS:], dtype=torch.int64, device=header_device))
+    sends = [(tensor, base + part) for part, tensor in enumerate(parts)]
+    sends += [(_wire(t), base + 2 + j) for j, t in enumerate(values) if t is not None]
     pending: Pending = []
-    for part, tensor in enumerate(parts):
-        pending.append((dist.isend(tensor, dst=dst, group=group, tag=base + part), tensor))
-    for j, t in enumerate(values):
-        if t is not None:
-            wire = _wire(t)
-            pending.append((dist.isend(wire, dst=dst, group=group, tag=base + 2 + j), wire))
+    for tensor, tag in sends:
+        try:
+            work = dist.isend(tensor, dst=dst, group=group, tag=tag)
+        except RuntimeError as exc:  # gloo raises here once the peer's connection is closed
+            raise link_error(f"sending to rank {dst}", dst, exc) from exc
+        pending.append((PeerWork(work, dst), tensor))
     return pending
 
 
