@@ -221,3 +221,28 @@ def test_distributed_transport_replays_like_the_local_one() -> None:
         assert sorted(grads) == sorted(expected)
         for name, g in grads.items():
             torch.testing.assert_close(g, expected[name].grad, atol=1e-6, rtol=0, msg=f"{kind} {name}")
+
+
+def test_random_replay_can_be_turned_off_for_models_that_draw_nothing() -> None:
+    """``random_replay=False`` removes the per-op hop: functional draws are then NOT replayed
+    (the option is only for models without them), while ``nn.Dropout`` still is."""
+    from gpipe_lab.pipeline import PipelineOptions
+
+    def grads(net: nn.Sequential, checkpoint: str) -> list[Tensor]:
+        pipe = GPipe(net, options=PipelineOptions(balance=[3, 3], chunks=2, checkpoint=checkpoint, seed=5,
+                                                  retain_cpu_memory=False, random_replay=False))
+        pipe.train_step(*data(), F.mse_loss)
+        return [p.grad.clone() for p in net.parameters()]
+
+    def functional() -> nn.Sequential:
+        return model("F.dropout")
+
+    def modules() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, WIDTH), nn.Dropout(0.3), nn.Linear(WIDTH, WIDTH), nn.Dropout(0.3),
+                             nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 4))
+
+    unreplayed = zip(grads(functional(), "never"), grads(functional(), "always"))
+    assert not all(torch.allclose(g, h) for g, h in unreplayed)
+    for g, h in zip(grads(modules(), "never"), grads(modules(), "always")):
+        torch.testing.assert_close(h, g, atol=1e-6, rtol=0)

@@ -43,17 +43,18 @@ def is_recomputing() -> bool:
 
 @contextmanager
 def microbatch_context(
-    generator: torch.Generator | None, recomputing: bool = False
+    generator: torch.Generator | None, recomputing: bool = False, replay: bool = True
 ) -> Iterator[None]:
     """Run a stage's forward with its own generator (and the recompute flag).
 
-    With a generator, every random op inside draws from it (see ``RandomReplay``,
-    which raises ``UnreplayableRandomError`` for a draw it cannot repeat).
+    With a generator and ``replay``, every random op inside draws from it (see
+    ``RandomReplay``, which raises ``UnreplayableRandomError`` for a draw it cannot
+    repeat); without ``replay`` only layers that read ``current_generator()`` do.
     """
     previous = (getattr(_state, "generator", None), getattr(_state, "recomputing", False))
     _state.generator, _state.recomputing = generator, recomputing
     try:
-        with RandomReplay(generator) if generator is not None else nullcontext():
+        with RandomReplay(generator) if generator is not None and replay else nullcontext():
             yield
     finally:
         _state.generator, _state.recomputing = previous

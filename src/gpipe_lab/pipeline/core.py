@@ -53,6 +53,9 @@ class PipelineCore(nn.Module):
         get_schedule(options.schedule, num_ranks, num_ranks if v > 1 else 1, v)
         self.options = options
         self.runtimes = runtimes
+        for runtime in runtimes.values():
+            runtime.track_memory = options.track_memory
+            runtime.replay_random = options.random_replay
         self.channel = channel
         self._num_ranks = num_ranks
         self._dp_size = dp_size

@@ -142,8 +142,6 @@ class GPipe(PipelineCore):
         self.threads_per_stage = opts.threads_per_stage or max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
         self.stages = [StageRuntime(j, len(self._partitions), part, dev, self.seed)
                        for j, (part, dev) in enumerate(zip(self._partitions, chunk_devices))]
-        for stage in self.stages:
-            stage.track_memory = opts.track_memory
         runtimes = dict(enumerate(self.stages))
         self._start_core(opts, runtimes, LocalChannel(runtimes, K, self.threads_per_stage, float(opts.timeout)), K)
 

@@ -99,6 +99,7 @@ class StageRuntime:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.track_memory = True
+        self.replay_random = True
 
     # ---------------------------------------------------------------- step
     def begin(self, plan: StepPlan, keep_outputs: bool = False) -> None:
@@ -158,7 +159,7 @@ class StageRuntime:
         hooks = (torch.autograd.graph.saved_tensors_hooks(pack, _unpack) if self.track_memory
                  else nullcontext())
         # every micro-batch gets its generator: any layer may draw from current_generator()
-        with microbatch_context(self._generator(mb), recomputing), hooks, \
+        with microbatch_context(self._generator(mb), recomputing, self.replay_random), hooks, \
                 checkpointing(mb in self.plan.checkpointed):
             out = self.module(unwrap(inputs, was_tensor))
             outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")

@@ -92,8 +92,6 @@ class DistributedGPipe(PipelineCore):
         self.local = nn.ModuleDict({str(j): part for j, (_, part) in self._chunks.items()})
         runtimes = {j: StageRuntime(j, num_stages * v, part, self.device, self.seed)
                     for j, (_, part) in self._chunks.items()}
-        for runtime in runtimes.values():
-            runtime.track_memory = opts.track_memory
         self.abort = AbortChannel(dist.distributed_c10d._get_default_store(), topo.rank, topo.stage_index)
         self.grad_sync = GradientSync(topo.dp_group, topo.dp_size, self.abort, float(opts.timeout), bucket_bytes)
         channel = P2PChannel(topo, runtimes, self.device, self.abort, float(opts.timeout), self.grad_sync)
