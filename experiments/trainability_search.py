@@ -2,6 +2,7 @@
 
     python -m experiments.trainability_search                      # the grid below, 40 CPU-minute budget
     python -m experiments.trainability_search --budget-min 5 --out /tmp/search
+    python -m experiments.trainability_search --first 5 --budget-min 20   # the settings after the fifth
 
 Trains the baseline (no FFN init scaling, no logit clip) with 3 seeds at each
 setting of ``GRID`` in order, one thread per run, until a setting diverges in at
@@ -32,6 +33,8 @@ GRID: list[dict] = [
     {"num_layers": 24, "d_model": 32, "ffn_dim": 128, "num_heads": 2, "pre_norm": True, "lr": 0.03, "steps": 60},
     {"num_layers": 24, "d_model": 32, "ffn_dim": 128, "num_heads": 2, "pre_norm": False, "lr": 0.03, "steps": 60},
     {"num_layers": 32, "d_model": 16, "ffn_dim": 64, "num_heads": 2, "pre_norm": False, "lr": 0.05, "steps": 60},
+    {"num_layers": 12, "d_model": 32, "ffn_dim": 128, "num_heads": 2, "pre_norm": True, "lr": 0.1, "steps": 40},
+    {"num_layers": 12, "d_model": 32, "ffn_dim": 128, "num_heads": 2, "pre_norm": True, "lr": 0.3, "steps": 40},
 ]
 SEEDS = (0, 1, 2)
 #: ``--tiny``: one small setting, two steps per seed.
@@ -57,8 +60,9 @@ def main() -> None:
     """Run the grid within ``--budget-min`` CPU minutes; write the search table under ``--out``."""
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--budget-min", type=float, default=40.0, help="stop starting settings after this (minutes)")
+    p.add_argument("--first", type=int, default=0, help="start at this index of the grid (resume a search)")
     args = p.parse_args()
-    grid, seeds = (TINY_GRID, SEEDS[:1]) if args.tiny else (GRID, SEEDS)
+    grid, seeds = (TINY_GRID, SEEDS[:1]) if args.tiny else (GRID[args.first:], SEEDS)
     start, tried, found = time.process_time(), [], None
     for setting in grid:
         if (time.process_time() - start) / 60 > args.budget_min:
