@@ -224,7 +224,7 @@ def main() -> None:
           "so far after step 10; spikes = gradient norm above 5 x the median of the previous 10 steps; "
           "largest abs logit = the output projection's, before clipping.", "",
           md_table(header, table), "", "![loss and gradient norm](trainability.png)", "",
-          findings(runs, clip), "", search_section(args.search), ""]
+          findings(runs, clip), "", "" if args.tiny else search_section(args.search), ""]
     data = {n: [{"losses": r.losses, "grad_norms": r.grad_norms, "nonfinite": r.nonfinite_steps,
                  "val_nll": r.val_nll, "bleu": r.bleu, "max_logits": r.max_logits,
                  "diverged": diverged(r.losses, r.nonfinite_steps)} for r in rs] for n, rs in runs.items()}
