@@ -45,9 +45,9 @@ TINY = tiny_overrides(*EXPERIMENTS)
 
 def normalized(rows: list[dict], key: str) -> dict[tuple[str, int, int], float]:
     """samples/s of every (workload, K, M) divided by that workload's K=2, M=1."""
-    base = {r["workload"]: r[key] for r in rows if r["K"] == 2 and r["M"] == 1 and r[key]}
+    base = {r["workload"]: r[key] for r in rows if r["K"] == 2 and r["M"] == 1 and r.get(key)}
     return {(r["workload"], r["K"], r["M"]): r[key] / base[r["workload"]] for r in rows
-            if r[key] and r["workload"] in base}
+            if r.get(key) and r["workload"] in base}
 
 
 def paper(label: str, m: int) -> list[object]:

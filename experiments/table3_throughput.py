@@ -42,7 +42,7 @@ def speedups(rows: list[dict], key: str) -> dict[tuple[str, int], float]:
     """``key`` (samples/s) of every (workload, K) at the largest M, over that workload's K=2."""
     out = {}
     for label in {r["workload"] for r in rows}:
-        mine = {r["K"]: r[key] for r in rows if r["workload"] == label and r[key]
+        mine = {r["K"]: r[key] for r in rows if r["workload"] == label and r.get(key)
                 and r["M"] == max(x["M"] for x in rows if x["workload"] == label)}
         if 2 in mine:
             out.update({(label, k): v / mine[2] for k, v in mine.items()})
