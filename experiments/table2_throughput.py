@@ -7,15 +7,19 @@
     python -m experiments.table2_throughput --from-multirun logs/train/multiruns/<time>
 
 The workloads and the K / M grid are the ``experiment`` blocks of
-``conf/experiment/paper_table2_{amoebanet,transformer}.yaml``. K in ``measured_k``
-run for real on CPU stages (GPipe, one thread per stage, local transport). K in
-``simulated_k`` cannot run in parallel on 2 cores: they are predicted by the
-planner's simulator from per-layer forward / backward / recompute times measured
-here on one thread at the same micro-batch size, summed over the balance the engine
-gets (by per-layer FLOPs, as Lingvo), with the stage hand-over delay measured at
-K = 2. On a machine with K GPUs ``--gpu`` measures each K with ``cuda:0..K-1`` (not
-exercised here: no GPU). ``--from-multirun`` builds the table from gpipe-train runs
-(their ``summary.json`` samples/s) instead of measuring.
+``conf/experiment/paper_table2_{amoebanet,transformer}.yaml``. Three kinds of cell:
+K in ``measured_k`` run for real on CPU stages (GPipe, one thread per stage, local
+transport); K in ``experiment.emulated_k`` (default 1, 2, 4, 8) run the real engine on
+emulated devices, layers that sleep their share of the per-layer FLOPs
+(``experiment.emulated_forward_ms`` per mini-batch forward, default 1600); every K is
+simulated by the planner's simulator from one ``CostModel`` fitted per workload
+(fixed + per-sample per layer from per-layer times at every M's micro-batch size, the
+engine's per-action overhead, the hand-over measured at K = 2). The simulator's error
+is printed for every measured and emulated cell, and every cell where emulated and
+simulated differ by more than 5% is listed with its reason. On a machine with K GPUs
+``--gpu`` measures each K with ``cuda:0..K-1`` (not exercised here: no GPU).
+``--from-multirun`` builds the table from gpipe-train runs (their ``summary.json``
+samples/s) instead of measuring.
 """
 
 from __future__ import annotations
