@@ -103,7 +103,8 @@ def measured(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], list[str
                                    ("emulated", "emulated_sim_s", "emulated_error")):
                 if row[f"{kind}_s"]:
                     validation.append([work.name, row["K"], row["M"], kind, row["balance"], f"{row[f'{kind}_s']:.3f}",
-                                       f"{row[sim]:.3f}", f"{row[err]:+.1%}", f"{row['hop_s'] * 1e3:.2f} ms"])
+                                       f"{row[sim]:.3f}", f"{row[err]:+.1%}",
+                                       f"{row['hop_s'] * 1e3:.2f} ms" if kind == "measured" else "-"])
     header = ["model (ours)", "K=2 measured (samples/s)", "K=2 emulated", "K=4 emulated", "K=8 emulated",
               "K=2 simulated", "K=4 simulated", "K=8 simulated", "paper K=2", "paper K=4", "paper K=8"]
     sizes = "; ".join(f"{w.name}: `{w.preset}` {w.sizes}, mini-batch {w.batch}" for w in works)
