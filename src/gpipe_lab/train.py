@@ -21,6 +21,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from gpipe_lab.pipeline.options import PipelineOptions
+
 CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parents[2] / "conf")))
 
 
@@ -31,27 +33,28 @@ def build_datamodule(cfg: DictConfig) -> Any:
     return build(cfg.data.name, seed=cfg.seed, **kwargs)
 
 
+def model_overrides(cfg: DictConfig) -> dict[str, Any]:
+    """The ``model`` group's ``gpipe_lab.models.build`` overrides (all but ``name`` and ``task``)."""
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    return {k: v for k, v in model.items() if k not in ("name", "task")}  # type: ignore[union-attr]
+
+
 def build_module(cfg: DictConfig, datamodule: Any) -> Any:
-    """The model from ``models.build`` wrapped in its task's LightningModule.
+    """``model.task``'s LightningModule (``hydra.utils.instantiate``) around ``models.build``'s layers,
+    trained with the ``optimizer`` group's optimizer.
 
     The datamodule decides the class count / vocabulary size when it knows them.
     """
-    from gpipe_lab.lightning.modules import ImageClassifier, Translator
+    from hydra.utils import instantiate
+
     from gpipe_lab.models import build
 
-    overrides = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
-    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
-    optimizer = {k: v for k, v in optimizer.items() if not (k == "momentum" and optimizer["name"] != "sgd")}
-    if optimizer["name"] == "sgd":
-        optimizer.pop("betas", None)
-    if cfg.model.name.startswith("amoebanet"):
-        if getattr(datamodule, "num_classes", None):
-            overrides["num_classes"] = int(datamodule.num_classes)
-        return ImageClassifier(build(cfg.model.name, **overrides), optimizer)
-    if getattr(datamodule, "vocab_size", None):
-        overrides["vocab_size"] = int(datamodule.vocab_size)
+    overrides = model_overrides(cfg)
+    for key in ("num_classes", "vocab_size"):
+        if key in overrides and getattr(datamodule, key, None):
+            overrides[key] = int(getattr(datamodule, key))
     layers = build(cfg.model.name, **overrides)
-    return Translator(layers, optimizer, label_smoothing=float(cfg.model.get("label_smoothing", 0.0)))
+    return instantiate(cfg.model.task, layers=layers, optimizer=instantiate(cfg.optimizer))
 
 
 def init_from_of(cfg: DictConfig) -> str | None:
@@ -106,6 +109,18 @@ def build_logger(cfg: DictConfig, output_dir: Path) -> Any:
     return False
 
 
+def engine_options(cfg: DictConfig, options: PipelineOptions, module: Any) -> PipelineOptions:
+    """The validated options as the engine takes them: measured per-layer costs, the run's seed."""
+    changes: dict[str, Any] = {}
+    if isinstance(options.cost, str) and options.cost != "params":
+        from gpipe_lab.models import layer_costs
+
+        changes["cost"] = layer_costs(module.layers, options.cost)
+    if options.seed is None:
+        changes["seed"] = int(cfg.seed)
+    return options.replace(**changes)
+
+
 def output_dir_of(cfg: DictConfig) -> Path:
     try:
         return Path(cfg.paths.output_dir)
@@ -121,11 +136,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """
     import lightning.pytorch as pl
 
-    from gpipe_lab.config import validate
+    from gpipe_lab.config import validate, validate_layer_count
     from gpipe_lab.lightning import GPipeStrategy
     from gpipe_lab.lightning.callbacks import PipelineMetrics
 
-    pipeline = validate(cfg)
+    options = validate(cfg)
     if cfg.get("dry_run"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return {}
@@ -133,7 +148,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg)
     module = build_module(cfg, datamodule)
-    validate(cfg, num_layers=len(module.layers))
+    validate_layer_count(cfg, options, len(module.layers))
     ckpt_path = None
     if cfg.get("ckpt_path") is not None:
         from gpipe_lab.lightning.resume import resolve_ckpt_path
@@ -146,12 +161,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         fresh = load_initial_weights(module, init_from)
         print(f"init_from {init_from}: loaded every weight but {len(fresh)} new one(s) "
               f"{fresh[:4]}{' ...' if len(fresh) > 4 else ''}")
-    options = OmegaConf.to_container(pipeline, resolve=True)
-    if isinstance(options["cost"], str) and options["cost"] != "params":
-        from gpipe_lab.models import layer_costs
-
-        options["cost"] = layer_costs(module.layers, options["cost"])
-    strategy = GPipeStrategy(**options, seed=cfg.seed)
+    strategy = GPipeStrategy(options=engine_options(cfg, options, module))
     logger = build_logger(cfg, output_dir)
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
              "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,

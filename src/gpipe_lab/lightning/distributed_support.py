@@ -101,19 +101,11 @@ class DistributedMixin:
                               timeout=timedelta(seconds=max(60.0, float(self.timeout))))  # type: ignore[attr-defined]
 
     def _build_distributed_pipeline(self, layers: nn.Sequential) -> Any:
-        """The engine's ``DistributedGPipe`` for this rank's stage.
+        """The engine's ``DistributedGPipe`` for this rank's stage (a collective)."""
+        from gpipe_lab.lightning.engine import build_distributed_engine
 
-        Raises:
-            ImportError: the engine has no distributed transport.
-        """
-        from gpipe_lab.pipeline.distributed import DistributedGPipe
-
-        return DistributedGPipe(
-            layers, balance=self.balance, partitions=None if self.balance else self.partitions,  # type: ignore[attr-defined]
-            chunks=self.chunks, checkpoint=self.checkpoint, schedule=self.schedule,  # type: ignore[attr-defined]
-            deferred_batch_norm=self.deferred_batch_norm, cost=self.cost, seed=self.seed,  # type: ignore[attr-defined]
-            device=self.root_device, data_parallel_size=self.data_parallel_size,  # type: ignore[attr-defined]
-            timeout=self.timeout, nonfinite=self.nonfinite)  # type: ignore[attr-defined]
+        return build_distributed_engine(layers, self.options, self.root_device,  # type: ignore[attr-defined]
+                                        self.data_parallel_size)
 
     def _distributed_reduce(self, tensor: Any, group: Any, reduce_op: Any) -> Any:
         if isinstance(tensor, torch.Tensor):

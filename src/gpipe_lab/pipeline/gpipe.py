@@ -205,7 +205,7 @@ class GPipe(nn.Module):
 
     def train_step(self, inputs: Value, targets: object, loss_fn: Callable[[object, object], Tensor],
                    loss_normalizer: Callable[[object], Tensor | float] | None = None,
-                   return_outputs: bool = False) -> Tensor | tuple[Tensor, Value]:
+                   return_outputs: bool = False, step: int | None = None) -> Tensor | tuple[Tensor, Value]:
         """Forward and backward of all micro-batches; gradients accumulate into the module.
 
         ``loss_fn(output_mb, target_mb)`` returns the micro-batch's mean loss; each is
@@ -214,6 +214,9 @@ class GPipe(nn.Module):
         ``loss_normalizer(targets)`` (e.g. the number of non-pad tokens), exactly.
 
         Returns the full-batch loss (and the last stage's outputs if asked).
+
+        ``step`` numbers this step for the per-(step, stage, micro-batch) random generators
+        (a trainer resuming at batch n passes n); default: ``step_count``, the steps run so far.
 
         Raises:
             ValueError: chunks larger than the batch, a zero normalizer.
@@ -228,6 +231,8 @@ class GPipe(nn.Module):
             if not total > 0:
                 raise ValueError(f"loss_normalizer returned {total}; it must be positive")
             weights = [1.0 / total] * chunks
+        if step is not None:
+            self.step_count = step
         plan = StepPlan(self.step_count, chunks, checkpointed_microbatches(self.checkpoint, chunks),
                         loss_fn=loss_fn, loss_weights=weights)
         with torch.enable_grad():

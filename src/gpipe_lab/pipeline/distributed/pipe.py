@@ -215,7 +215,7 @@ class DistributedGPipe(nn.Module):
 
     def train_step(self, inputs: Value | None, targets: object, loss_fn: Callable[[object, object], Tensor],
                    loss_normalizer: Callable[[object], Tensor | float] | None = None,
-                   return_outputs: bool = False) -> Tensor | tuple[Tensor, Value | None]:
+                   return_outputs: bool = False, step: int | None = None) -> Tensor | tuple[Tensor, Value | None]:
         """Forward and backward of all micro-batches; this rank's gradients accumulate.
 
         Same semantics as ``GPipe.train_step``. Every rank calls it: the first stage
@@ -224,11 +224,16 @@ class DistributedGPipe(nn.Module):
         replicas' mean, on every rank. With ``return_outputs`` the last stage also
         gets its outputs (``None`` on other ranks).
 
+        ``step`` numbers this step for the per-(step, stage, micro-batch) random generators
+        (a trainer resuming at batch n passes n); default: ``step_count``, the steps run so far.
+
         Raises:
             ValueError: chunks larger than the batch, missing inputs/targets, a zero normalizer.
             Exception: what a layer raised, with rank, stage and micro-batch in the message.
             PeerFailedError, PeerTimeoutError: another rank failed, died or stopped answering.
         """
+        if step is not None:
+            self.step_count = step
         plan = StepPlan(self.step_count, self.chunks, checkpointed_microbatches(self.checkpoint, self.chunks),
                         loss_fn=loss_fn)
         try:
