@@ -186,6 +186,15 @@ def validate_optimizer(cfg: DictConfig) -> None:
             raise ConfigError(f"optimizer.{key}: must be a number >= 0, got {value!r}")
 
 
+def trainer_devices(cfg: DictConfig, p: PipelineOptions) -> Any:
+    """``trainer.devices`` as the Trainer takes it: ``auto`` under the distributed transport is
+    K processes per node (one per stage; more replicas: set a multiple of K)."""
+    devices = cfg.trainer.get("devices", "auto")
+    if p.transport == "distributed" and devices == "auto":
+        return p.num_stages
+    return devices
+
+
 def validate_layer_count(cfg: DictConfig, p: PipelineOptions, num_layers: int) -> None:
     """The pipeline against the built model's layer count.
 
@@ -213,12 +222,15 @@ def validate_combinations(cfg: DictConfig, p: PipelineOptions) -> None:
         raise ConfigError(f"pipeline.chunks: {p.chunks} micro-batches is more than data.batch_size={batch}")
     devices = cfg.trainer.get("devices", 1)
     nodes = cfg.trainer.get("num_nodes", 1) or 1
-    if p.transport == "distributed":
-        if not isinstance(devices, int):
-            raise ConfigError(f"trainer.devices: the distributed transport needs an integer, got {devices!r}")
+    if p.transport == "distributed" and devices != "auto":
+        if not isinstance(devices, int) or isinstance(devices, bool):
+            raise ConfigError(f"trainer.devices: the distributed transport needs an integer or auto (K processes "
+                              f"per node), got {devices!r}")
         if (devices * nodes) % k:
             raise ConfigError(f"trainer.devices: world size {devices * nodes} (devices x num_nodes) is not "
-                              f"divisible by pipeline.partitions={k}")
+                              f"divisible by pipeline.partitions={k}: pipeline.transport=distributed runs one "
+                              f"process per stage and data-parallel replica; drop trainer.devices (it then "
+                              f"follows K) or set trainer.devices={k} (or a multiple of {k})")
     elif cfg.trainer.get("accelerator") in ("gpu", "cuda") and isinstance(devices, int) and devices < k:
         raise ConfigError(f"trainer.devices: {devices} GPUs for {k} local pipeline stages; set trainer.devices={k}")
 

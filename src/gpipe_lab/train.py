@@ -136,7 +136,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """
     import lightning.pytorch as pl
 
-    from gpipe_lab.config import validate, validate_layer_count
+    from gpipe_lab.config import trainer_devices, validate, validate_layer_count
     from gpipe_lab.lightning import GPipeStrategy
     from gpipe_lab.lightning.callbacks import PipelineMetrics
 
@@ -168,6 +168,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
              "init_from": init_from}
     metrics = PipelineMetrics(output_dir, extra_summary=extra)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_kwargs["devices"] = trainer_devices(cfg, options)  # type: ignore[index]
     callbacks: list[Any] = [metrics, *build_callbacks(cfg, output_dir, trainer_kwargs)]
     try:
         trainer = pl.Trainer(**trainer_kwargs, strategy=strategy, logger=logger, callbacks=callbacks,
