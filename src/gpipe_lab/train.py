@@ -91,21 +91,19 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
             for k, v in cfg.items() if k != "hydra"}
 
 
-def build_logger(cfg: DictConfig, output_dir: Path) -> Any:
+def build_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions | None = None) -> Any:
+    """The ``logger`` group's logger (``False`` for ``none``); wandb runs are grouped and named
+    by ``gpipe_lab.lightning.wandb_run``."""
     name = cfg.logger.name if cfg.get("logger") else "none"
     if name == "csv":
         from lightning.pytorch.loggers import CSVLogger
 
         return CSVLogger(save_dir=str(output_dir), name="csv")
     if name == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
+        from gpipe_lab.config import validate_pipeline
+        from gpipe_lab.lightning.wandb_run import build_wandb_logger
 
-        output_dir.mkdir(parents=True, exist_ok=True)
-        logger = WandbLogger(save_dir=str(output_dir), project=cfg.logger.project, entity=cfg.logger.entity,
-                             group=cfg.logger.group, tags=list(cfg.logger.tags or []), mode=cfg.logger.mode,
-                             name=output_dir.name)
-        logger.log_hyperparams(resolved_config(cfg))
-        return logger
+        return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg))
     return False
 
 
@@ -139,7 +137,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from gpipe_lab.config import trainer_devices, validate, validate_layer_count
     from gpipe_lab.lightning import GPipeStrategy
     from gpipe_lab.lightning.callbacks import PipelineMetrics
+    from gpipe_lab.lightning.known_warnings import silence_known_warnings
 
+    silence_known_warnings()
     options = validate(cfg)
     if cfg.get("dry_run"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
@@ -162,7 +162,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         print(f"init_from {init_from}: loaded every weight but {len(fresh)} new one(s) "
               f"{fresh[:4]}{' ...' if len(fresh) > 4 else ''}")
     strategy = GPipeStrategy(options=engine_options(cfg, options, module))
-    logger = build_logger(cfg, output_dir)
+    logger = build_logger(cfg, output_dir, options)
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
              "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
              "init_from": init_from}

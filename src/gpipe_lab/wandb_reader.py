@@ -85,13 +85,15 @@ def _key(item: Any) -> str:
 
 @dataclass
 class WandbRun:
-    """What an offline run recorded: history rows, summary, config, record kinds seen."""
+    """What an offline run recorded: history rows, summary, config, name, group, record kinds seen."""
 
     history: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     kinds: dict[str, int] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    name: str = ""
+    group: str = ""
 
     def metric(self, key: str) -> list[Any]:
         """Every history value of ``key``, in step order."""
@@ -114,6 +116,9 @@ def read_run(path: str | Path) -> WandbRun:
             run.summary.update({_key(item): _value(item) for item in record.summary.update})
         elif kind == "config":
             run.config.update({_key(item): _value(item) for item in record.config.update})
+        elif kind == "run":  # the config given to wandb.init, and the run's name and group
+            run.config.update({_key(item): _value(item) for item in record.run.config.update})
+            run.name, run.group = record.run.display_name, record.run.run_group
         elif kind == "files":
             run.files += [f.path for f in record.files.files]
     return run

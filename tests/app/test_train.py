@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,15 @@ SMALL = ["data.num_train=256", "data.num_val=64", "trainer.max_steps=6", "traine
          "data.batch_size=16", "trainer.enable_checkpointing=false"]
 
 
+def warnings_shown(proc: subprocess.CompletedProcess) -> list[str]:
+    """Lines of a run's output that are Python warnings (``file.py:N: message``) or wandb warnings."""
+    return [line for line in (proc.stdout + proc.stderr).splitlines()
+            if re.search(r"\.py:\d+: |Warning\b|WARNING", line)]
+
+
 def test_default_app_logs_everything_to_offline_wandb(tmp_path: Path) -> None:
-    gpipe_train(SMALL, tmp_path)
+    proc = gpipe_train(SMALL, tmp_path)
+    assert warnings_shown(proc) == []
     (summary_path,) = tmp_path.rglob("summary.json")
     summary = json.loads(summary_path.read_text())
     assert (summary["K"], summary["M"], summary["schedule"]) == (2, 4, "gpipe")
