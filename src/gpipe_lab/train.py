@@ -138,6 +138,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from gpipe_lab.lightning import GPipeStrategy
     from gpipe_lab.lightning.callbacks import PipelineMetrics
     from gpipe_lab.lightning.known_warnings import silence_known_warnings
+    from gpipe_lab.lightning.wandb_run import run_name
 
     silence_known_warnings()
     options = validate(cfg)
@@ -165,7 +166,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     logger = build_logger(cfg, output_dir, options)
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
              "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
-             "init_from": init_from}
+             "init_from": init_from, "run_name": run_name(options)}
     metrics = PipelineMetrics(output_dir, extra_summary=extra)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_kwargs["devices"] = trainer_devices(cfg, options)  # type: ignore[index]
