@@ -181,9 +181,9 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self._module()
         self.model = self.precision_plugin.convert_module(self.model)
+        layers = module.configure_layers()
+        self._enter_precision_in_stages(layers)
         if self.pipe is None:
-            layers = module.configure_layers()
-            self._enter_precision_in_stages(layers)
             if not self.is_distributed:
                 self.model_to_device()
             self.pipe = self._build_pipeline(layers)
@@ -219,6 +219,9 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         module = self.lightning_module
         if isinstance(module, PipelineModule):
             module.attach_pipeline(None)
+        for handle in self._precision_hooks:
+            handle.remove()
+        self._precision_hooks = []
         if self.is_distributed:  # other stages' layers live on meta: no module.cpu()
             self.precision_plugin.teardown()
             assert self.accelerator is not None
