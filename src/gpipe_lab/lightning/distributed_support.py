@@ -93,8 +93,10 @@ class DistributedMixin:
         self.set_world_ranks()
         world = self.num_nodes * self.num_processes
         if world % self.num_stages:  # type: ignore[attr-defined]
-            raise ValueError(f"world size {world} is not divisible by the {self.num_stages} pipeline "  # type: ignore[attr-defined]
-                             "stages (pipeline.partitions); use trainer.devices = K * data-parallel size")
+            k = self.num_stages  # type: ignore[attr-defined]
+            raise ValueError(f"trainer.devices: world size {world} (devices x num_nodes) is not divisible by "
+                             f"pipeline.partitions={k}: the distributed transport runs one process per stage "
+                             f"and data-parallel replica; set trainer.devices={k} (or a multiple of {k})")
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")  # type: ignore[attr-defined]
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend,
