@@ -13,11 +13,11 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
 
@@ -60,7 +60,10 @@ def _typed(section: Any, schema: type, key: str) -> DictConfig:
         return OmegaConf.merge(OmegaConf.structured(schema), section)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
         bad = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
-        raise ConfigError(f"{key}.{bad}: {exc.msg if hasattr(exc, 'msg') else exc}") from None
+        message = str(exc.msg if hasattr(exc, "msg") else exc).splitlines()[0]
+        if isinstance(exc, ConfigKeyError):
+            message += f"; allowed: {', '.join(f.name for f in fields(schema))}"
+        raise ConfigError(f"{key}.{bad}: {message}") from None
 
 
 def _check_keys(section: Any, allowed: list[str], key: str, what: str) -> None:
