@@ -24,6 +24,8 @@ LossFn = Callable[[Any, Any], Tensor]
 class PipelineEngine(Protocol):
     """The engine as the strategy uses it (``GPipe`` or ``DistributedGPipe``)."""
 
+    #: K pipeline ranks (threads or processes); ``balance`` has K·v entries with v virtual stages.
+    num_stages: int
     balance: list[int]
     timeline: Timeline | None
     last_step_skipped: bool

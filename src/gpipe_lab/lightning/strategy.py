@@ -127,7 +127,8 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
 
     @property
     def num_stages(self) -> int:
-        return len(self.pipe.balance) if self.pipe is not None else self.options.num_stages
+        """K: pipeline ranks (threads or processes); each holds ``virtual_stages`` chunks."""
+        return self.pipe.num_stages if self.pipe is not None else self.options.num_stages
 
     @property
     def root_device(self) -> torch.device:
