@@ -11,7 +11,7 @@ from helpers.app import make_config
 
 def test_run_name_says_what_runs_and_what_differs_from_the_defaults() -> None:
     assert run_name(PipelineOptions(partitions=2, chunks=8, schedule="gpipe-bw")) == "K2-M8-gpipe-bw"
-    assert run_name(PipelineOptions(balance=[3, 3, 3], chunks=4, checkpoint="never", transport="distributed",
+    assert run_name(PipelineOptions(partitions=3, chunks=4, checkpoint="never", transport="distributed",
                                     virtual_stages=2)) == "K3-M4-gpipe-ckpt_never-distributed-v2"
 
 
