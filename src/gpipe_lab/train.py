@@ -21,6 +21,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from gpipe_lab.pipeline.options import PipelineOptions
+
 CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parents[2] / "conf")))
 
 
@@ -31,27 +33,28 @@ def build_datamodule(cfg: DictConfig) -> Any:
     return build(cfg.data.name, seed=cfg.seed, **kwargs)
 
 
+def model_overrides(cfg: DictConfig) -> dict[str, Any]:
+    """The ``model`` group's ``gpipe_lab.models.build`` overrides (all but ``name`` and ``task``)."""
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    return {k: v for k, v in model.items() if k not in ("name", "task")}  # type: ignore[union-attr]
+
+
 def build_module(cfg: DictConfig, datamodule: Any) -> Any:
-    """The model from ``models.build`` wrapped in its task's LightningModule.
+    """``model.task``'s LightningModule (``hydra.utils.instantiate``) around ``models.build``'s layers,
+    trained with the ``optimizer`` group's optimizer.
 
     The datamodule decides the class count / vocabulary size when it knows them.
     """
-    from gpipe_lab.lightning.modules import ImageClassifier, Translator
+    from hydra.utils import instantiate
+
     from gpipe_lab.models import build
 
-    overrides = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
-    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
-    optimizer = {k: v for k, v in optimizer.items() if not (k == "momentum" and optimizer["name"] != "sgd")}
-    if optimizer["name"] == "sgd":
-        optimizer.pop("betas", None)
-    if cfg.model.name.startswith("amoebanet"):
-        if getattr(datamodule, "num_classes", None):
-            overrides["num_classes"] = int(datamodule.num_classes)
-        return ImageClassifier(build(cfg.model.name, **overrides), optimizer)
-    if getattr(datamodule, "vocab_size", None):
-        overrides["vocab_size"] = int(datamodule.vocab_size)
+    overrides = model_overrides(cfg)
+    for key in ("num_classes", "vocab_size"):
+        if key in overrides and getattr(datamodule, key, None):
+            overrides[key] = int(getattr(datamodule, key))
     layers = build(cfg.model.name, **overrides)
-    return Translator(layers, optimizer, label_smoothing=float(cfg.model.get("label_smoothing", 0.0)))
+    return instantiate(cfg.model.task, layers=layers, optimizer=instantiate(cfg.optimizer))
 
 
 def init_from_of(cfg: DictConfig) -> str | None:
@@ -88,22 +91,32 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
             for k, v in cfg.items() if k != "hydra"}
 
 
-def build_logger(cfg: DictConfig, output_dir: Path) -> Any:
+def build_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions | None = None) -> Any:
+    """The ``logger`` group's logger (``False`` for ``none``); wandb runs are grouped and named
+    by ``gpipe_lab.lightning.wandb_run``."""
     name = cfg.logger.name if cfg.get("logger") else "none"
     if name == "csv":
         from lightning.pytorch.loggers import CSVLogger
 
         return CSVLogger(save_dir=str(output_dir), name="csv")
     if name == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
+        from gpipe_lab.config import validate_pipeline
+        from gpipe_lab.lightning.wandb_run import build_wandb_logger
 
-        output_dir.mkdir(parents=True, exist_ok=True)
-        logger = WandbLogger(save_dir=str(output_dir), project=cfg.logger.project, entity=cfg.logger.entity,
-                             group=cfg.logger.group, tags=list(cfg.logger.tags or []), mode=cfg.logger.mode,
-                             name=output_dir.name)
-        logger.log_hyperparams(resolved_config(cfg))
-        return logger
+        return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg))
     return False
+
+
+def engine_options(cfg: DictConfig, options: PipelineOptions, module: Any) -> PipelineOptions:
+    """The validated options as the engine takes them: measured per-layer costs, the run's seed."""
+    changes: dict[str, Any] = {}
+    if isinstance(options.cost, str) and options.cost != "params":
+        from gpipe_lab.models import layer_costs
+
+        changes["cost"] = layer_costs(module.layers, options.cost)
+    if options.seed is None:
+        changes["seed"] = int(cfg.seed)
+    return options.replace(**changes)
 
 
 def output_dir_of(cfg: DictConfig) -> Path:
@@ -121,11 +134,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """
     import lightning.pytorch as pl
 
-    from gpipe_lab.config import validate
+    from gpipe_lab.config import trainer_devices, validate, validate_layer_count
     from gpipe_lab.lightning import GPipeStrategy
     from gpipe_lab.lightning.callbacks import PipelineMetrics
+    from gpipe_lab.lightning.known_warnings import silence_known_warnings
+    from gpipe_lab.lightning.wandb_run import run_name
 
-    pipeline = validate(cfg)
+    silence_known_warnings()
+    options = validate(cfg)
     if cfg.get("dry_run"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return {}
@@ -133,7 +149,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg)
     module = build_module(cfg, datamodule)
-    validate(cfg, num_layers=len(module.layers))
+    validate_layer_count(cfg, options, len(module.layers))
     ckpt_path = None
     if cfg.get("ckpt_path") is not None:
         from gpipe_lab.lightning.resume import resolve_ckpt_path
@@ -146,18 +162,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         fresh = load_initial_weights(module, init_from)
         print(f"init_from {init_from}: loaded every weight but {len(fresh)} new one(s) "
               f"{fresh[:4]}{' ...' if len(fresh) > 4 else ''}")
-    options = OmegaConf.to_container(pipeline, resolve=True)
-    if isinstance(options["cost"], str) and options["cost"] != "params":
-        from gpipe_lab.models import layer_costs
-
-        options["cost"] = layer_costs(module.layers, options["cost"])
-    strategy = GPipeStrategy(**options, seed=cfg.seed)
-    logger = build_logger(cfg, output_dir)
+    strategy = GPipeStrategy(options=engine_options(cfg, options, module))
+    logger = build_logger(cfg, output_dir, options)
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
              "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
-             "init_from": init_from}
+             "init_from": init_from, "run_name": run_name(options)}
     metrics = PipelineMetrics(output_dir, extra_summary=extra)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_kwargs["devices"] = trainer_devices(cfg, options)  # type: ignore[index]
     callbacks: list[Any] = [metrics, *build_callbacks(cfg, output_dir, trainer_kwargs)]
     try:
         trainer = pl.Trainer(**trainer_kwargs, strategy=strategy, logger=logger, callbacks=callbacks,
