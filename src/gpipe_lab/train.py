@@ -21,7 +21,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parents[2] / "conf")))
+# The YAML ships inside the package (``gpipe_lab/conf``; in a checkout a link to the top-level
+# ``conf/``), so an installed wheel finds it too.
+CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parent / "conf")))
 
 
 def build_datamodule(cfg: DictConfig) -> Any:
