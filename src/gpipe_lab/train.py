@@ -186,14 +186,32 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def main(cfg: DictConfig) -> float | None:
     """Console script ``gpipe-train``; returns the validation metric (for sweepers)."""
     from gpipe_lab.config import ConfigError
+    from gpipe_lab.data.checks import DataNotFoundError
 
     try:
         summary = run(cfg)
     except ConfigError as exc:
         raise SystemExit(f"config error: {exc}") from None
+    except DataNotFoundError as exc:  # a path to fix, not a bug: no traceback
+        raise SystemExit(f"data error: {exc}") from None
     value = summary.get("validation_value")
     return float(value) if value is not None else None
 
 
+def cli() -> None:
+    """``gpipe-train``: the Hydra app, plus ``did you mean`` hints when Hydra rejects an override."""
+    import sys
+
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code == 1:  # Hydra rejected the command line (the app's own errors exit with a message)
+            from gpipe_lab.config import suggest_overrides
+
+            for hint in suggest_overrides(CONFIG_DIR, sys.argv[1:]):
+                print(hint, file=sys.stderr)
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    cli()
