@@ -85,7 +85,12 @@ def _typed(section: Any, schema: type, key: str) -> DictConfig:
 def _check_keys(section: Any, allowed: list[str], key: str, what: str) -> None:
     unknown = sorted(set(section) - set(allowed))
     if unknown:
-        raise ConfigError(f"{key + '.' if key else ''}{unknown[0]}: unknown key for {what}; allowed: {', '.join(sorted(allowed))}")
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        guess = f"did you mean {key + '.' if key else ''}{close[0]}? " if close else ""
+        raise ConfigError(f"{key + '.' if key else ''}{unknown[0]}: unknown key for {what}; {guess}"
+                          f"allowed: {', '.join(sorted(allowed))}")
 
 
 def _positive(value: Any, key: str) -> None:

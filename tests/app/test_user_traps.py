@@ -107,3 +107,8 @@ def test_a_valid_sweep_still_runs_every_job(tmp_path):
     proc = app(["-m", "pipeline.chunks=1,2", *SMALL, "trainer.max_steps=1"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list(tmp_path.glob("train/multiruns/*/[0-9]/summary.json"))) == 2
+
+
+def test_an_added_key_unknown_to_its_group_names_the_closest_one():
+    with pytest.raises(ConfigError, match="model.num_filterz: unknown key .*did you mean model.num_filters\\?"):
+        validate(make_config("+model.num_filterz=8"))
