@@ -227,10 +227,12 @@ def validate(cfg: DictConfig, num_layers: int | None = None) -> DictConfig:
             raise ConfigError(f"{group}: missing config group")
     known_root = {"model", "data", "pipeline", "trainer", "optimizer", "logger", "paths", "task_name",
                   "tags", "seed", "ckpt_path", "init_from", "callbacks", "dry_run", "experiment", "hydra",
-                  "notes", *EXTENSION_KEYS}
+                  "notes", "fresh_classifier", *EXTENSION_KEYS}
     _check_keys(cfg, sorted(known_root), "", "the root config")
     if not isinstance(cfg.get("seed"), int):
         raise ConfigError(f"seed: must be an integer, got {cfg.get('seed')!r}")
+    from gpipe_lab.config_checks import validate_model_data, validate_trainer_values, validate_transfer
+
     validate_model(cfg)
     validate_data(cfg)
     validate_model_data(cfg)
@@ -244,105 +246,6 @@ def validate(cfg: DictConfig, num_layers: int | None = None) -> DictConfig:
         raise ConfigError(f"optimizer.name: must be one of {list(OPTIMIZERS)}, got {cfg.optimizer.name!r}")
     validate_logger(cfg)
     validate_callbacks(cfg)
+    validate_transfer(cfg)
     validate_combinations(cfg, p, num_layers)
     return p
-
-
-# ---------------------------------------------------------------------- first-use checks
-#: Which datamodules feed which model family (a translation model cannot read images).
-DATA_OF_FAMILY = {"amoebanet": ("synthetic_images", "cifar10", "cifar100", "imagenet"),
-                  "transformer": ("synthetic_translation", "parallel_text")}
-#: A pair known to work, for each family, to show in the error.
-WORKING_PAIR = {"amoebanet": "model=amoebanet_d_tiny data=synthetic_images",
-                "transformer": "model=transformer_tiny data=synthetic_translation (or experiment=transformer_tiny)"}
-
-
-def validate_model_data(cfg: DictConfig) -> None:
-    """The model and the dataset belong to the same task (images or translation).
-
-    Raises:
-        ConfigError: one line naming ``model=`` and ``data=`` and a pair that works.
-    """
-    from gpipe_lab.models.registry import AMOEBANET_PRESETS
-
-    model, data = cfg.model.get("name"), cfg.data.get("name")
-    family = "amoebanet" if model in AMOEBANET_PRESETS else "transformer"
-    if data not in DATA_OF_FAMILY[family]:
-        kind = "an image classifier" if family == "amoebanet" else "a translation model"
-        raise ConfigError(f"model={model} data={data}: {kind} needs one of data={'|'.join(DATA_OF_FAMILY[family])}; "
-                          f"a working pair: {WORKING_PAIR[family]}")
-
-
-def validate_trainer_values(cfg: DictConfig) -> None:
-    """Trainer values Lightning only rejects deep inside ``fit`` (or with a ZeroDivisionError).
-
-    Raises:
-        ConfigError: naming the key, for a non-positive ``accumulate_grad_batches`` or
-            ``log_every_n_steps`` below 1.
-    """
-    for key in ("accumulate_grad_batches", "log_every_n_steps"):
-        value = cfg.trainer.get(key)
-        if value is not None:
-            _positive(value, f"trainer.{key}")
-
-
-def _flat_keys(node: Any, prefix: str = "") -> list[str]:
-    keys = []
-    for k in node:
-        path = f"{prefix}{k}"
-        keys.append(path)
-        child = node._get_node(k)  # no interpolation resolved: ${hydra:...} fails outside a run
-        if isinstance(child, DictConfig):
-            keys.extend(_flat_keys(child, path + "."))
-    return keys
-
-
-def suggest_overrides(config_dir: str, overrides: list[str]) -> list[str]:
-    """For command-line overrides that name no key or option of the config, ``did you mean``
-    hints with the closest valid key (``pipeline.chunk`` -> ``pipeline.chunks``) or option
-    (``model=transformer_tny`` -> ``model=transformer_tiny``). Overrides with ``+``/``~``
-    and Hydra's own are left alone. Returns no hint when the config cannot be composed at all.
-    """
-    import difflib
-    from pathlib import Path
-
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    root = Path(config_dir)
-    groups = {p.name: sorted(q.stem for q in p.glob("*.yaml")) for p in root.iterdir() if p.is_dir()}
-    hints: list[str] = []
-    selections, keys = [], []
-    for override in overrides:
-        if override.startswith(("-", "+", "~")) or "=" not in override:
-            continue
-        key, value = override.split("=", 1)
-        if key.startswith("hydra"):
-            continue
-        if key in groups:
-            options = groups[key]
-            if "," not in value and value not in (*options, "null"):
-                close = difflib.get_close_matches(value, options, n=1)
-                hints.append(f"{key}={value}: no such option; did you mean {key}={close[0]}?" if close else
-                             f"{key}={value}: no such option; options: {', '.join(options)}")
-                continue
-            selections.append(override)
-        else:
-            keys.append(key)
-    if not keys:
-        return hints
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(root)):
-            cfg = compose("train", overrides=selections)
-    except Exception:  # noqa: BLE001 - hints are best effort; Hydra already reported the error
-        return hints
-    finally:
-        GlobalHydra.instance().clear()
-    known = _flat_keys(cfg)
-    for key in keys:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            hints.append(f"{key}: not a key of the config; did you mean {close[0]}?" if close else
-                         f"{key}: not a key of the config (add it with +{key}=... if it is meant to be new)")
-    return hints

@@ -141,11 +141,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         from gpipe_lab.lightning.resume import resolve_ckpt_path
 
         ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
+        from gpipe_lab.lightning.resume_checks import check_resume
+
+        check_resume(ckpt_path, cfg, module)
     init_from = init_from_of(cfg)
     if init_from is not None:
         from gpipe_lab.lightning.resume import load_initial_weights
 
-        fresh = load_initial_weights(module, init_from)
+        fresh = load_initial_weights(module, init_from, fresh_classifier=bool(cfg.get("fresh_classifier", True)))
         print(f"init_from {init_from}: loaded every weight but {len(fresh)} new one(s) "
               f"{fresh[:4]}{' ...' if len(fresh) > 4 else ''}")
     options = OmegaConf.to_container(pipeline, resolve=True)
@@ -206,7 +209,7 @@ def cli() -> None:
         main()
     except SystemExit as exc:
         if exc.code == 1:  # Hydra rejected the command line (the app's own errors exit with a message)
-            from gpipe_lab.config import suggest_overrides
+            from gpipe_lab.suggest import suggest_overrides
 
             for hint in suggest_overrides(CONFIG_DIR, sys.argv[1:]):
                 print(hint, file=sys.stderr)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_lab.config import ConfigError, suggest_overrides, validate
+from gpipe_lab.config import ConfigError, validate
+from gpipe_lab.suggest import suggest_overrides
 from gpipe_lab.train import CONFIG_DIR
 from helpers.app import make_config
 

@@ -106,6 +106,16 @@ class PipelineMetrics(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.write_summary(trainer)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Ctrl-C: the run so far still gets its summary (``"interrupted": true``) and last picture."""
+        if not isinstance(exception, KeyboardInterrupt):
+            return
+        strategy = self._strategy(trainer)
+        if strategy is not None and self._timeline is not None:
+            self._picture(trainer, strategy, "last")
+        self.extra_summary["interrupted"] = True
+        self.write_summary(trainer)
+
     def write_summary(self, trainer: pl.Trainer) -> None:
         """Build the summary; on global rank 0 write ``summary.json`` and send it to wandb."""
         self.summary = self.build_summary(trainer)
