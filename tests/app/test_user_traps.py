@@ -113,3 +113,10 @@ def test_a_valid_sweep_still_runs_every_job(tmp_path):
 def test_an_added_key_unknown_to_its_group_names_the_closest_one():
     with pytest.raises(ConfigError, match="model.num_filterz: unknown key .*did you mean model.num_filters\\?"):
         validate(make_config("+model.num_filterz=8"))
+
+
+def test_lightning_info_lines_are_printed_once(tmp_path):
+    proc = app([*SMALL, "data.num_train=16", "trainer.max_steps=1"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert out.count("Seed set to 0") == 1 and out.count("`Trainer.fit` stopped") == 1, out[-3000:]
