@@ -124,9 +124,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from gpipe_lab.config import validate
+    from gpipe_lab.continuation import continue_run
     from gpipe_lab.lightning import GPipeStrategy
     from gpipe_lab.lightning.callbacks import PipelineMetrics
 
+    cfg = continue_run(cfg)  # ckpt_path: the checkpoint's run's overrides, wandb run and a link to it
     pipeline = validate(cfg)
     if cfg.get("dry_run"):
         print(OmegaConf.to_yaml(cfg, resolve=True))

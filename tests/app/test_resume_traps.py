@@ -149,3 +149,19 @@ def test_ctrl_c_writes_summary_and_last_picture_and_prints_the_resume_command(tm
     assert (run_dir / "timeline_last.png").exists()
     assert f"resume with: gpipe-train {' '.join(args[:3])}" in out
     assert f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}" in out
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_continues_the_run_with_its_overrides_and_wandb_run(tmp_path):
+    from gpipe_lab.continuation import wandb_run_id
+
+    small = [o for o in SMALL if o != "logger=none"]
+    gpipe_train([*small, "logger=wandb", "trainer.max_steps=2"], tmp_path)
+    first = next(tmp_path.glob("train/runs/*"))
+    proc = gpipe_train(["ckpt_path=last", "trainer.max_steps=4"], tmp_path)  # nothing else retyped
+    second = next(p for p in tmp_path.glob("train/runs/*") if p != first)
+    assert (second / "resumed_run").resolve() == first.resolve()
+    assert "continuing run" in proc.stdout
+    summary = json.loads((second / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["resumed_from"] == str(first / "checkpoints" / "last.ckpt")
+    assert wandb_run_id(second) == wandb_run_id(first) is not None
