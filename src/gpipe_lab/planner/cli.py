@@ -94,7 +94,8 @@ def too_few_layers(model: str, layers: int, partitions: int) -> str:
     """The message for more partitions than layers, with the paper's size when there is one."""
     from gpipe_lab.models import TRANSFORMER_L_PAPER
 
-    msg = f"--model {model} has {layers} layers to cut (embedding and head included), fewer than -K {partitions}"
+    msg = (f"cannot cut {layers} layers into {partitions} partitions: --model {model} has {layers} layers "
+           f"(stem/embedding and head included)")
     if model == "transformer_l":
         sizes = ", ".join(f"--num-layers {n} ({p})" for n, p in TRANSFORMER_L_PAPER.items())
         msg += (f"; the transformer_l preset is Table 1's 3-layer member; the paper's sizes: {sizes} "
