@@ -47,9 +47,12 @@ def continue_run(cfg: DictConfig) -> DictConfig:
 
     try:
         hydra_cfg = HydraConfig.get()
-    except ValueError:  # called outside a Hydra run (in-process tests)
+    except ValueError:  # called outside a Hydra run
         return cfg
-    output_dir = Path(hydra_cfg.runtime.output_dir)
+    run_dir = OmegaConf.select(hydra_cfg, "runtime.output_dir", throw_on_missing=False)
+    if run_dir is None:  # a composed config (compose API, tests), not a run
+        return cfg
+    output_dir = Path(run_dir)
     ckpt = resolve_ckpt_path(str(cfg.ckpt_path), output_dir, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
     assert ckpt is not None
     old_run = Path(ckpt).resolve().parent.parent
