@@ -189,7 +189,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Console script ``gpipe-train``; returns the validation metric (for sweepers)."""
+    """The Hydra app (the console script ``gpipe-train`` is ``cli``); returns the validation metric
+    (for sweepers).
+
+    Raises:
+        SystemExit: one line for a config error or a missing dataset (no traceback).
+    """
     from gpipe_lab.config import ConfigError
     from gpipe_lab.data.checks import DataNotFoundError
 
@@ -204,7 +209,11 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def cli() -> None:
-    """``gpipe-train``: the Hydra app, plus ``did you mean`` hints when Hydra rejects an override."""
+    """``gpipe-train``: the Hydra app, plus ``did you mean`` hints when Hydra rejects an override.
+
+    Raises:
+        SystemExit: the app's exit status, as Hydra and ``main`` give it.
+    """
     import sys
 
     try:
