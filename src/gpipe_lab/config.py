@@ -69,7 +69,12 @@ def _typed(section: Any, schema: type, key: str) -> DictConfig:
 def _check_keys(section: Any, allowed: list[str], key: str, what: str) -> None:
     unknown = sorted(set(section) - set(allowed))
     if unknown:
-        raise ConfigError(f"{key + '.' if key else ''}{unknown[0]}: unknown key for {what}; allowed: {', '.join(sorted(allowed))}")
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        guess = f"did you mean {key + '.' if key else ''}{close[0]}? " if close else ""
+        raise ConfigError(f"{key + '.' if key else ''}{unknown[0]}: unknown key for {what}; {guess}"
+                          f"allowed: {', '.join(sorted(allowed))}")
 
 
 def _positive(value: Any, key: str) -> None:
@@ -249,17 +254,22 @@ def validate(cfg: DictConfig, num_layers: int | None = None) -> PipelineOptions:
             raise ConfigError(f"{group}: missing config group")
     known_root = {"model", "data", "pipeline", "trainer", "optimizer", "logger", "paths", "task_name",
                   "tags", "seed", "ckpt_path", "init_from", "callbacks", "dry_run", "experiment", "hydra",
-                  "notes", *EXTENSION_KEYS}
+                  "notes", "fresh_classifier", *EXTENSION_KEYS}
     _check_keys(cfg, sorted(known_root), "", "the root config")
     if not isinstance(cfg.get("seed"), int):
         raise ConfigError(f"seed: must be an integer, got {cfg.get('seed')!r}")
+    from gpipe_lab.config_checks import validate_model_data, validate_trainer_values, validate_transfer
+
     validate_model(cfg)
     validate_data(cfg)
+    validate_model_data(cfg)
     p = validate_pipeline(cfg)
     validate_trainer(cfg)
+    validate_trainer_values(cfg)
     validate_optimizer(cfg)
     validate_logger(cfg)
     validate_callbacks(cfg)
+    validate_transfer(cfg)
     validate_combinations(cfg, p)
     if num_layers is not None:
         validate_layer_count(cfg, p, num_layers)

@@ -23,7 +23,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from gpipe_lab.pipeline.options import PipelineOptions
 
-CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parents[2] / "conf")))
+# The YAML ships inside the package (``gpipe_lab/conf``; in a checkout a link to the top-level
+# ``conf/``), so an installed wheel finds it too.
+CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parent / "conf")))
 
 
 def build_datamodule(cfg: DictConfig) -> Any:
@@ -135,12 +137,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from gpipe_lab.config import trainer_devices, validate, validate_layer_count
+    from gpipe_lab.continuation import continue_run
     from gpipe_lab.lightning import GPipeStrategy
     from gpipe_lab.lightning.callbacks import PipelineMetrics
     from gpipe_lab.lightning.known_warnings import silence_known_warnings
     from gpipe_lab.lightning.wandb_run import run_name
 
     silence_known_warnings()
+    cfg = continue_run(cfg)  # ckpt_path: the checkpoint's run's overrides, wandb run and a link to it
     options = validate(cfg)
     if cfg.get("dry_run"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
@@ -155,11 +159,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         from gpipe_lab.lightning.resume import resolve_ckpt_path
 
         ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
+        from gpipe_lab.lightning.resume_checks import check_resume
+
+        check_resume(ckpt_path, cfg, module)
     init_from = init_from_of(cfg)
     if init_from is not None:
         from gpipe_lab.lightning.resume import load_initial_weights
 
-        fresh = load_initial_weights(module, init_from)
+        fresh = load_initial_weights(module, init_from, fresh_classifier=bool(cfg.get("fresh_classifier", True)))
         print(f"init_from {init_from}: loaded every weight but {len(fresh)} new one(s) "
               f"{fresh[:4]}{' ...' if len(fresh) > 4 else ''}")
     strategy = GPipeStrategy(options=engine_options(cfg, options, module))
@@ -194,16 +201,43 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Console script ``gpipe-train``; returns the validation metric (for sweepers)."""
+    """The Hydra app (the console script ``gpipe-train`` is ``cli``); returns the validation metric
+    (for sweepers).
+
+    Raises:
+        SystemExit: one line for a config error or a missing dataset (no traceback).
+    """
     from gpipe_lab.config import ConfigError
+    from gpipe_lab.data.checks import DataNotFoundError
 
     try:
         summary = run(cfg)
     except ConfigError as exc:
         raise SystemExit(f"config error: {exc}") from None
+    except DataNotFoundError as exc:  # a path to fix, not a bug: no traceback
+        raise SystemExit(f"data error: {exc}") from None
     value = summary.get("validation_value")
     return float(value) if value is not None else None
 
 
+def cli() -> None:
+    """``gpipe-train``: the Hydra app, plus ``did you mean`` hints when Hydra rejects an override.
+
+    Raises:
+        SystemExit: the app's exit status, as Hydra and ``main`` give it.
+    """
+    import sys
+
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code == 1:  # Hydra rejected the command line (the app's own errors exit with a message)
+            from gpipe_lab.suggest import suggest_overrides
+
+            for hint in suggest_overrides(CONFIG_DIR, sys.argv[1:]):
+                print(hint, file=sys.stderr)
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    cli()

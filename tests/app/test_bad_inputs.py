@@ -198,8 +198,8 @@ CASES = [
     # --- gpipe-train resume
     ("train: checkpoint file that does not exist", train_resume(lambda tmp: tmp / "missing.ckpt"),
      FileNotFoundError, "missing.ckpt"),
-    ("train: checkpoint of a different model", train_resume(other_model_checkpoint), RuntimeError,
-     "Error\\(s\\) in loading state_dict for ImageClassifier"),
+    ("train: checkpoint of a different model", train_resume(other_model_checkpoint), ConfigError,
+     "weight\\(s\\) of the checkpoint do not fit this run's model \\(layers\\."),
     # --- gpipe-plan
     ("plan: K < 1", plan("memory", "--model", "amoebanet_d_tiny", "-K", "0"), SystemExit, "partitions must be >= 1, got 0"),
     ("plan: K larger than the layers", plan("memory", "--model", "amoebanet_d_tiny", "-K", "100"), SystemExit,

@@ -24,6 +24,8 @@ MAX_TEST_PARAMS = 12_000_000
 @pytest.mark.parametrize(("group", "name"), FILES, ids=[f"{g}/{n}" for g, n in FILES])
 def test_every_config_file_composes_and_instantiates(group: str, name: str, tmp_path: Path) -> None:
     overrides = [f"{group}={name}"]
+    if (group, name[:11]) in (("model", "transformer"), ("data", "synthetic_t"), ("data", "parallel_te")):
+        overrides.append("model=transformer_tiny" if group == "data" else "data=synthetic_translation")
     if group == "trainer" and name == "distributed":
         overrides.append("pipeline.transport=distributed")
     cfg = make_config(*overrides, tmp_path=tmp_path)
