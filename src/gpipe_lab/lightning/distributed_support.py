@@ -96,7 +96,7 @@ class DistributedMixin:
             # Every rank, as each stage of the local transport, gets threads_per_stage (default:
             # cores / processes here): Lightning sets it on rank 0 only, and kernels reduce in an
             # order that depends on the thread count, so unequal ranks drift from the local run.
-            threads = self.threads_per_stage or (os.cpu_count() or 1) // self.num_processes  # type: ignore[attr-defined]
+            threads = self.options.threads_per_stage or (os.cpu_count() or 1) // self.num_processes  # type: ignore[attr-defined]
             torch.set_num_threads(max(1, threads))
         world = self.num_nodes * self.num_processes
         if world % self.num_stages:  # type: ignore[attr-defined]
