@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpipe_lab.pipeline.devices import normalize_device
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.partition import balance_by_cost, check_balance, layer_costs
 
@@ -58,12 +59,41 @@ def resolve_balance(module: nn.Sequential, balance: Sequence[int] | None, partit
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """Default: ``cuda:<LOCAL_RANK>`` under the NCCL backend, else CPU."""
+    """Default: ``cuda:<LOCAL_RANK>`` under the NCCL backend, else CPU; ``"cuda"`` gets an index.
+
+    Raises:
+        ValueError: a device that cannot be used here (see ``devices.normalize_device``).
+    """
     if device is not None:
-        return torch.device(device)
+        return normalize_device(device)
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (nothing for other devices).
+
+    The main thread runs the per-step collectives (barrier, verdict, timeline
+    gather); without this they would all run on ``cuda:0`` whatever the rank.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def to_cpu(value: object) -> object:
+    """``value`` with every tensor copied to the CPU, so it can be pickled to another process.
+
+    A pickled CUDA tensor unpickles onto the sender's GPU index, which the
+    receiver may not have; CPU tensors travel anywhere.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    return value
 
 
 def shared_seed(seed: int | None, device: torch.device) -> int:
