@@ -25,6 +25,8 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 
+from gpipe_lab.lightning.scaling import engine_nonfinite
+
 
 class DistributedMixin:
     """Helpers for ``GPipeStrategy(transport="distributed")``; inert for the local transport."""
@@ -120,7 +122,8 @@ class DistributedMixin:
             chunks=self.chunks, checkpoint=self.checkpoint, schedule=self.schedule,  # type: ignore[attr-defined]
             deferred_batch_norm=self.deferred_batch_norm, cost=self.cost, seed=self.seed,  # type: ignore[attr-defined]
             device=self.root_device, data_parallel_size=self.data_parallel_size,  # type: ignore[attr-defined]
-            timeout=self.timeout, nonfinite=self.nonfinite)  # type: ignore[attr-defined]
+            timeout=self.timeout,  # type: ignore[attr-defined]
+            nonfinite=engine_nonfinite(self.nonfinite, self.precision_plugin))  # type: ignore[attr-defined]
 
     def _distributed_reduce(self, tensor: Any, group: Any, reduce_op: Any) -> Any:
         if isinstance(tensor, torch.Tensor):

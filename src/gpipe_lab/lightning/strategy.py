@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from gpipe_lab.lightning.distributed_support import DistributedMixin
 from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.lightning.pipeline_runner import PipelineRunnerMixin
+from gpipe_lab.lightning.scaling import active_scaler, agree_on_overflow, engine_nonfinite
 from gpipe_lab.pipeline import CHECKPOINT_MODES, NONFINITE_POLICIES, SCHEDULES, GPipe, Timeline
 
 TRANSPORTS = ("local", "distributed")
@@ -177,6 +178,8 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         self.setup_precision_plugin()
         if self.is_distributed:
             self._install_global_clipping()
+            if active_scaler(self.precision_plugin) is not None:
+                agree_on_overflow(self.precision_plugin.scaler)
 
     def _build_pipeline(self, layers: nn.Sequential) -> Any:
         if self.is_distributed:
@@ -185,7 +188,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
                      devices=self._local_devices(), chunks=self.chunks, checkpoint=self.checkpoint,
                      schedule=self.schedule, deferred_batch_norm=self.deferred_batch_norm,
                      cost=self.cost, seed=self.seed, threads_per_stage=self.threads_per_stage,
-                     timeout=self.timeout, nonfinite=self.nonfinite)
+                     timeout=self.timeout, nonfinite=engine_nonfinite(self.nonfinite, self.precision_plugin))
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
