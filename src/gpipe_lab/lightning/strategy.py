@@ -154,23 +154,29 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
 
     # ------------------------------------------------------------------ setup
     def model_to_device(self) -> None:
+        """Every stage on its own device, the module's other tensors on the root device.
+
+        Moving the whole module to the root device first would need the whole
+        model's memory on one GPU.
+        """
         assert self.model is not None
-        self.model.to(self.root_device)
+        if self.pipe is None or self.is_distributed:
+            self.model.to(self.root_device)
+            return
+        for part, device in zip(self.pipe.partitions, self.pipe.devices):
+            part.to(device)
+        place_outside(self.model, self.pipe.module, self.root_device)
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self._module()
         self.model = self.precision_plugin.convert_module(self.model)
-        if self.pipe is None:
-            layers = module.configure_layers()
-            if not self.is_distributed:
-                self.model_to_device()
-            self.pipe = self._build_pipeline(layers)
+        if self.pipe is None:  # the engine moves each stage from the host to its own device
+            self.pipe = self._build_pipeline(module.configure_layers())
             self._wrap_stages()
-        elif not self.is_distributed:  # a later fit/validate: teardown moved the module to CPU
-            for part, device in zip(self.pipe.partitions, self.pipe.devices):
-                part.to(device)
+        if not self.is_distributed:  # also a later fit/validate: teardown moved the module to CPU
+            self.model_to_device()
         object.__setattr__(module, "pipeline_forward", self.pipeline_forward)
         object.__setattr__(module, "pipeline_runner", self.run_manual)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -215,6 +221,21 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
             self.checkpoint_io.teardown()
             return
         super().teardown()
+
+
+def place_outside(root: nn.Module, inner: nn.Module, device: torch.device) -> None:
+    """Move the parameters and buffers of ``root`` that ``inner`` does not hold to ``device``.
+
+    ``inner``'s tensors stay where they are; parameters keep their identity.
+    """
+    inside = {id(t) for t in (*inner.parameters(), *inner.buffers())}
+    for m in root.modules():
+        for p in m.parameters(recurse=False):
+            if id(p) not in inside and p.device != device:
+                torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(device), p.requires_grad))
+        for name, b in list(m.named_buffers(recurse=False)):
+            if id(b) not in inside and b.device != device:
+                setattr(m, name, b.to(device))
 
 
 StrategyRegistry.register("gpipe", GPipeStrategy, description="GPipe pipeline parallelism",
