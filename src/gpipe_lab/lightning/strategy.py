@@ -24,6 +24,7 @@ from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.lightning.pipeline_runner import PipelineRunnerMixin
 from gpipe_lab.lightning.scaling import active_scaler, agree_on_overflow, engine_nonfinite
 from gpipe_lab.pipeline import CHECKPOINT_MODES, NONFINITE_POLICIES, SCHEDULES, GPipe, Timeline
+from gpipe_lab.pipeline.devices import normalize_device
 
 TRANSPORTS = ("local", "distributed")
 
@@ -143,7 +144,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
 
     def _local_devices(self) -> list[torch.device] | None:
         if self.stage_devices is not None:
-            return [torch.device(d) for d in self.stage_devices]
+            return [normalize_device(d) for d in self.stage_devices]
         devices = self.parallel_devices or []
         if devices and all(d.type == "cuda" for d in devices):
             if len(devices) < self.num_stages:
