@@ -172,6 +172,14 @@ class GPipe(PipelineCore):
         return pipeline_forward(self, inputs)
 
     def memory(self) -> list[dict[str, int]]:
-        """Per stage: parameter bytes and the last step's peak saved-activation bytes."""
-        return [{"parameter_bytes": s.parameter_bytes(), "peak_activation_bytes": s.peak_bytes}
-                for s in self.stages]
+        """Per stage: parameter bytes, the last step's peak saved-activation bytes and, for a
+        stage on a GPU, ``device_peak_bytes``: ``torch.cuda.max_memory_allocated`` of its
+        device (shared by the stages on that device; reset it with
+        ``torch.cuda.reset_peak_memory_stats``)."""
+        rows = []
+        for s in self.stages:
+            row = {"parameter_bytes": s.parameter_bytes(), "peak_activation_bytes": s.peak_bytes}
+            if s.device.type == "cuda":
+                row["device_peak_bytes"] = torch.cuda.max_memory_allocated(s.device)
+            rows.append(row)
+        return rows

@@ -35,7 +35,7 @@ from gpipe_lab.pipeline.distributed.resolve import (
     to_cpu,
 )
 from gpipe_lab.pipeline.distributed.state import gather_full_state_dict, local_state_dict
-from gpipe_lab.pipeline.distributed.topology import build_topology
+from gpipe_lab.pipeline.distributed.topology import build_topology, connect_links
 from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import PipelineOptions, merged_options
@@ -88,6 +88,7 @@ class DistributedGPipe(PipelineCore):
         self.balance = balance
         self.device = resolve_device(device)
         bind_device(self.device)  # the main thread's collectives run on this rank's GPU, not cuda:0
+        connect_links(topo, self.device)
         if self.device.type == "cpu" and opts.retain_cpu_memory:
             retain_freed_memory()
         self.seed = shared_seed(opts.seed, self.device)
