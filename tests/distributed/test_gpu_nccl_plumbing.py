@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from gpipe_lab.pipeline.distributed.failure import AbortChannel, PeerTimeoutError, wait_works
 from gpipe_lab.pipeline.distributed.links import accept
+from gpipe_lab.pipeline.distributed.resolve import nccl_failure_settings
 
 
 class DeviceWork:
@@ -38,3 +41,12 @@ def test_a_device_work_is_waited_until_it_completes() -> None:
 def test_accept_without_an_event_hands_values_over_unchanged() -> None:
     values = (torch.ones(2), None)
     assert accept(values, None, torch.device("cpu")) is values
+
+
+def test_nccl_failure_settings_turn_on_async_error_handling(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    assert nccl_failure_settings(42.0).total_seconds() == 42.0
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # a user's choice is kept
+    nccl_failure_settings()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"

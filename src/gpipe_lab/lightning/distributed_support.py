@@ -11,7 +11,6 @@ reductions, and gradient clipping by the global norm across stages.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 from gpipe_lab.lightning.scaling import engine_nonfinite
+from gpipe_lab.pipeline.distributed.resolve import nccl_failure_settings
 
 
 class DistributedMixin:
@@ -106,8 +106,8 @@ class DistributedMixin:
                              "stages (pipeline.partitions); use trainer.devices = K * data-parallel size")
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")  # type: ignore[attr-defined]
         self._process_group_backend = backend
-        _init_dist_connection(self.cluster_environment, backend,
-                              timeout=timedelta(seconds=max(60.0, float(self.timeout))))  # type: ignore[attr-defined]
+        timeout = nccl_failure_settings(max(60.0, float(self.timeout)))  # type: ignore[attr-defined]
+        _init_dist_connection(self.cluster_environment, backend, timeout=timeout)
 
     def _build_distributed_pipeline(self, layers: nn.Sequential) -> Any:
         """The engine's ``DistributedGPipe`` for this rank's stage.

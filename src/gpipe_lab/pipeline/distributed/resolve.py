@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -104,3 +105,21 @@ def shared_seed(seed: int | None, device: torch.device) -> int:
                          device=device if device.type == "cuda" else "cpu")
     dist.broadcast(value, src=0)
     return int(value.item())
+
+
+#: seconds the process group waits for a collective before NCCL's watchdog ends the rank
+PROCESS_GROUP_TIMEOUT = 120.0
+
+
+def nccl_failure_settings(timeout: float = PROCESS_GROUP_TIMEOUT) -> timedelta:
+    """Call before ``init_process_group``: NCCL errors end the rank, and the group's timeout.
+
+    With asynchronous error handling NCCL's watchdog aborts a communicator whose
+    operation failed or ran past the process-group timeout, and the rank ends
+    with an error naming the operation, instead of hanging. The engine's own
+    waits (``failure.wait_works``, shorter: ``timeout=`` of the pipeline) name
+    the peer first; this is the backstop for a hang inside NCCL itself.
+    Returns the timeout to pass to ``init_process_group(timeout=...)``.
+    """
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    return timedelta(seconds=timeout)
