@@ -213,7 +213,8 @@ def speed(ctx: Context) -> dict[str, Any]:
             pipe = GPipe(module, partitions=K, chunks=M, devices=[ctx.device] * K, checkpoint="never")
             t = _step_seconds(lambda p=pipe: p.train_step(x, x, loss_fn), ctx, repeats)
             rows[f"K={K} M={M}"] = {"seconds": round(t, 4), "vs_plain": round(t / plain, 3),
-                                    "timeline_wall": round(pipe.timeline.wall, 4)}
+                                    "timeline_wall": round(pipe.timeline.wall, 4),
+                                    "device_timeline_wall": round(pipe.timeline.on_device().wall, 4)}
         K = min(2, len(module))
         bw = {}
         for schedule in ("gpipe", "gpipe-bw"):
