@@ -11,7 +11,6 @@ reductions, and gradient clipping by the global norm across stages.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,6 +23,9 @@ from lightning.fabric.utilities.distributed import (
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
+
+from gpipe_lab.lightning.scaling import engine_nonfinite
+from gpipe_lab.pipeline.distributed.resolve import nccl_failure_settings
 
 
 class DistributedMixin:
@@ -106,15 +108,19 @@ class DistributedMixin:
                              f"and data-parallel replica; set trainer.devices={k} (or a multiple of {k})")
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")  # type: ignore[attr-defined]
         self._process_group_backend = backend
-        _init_dist_connection(self.cluster_environment, backend,
-                              timeout=timedelta(seconds=max(60.0, float(self.timeout))))  # type: ignore[attr-defined]
+        timeout = nccl_failure_settings(max(60.0, float(self.timeout)))  # type: ignore[attr-defined]
+        _init_dist_connection(self.cluster_environment, backend, timeout=timeout)
 
     def _build_distributed_pipeline(self, layers: nn.Sequential) -> Any:
         """The engine's ``DistributedGPipe`` for this rank's stage (a collective)."""
         from gpipe_lab.lightning.engine import build_distributed_engine
 
-        return build_distributed_engine(layers, self.options, self.root_device,  # type: ignore[attr-defined]
-                                        self.data_parallel_size)
+
+        # under a GradScaler the scaler decides what an overflow does, not the engine's policy
+        options = self.options.replace(  # type: ignore[attr-defined]
+            nonfinite=engine_nonfinite(self.options.nonfinite, self.precision_plugin))  # type: ignore[attr-defined]
+        return build_distributed_engine(layers, options, self.root_device,  # type: ignore[attr-defined]
+                                        self.data_parallel_size)  # type: ignore[attr-defined]
 
     def _distributed_reduce(self, tensor: Any, group: Any, reduce_op: Any) -> Any:
         if isinstance(tensor, torch.Tensor):

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from gpipe_lab.lightning.engine import PipelineEngine
 from gpipe_lab.lightning.metric_sharing import log_train_shared
 from gpipe_lab.lightning.pipeline_module import PipelineModule
+from gpipe_lab.lightning.scaling import active_scaler, unscale_loss
 
 
 class _ContextPerLayer:
@@ -151,7 +152,7 @@ class PipelineRunnerMixin:
         module = self._module()
         inputs, targets = module.split_batch(batch)
         targets = _to_device(targets, self.output_device)
-        scaler = getattr(self.precision_plugin, "scaler", None)
+        scaler = active_scaler(self.precision_plugin)
 
         def loss_fn(outputs: Any, target: Any) -> Tensor:
             loss = module.loss_fn(outputs, target) * scale
@@ -165,7 +166,7 @@ class PipelineRunnerMixin:
                                         return_outputs=True, step=step)
         loss = loss.detach().float()
         if scaler is not None:
-            loss = loss / scaler.get_scale()
+            loss = unscale_loss(loss, scaler)
         real = (loss / scale).to(self.root_device)
         self.last_loss = real
         self.last_batch_size = module.count_samples(inputs, targets)

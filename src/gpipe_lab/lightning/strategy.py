@@ -23,7 +23,9 @@ from gpipe_lab.lightning.distributed_support import DistributedMixin
 from gpipe_lab.lightning.engine import PipelineEngine, build_local_engine
 from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.lightning.pipeline_runner import PipelineRunnerMixin
+from gpipe_lab.lightning.scaling import active_scaler, agree_on_overflow, engine_nonfinite
 from gpipe_lab.pipeline import Timeline
+from gpipe_lab.pipeline.devices import normalize_device
 from gpipe_lab.pipeline.options import TRANSPORTS, PipelineOptions
 
 __all__ = ["TRANSPORTS", "GPipeStrategy"]
@@ -165,7 +167,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
 
     def _local_devices(self) -> list[torch.device] | None:
         if self.stage_devices is not None:
-            return [torch.device(d) for d in self.stage_devices]
+            return [normalize_device(d) for d in self.stage_devices]
         devices = self.parallel_devices or []
         if devices and all(d.type == "cuda" for d in devices):
             if len(devices) < self.num_stages:
@@ -176,8 +178,18 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
 
     # ------------------------------------------------------------------ setup
     def model_to_device(self) -> None:
+        """Every stage on its own device, the module's other tensors on the root device.
+
+        Moving the whole module to the root device first would need the whole
+        model's memory on one GPU.
+        """
         assert self.model is not None
-        self.model.to(self.root_device)
+        if self.pipe is None or self.is_distributed:
+            self.model.to(self.root_device)
+            return
+        for part, device in zip(self.pipe.partitions, self.pipe.devices):
+            part.to(device)
+        place_outside(self.model, self.pipe.module, self.root_device)
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
@@ -186,24 +198,25 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         layers = module.configure_layers()
         self._enter_precision_in_stages(layers)
-        if self.pipe is None:
-            if not self.is_distributed:
-                self.model_to_device()
+        if self.pipe is None:  # the engine moves each stage from the host to its own device
             self.pipe = self._build_pipeline(layers)
-        elif not self.is_distributed:  # a later fit/validate: teardown moved the module to CPU
-            for part, device in zip(self.pipe.partitions, self.pipe.devices):  # type: ignore[attr-defined]
-                part.to(device)
+        if not self.is_distributed:  # also a later fit/validate: teardown moved the module to CPU
+            self.model_to_device()
         module.attach_pipeline(self)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if self.is_distributed:
             self._install_global_clipping()
+            if active_scaler(self.precision_plugin) is not None:
+                agree_on_overflow(self.precision_plugin.scaler)
 
     def _build_pipeline(self, layers: nn.Sequential) -> PipelineEngine:
         if self.is_distributed:
             return self._build_distributed_pipeline(layers)
-        return build_local_engine(layers, self.options, self._local_devices())
+        # under a GradScaler the scaler decides what an overflow does, not the engine's policy
+        options = self.options.replace(nonfinite=engine_nonfinite(self.options.nonfinite, self.precision_plugin))
+        return build_local_engine(layers, options, self._local_devices())
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
@@ -232,6 +245,21 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
             self.checkpoint_io.teardown()
             return
         super().teardown()
+
+
+def place_outside(root: nn.Module, inner: nn.Module, device: torch.device) -> None:
+    """Move the parameters and buffers of ``root`` that ``inner`` does not hold to ``device``.
+
+    ``inner``'s tensors stay where they are; parameters keep their identity.
+    """
+    inside = {id(t) for t in (*inner.parameters(), *inner.buffers())}
+    for m in root.modules():
+        for p in m.parameters(recurse=False):
+            if id(p) not in inside and p.device != device:
+                torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(device), p.requires_grad))
+        for name, b in list(m.named_buffers(recurse=False)):
+            if id(b) not in inside and b.device != device:
+                setattr(m, name, b.to(device))
 
 
 StrategyRegistry.register("gpipe", GPipeStrategy, description="GPipe pipeline parallelism",

@@ -40,6 +40,7 @@ class DeferredBatchNorm(_BatchNorm):
         self.register_buffer("sum_squares", torch.zeros(num_features, dtype=torch.float64),
                              persistent=False)
         self.register_buffer("count", torch.zeros((), dtype=torch.long), persistent=False)
+        self._pending = 0  # samples per channel accumulated, known on the host
 
     def _check_input_dim(self, x: Tensor) -> None:
         if x.dim() < 2:
@@ -52,29 +53,41 @@ class DeferredBatchNorm(_BatchNorm):
                                 False, 0.0, self.eps)
         if not is_recomputing():
             with torch.no_grad():
-                dims = [d for d in range(x.dim()) if d != 1]
-                xf = x.detach().to(self.sum.dtype)
-                self.sum += xf.sum(dims)
-                self.sum_squares += (xf * xf).sum(dims)
-                self.count += x.numel() // x.shape[1]
+                self._accumulate(x.detach())
         return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    def _accumulate(self, x: Tensor) -> None:
+        """Add one micro-batch's per-channel sums, without a float64 copy of ``x``.
+
+        ``var_mean`` reads ``x`` once in its own dtype (accumulating in float32 for
+        16-bit inputs); only the per-channel results are widened to float64.
+        """
+        dims = [d for d in range(x.dim()) if d != 1]
+        n = x.numel() // x.shape[1]
+        var, mean = torch.var_mean(x, dim=dims, correction=0)
+        mean64 = mean.to(self.sum.dtype)
+        self.sum += mean64 * n
+        self.sum_squares += (var.to(self.sum.dtype) + mean64 * mean64) * n
+        self.count += n
+        self._pending += n  # the host's copy of ``count``: commit reads it without a device sync
 
     @torch.no_grad()
     def commit(self) -> bool:
-        """Fold the accumulated mini-batch statistics into the running ones.
+        """Fold the accumulated mini-batch statistics into the running ones (no device sync).
 
         Returns False (and changes nothing) when nothing was accumulated.
         """
-        n = int(self.count)
+        n = self._pending
         if n == 0:
             return False
         mean = self.sum / n
         var = (self.sum_squares / n - mean * mean).clamp_min(0.0)
         unbiased = var * (n / (n - 1)) if n > 1 else var
         self.num_batches_tracked += 1
-        factor = (1.0 / float(self.num_batches_tracked)) if self.momentum is None else self.momentum
-        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
-        self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+        # momentum=None: a cumulative average, 1 / batches as a tensor (reading it would sync)
+        factor = 1.0 / self.num_batches_tracked if self.momentum is None else self.momentum
+        self.running_mean.mul_(1 - factor).add_((mean * factor).to(self.running_mean.dtype))
+        self.running_var.mul_(1 - factor).add_((unbiased * factor).to(self.running_var.dtype))
         self.reset_accumulators()
         return True
 
@@ -83,6 +96,7 @@ class DeferredBatchNorm(_BatchNorm):
         self.sum.zero_()
         self.sum_squares.zero_()
         self.count.zero_()
+        self._pending = 0
 
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:

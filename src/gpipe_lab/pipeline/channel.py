@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from gpipe_lab.pipeline.devices import move_target
 from gpipe_lab.pipeline.microbatch import to_device
 from gpipe_lab.pipeline.schedules import Action, Schedule
 from gpipe_lab.pipeline.stage import StageRuntime
@@ -123,7 +124,8 @@ def run_action(action: Action, runtime: StageRuntime, endpoint: Endpoint, feed: 
             values, was_tensor = to_device(feed.inputs[mb], runtime.device), feed.input_was_tensor
         else:
             values, was_tensor = endpoint.receive(key, action)
-        target = feed.targets[mb] if feed.targets is not None and runtime.is_last else None
+        target = (move_target(feed.targets[mb], runtime.device)
+                  if feed.targets is not None and runtime.is_last else None)
         outputs, out_tensor = runtime.forward(mb, values, was_tensor, target)
         out = outgoing(action, num_stages)
         if out is not None:

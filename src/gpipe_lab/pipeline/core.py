@@ -157,6 +157,10 @@ class PipelineCore(nn.Module):
                                       for r in self.runtimes.values() for e in r.events),
                                      key=lambda e: e.start)
             timeline.num_microbatches = plan.num_microbatches
+            if any(r.clock is not None for r in self.runtimes.values()):
+                runtimes = list(self.runtimes.values())
+                timeline.device_source = lambda: [Event(e.stage % K, e.kind, e.microbatch, e.start, e.end)
+                                                  for r in runtimes for e in r.device_events()]
             self.timeline = timeline
         last = self.runtimes.get(self._num_virtual - 1)
         loss = outputs = None

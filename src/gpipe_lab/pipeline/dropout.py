@@ -17,6 +17,23 @@ from torch import Tensor, nn
 from gpipe_lab.pipeline.context import current_generator
 
 
+def keep_mask(x: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
+    """A bool mask, True with probability ``1 - p``, drawn element for element as
+    ``bernoulli_(1 - p)`` on a tensor like ``x`` would draw (same generator use)."""
+    return torch.empty_like(x).bernoulli_(1.0 - p, generator=generator).bool()
+
+
+def masked_scale(x: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
+    """Inverted dropout of ``x`` whose autograd graph saves only a bool mask.
+
+    ``x * keep`` with a float mask saves the mask in ``x``'s dtype (4 bytes an
+    element in float32); ``where`` saves its bool condition (1 byte), and the
+    scaling by a Python number saves nothing.
+    """
+    keep = keep_mask(x, p, generator)
+    return torch.where(keep, x, x.new_zeros(())) * (1.0 / (1.0 - p))
+
+
 class StageDropout(nn.Module):
     """Inverted dropout with masks from the stage generator (global RNG outside a pipeline)."""
 
@@ -29,8 +46,7 @@ class StageDropout(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
             return x
-        keep = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=current_generator())
-        return x * keep / (1.0 - self.p)
+        return masked_scale(x, self.p, current_generator())
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

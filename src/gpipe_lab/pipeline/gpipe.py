@@ -25,6 +25,7 @@ from gpipe_lab.pipeline.autograd_forward import pipeline_forward
 from gpipe_lab.pipeline.batching import checkpointed_microbatches
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.core import PipelineCore
+from gpipe_lab.pipeline.devices import resolve_devices
 from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.local import LocalChannel
 from gpipe_lab.pipeline.microbatch import Value
@@ -35,23 +36,6 @@ from gpipe_lab.pipeline.stage import StageRuntime
 
 __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "GPipe", "NonFiniteError", "checkpointed_microbatches",
            "resolve_devices"]
-
-
-def resolve_devices(devices: Sequence[str | torch.device] | None, partitions: int) -> list[torch.device]:
-    """One device per partition; default: CUDA GPUs when there are enough, else CPU.
-
-    Raises:
-        ValueError: fewer devices than partitions.
-    """
-    if devices is None:
-        if torch.cuda.is_available() and torch.cuda.device_count() >= partitions:
-            return [torch.device("cuda", k) for k in range(partitions)]
-        return [torch.device("cpu")] * partitions
-    devices = [torch.device(d) for d in devices]
-    if len(devices) < partitions:
-        raise ValueError(f"{partitions} partitions need {partitions} devices, got {len(devices)}: "
-                         f"{[str(d) for d in devices]}")
-    return devices[:partitions]
 
 
 def resolve_balance(module: nn.Sequential, options: PipelineOptions) -> list[int]:
@@ -186,6 +170,14 @@ class GPipe(PipelineCore):
         return pipeline_forward(self, inputs)
 
     def memory(self) -> list[dict[str, int]]:
-        """Per stage: parameter bytes and the last step's peak saved-activation bytes."""
-        return [{"parameter_bytes": s.parameter_bytes(), "peak_activation_bytes": s.peak_bytes}
-                for s in self.stages]
+        """Per stage: parameter bytes, the last step's peak saved-activation bytes and, for a
+        stage on a GPU, ``device_peak_bytes``: ``torch.cuda.max_memory_allocated`` of its
+        device (shared by the stages on that device; reset it with
+        ``torch.cuda.reset_peak_memory_stats``)."""
+        rows = []
+        for s in self.stages:
+            row = {"parameter_bytes": s.parameter_bytes(), "peak_activation_bytes": s.peak_bytes}
+            if s.device.type == "cuda":
+                row["device_peak_bytes"] = torch.cuda.max_memory_allocated(s.device)
+            rows.append(row)
+        return rows

@@ -11,8 +11,11 @@ batch instead of one micro-batch (measured on the issue's MLP, 2-core Xeon:
 the step's weight-gradient GEMMs at 128 rows cost ~9% of the step more than
 at 1024; ``benchmarks/probes/weight_grad_batching.py``).
 
-Anything else (other node types, hooks on a parameter, autocast's mixed dtypes,
-``alpha``/``beta`` != 1) is refused, and the caller runs autograd's W instead.
+Under autocast (bf16 or fp16) the parameters reach the GEMM through a cast;
+the product is then formed in the 16-bit dtype and cast to the parameter's, as
+autograd does. Anything else (other node types, hooks on a parameter, mixed
+dtypes outside autocast's pattern, ``alpha``/``beta`` != 1) is refused, and the
+caller runs autograd's W instead.
 """
 
 from __future__ import annotations
@@ -23,9 +26,18 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import Node
 
+_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
 
 def _leaf(node: Node | None) -> Tensor | None:
     return getattr(node, "variable", None)
+
+
+def _through_cast(node: Node | None) -> tuple[Node | None, bool]:
+    """Past the dtype cast autocast puts between a parameter and its use: (node, was cast)."""
+    if node is not None and node.name() == "ToCopyBackward0":
+        return node.next_functions[0][0], True
+    return node, False
 
 
 def _linear_parts(node: Node) -> tuple[Tensor, Tensor, Tensor | None] | None:
@@ -43,10 +55,14 @@ def _linear_parts(node: Node) -> tuple[Tensor, Tensor, Tensor | None] | None:
         return None
     if weight_node is None or weight_node.name() != "TBackward0":
         return None
-    weight = _leaf(weight_node.next_functions[0][0])
-    if weight is None or (bias_node is not None and _leaf(bias_node) is None):
+    weight_leaf, weight_cast = _through_cast(weight_node.next_functions[0][0])
+    bias_leaf, bias_cast = _through_cast(bias_node)
+    weight = _leaf(weight_leaf)
+    if weight is None or (bias_node is not None and _leaf(bias_leaf) is None):
         return None
-    return x, weight, _leaf(bias_node)
+    if bias_node is not None and bias_cast != weight_cast:
+        return None
+    return x, weight, _leaf(bias_leaf)
 
 
 def linear_weight_grads(nodes: Sequence[Node], grads: Sequence[Tensor], params: Sequence[Tensor]) -> bool:
@@ -68,19 +84,25 @@ def linear_weight_grads(nodes: Sequence[Node], grads: Sequence[Tensor], params: 
     if any(t._post_accumulate_grad_hooks or t._backward_hooks for t in owned):
         return False
     xs = [p[0] for p in parts]  # type: ignore[index]
+    low = xs[0].dtype  # the compute dtype: the weight's own, or autocast's 16-bit one
+    if low != weight.dtype and low not in _AUTOCAST_DTYPES:
+        return False
     for x, g in zip(xs, grads):
-        if x.dim() != 2 or g.dim() != 2 or x.dtype != weight.dtype or g.dtype != weight.dtype \
+        if x.dim() != 2 or g.dim() != 2 or x.dtype != low or g.dtype != low \
                 or x.device != weight.device or g.device != weight.device:
             return False
     with torch.no_grad():
         g = grads[0] if len(grads) == 1 else torch.cat(list(grads))
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
-        if weight.grad is None:
+        if low != weight.dtype:  # as autograd: the GEMM in 16 bits, then the cast to the weight's dtype
+            dw = g.t().mm(x).to(weight.dtype)
+            weight.grad = dw if weight.grad is None else weight.grad.add_(dw)
+        elif weight.grad is None:
             weight.grad = g.t().mm(x)
         else:
             weight.grad.addmm_(g.t(), x)
         if bias is not None:
-            db = g.sum(0)
+            db = g.sum(0).to(bias.dtype)
             if bias.grad is None:
                 bias.grad = db
             else:

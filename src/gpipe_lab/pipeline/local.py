@@ -26,6 +26,7 @@ from gpipe_lab.pipeline.channel import StepFeed, Values, run_actions
 from gpipe_lab.pipeline.errors import PipelineTimeoutError, annotate
 from gpipe_lab.pipeline.schedules import Action, Schedule
 from gpipe_lab.pipeline.stage import StageRuntime
+from gpipe_lab.pipeline.streams import Streams, streams_for
 from gpipe_lab.pipeline.timeline import Event
 
 
@@ -75,24 +76,26 @@ class Mailbox:
 
 
 class _Endpoint:
-    """One worker's side of the mailbox."""
+    """One worker's (rank's) side of the mailbox; hand-overs ordered by ``streams``."""
 
-    def __init__(self, box: Mailbox, runtimes: Mapping[int, StageRuntime], deadline: float) -> None:
+    def __init__(self, box: Mailbox, runtimes: Mapping[int, StageRuntime], deadline: float,
+                 rank: int, device: torch.device, streams: Streams) -> None:
         self.box, self.runtimes, self.deadline = box, runtimes, deadline
+        self.rank, self.device, self.streams = rank, device, streams
 
     def receive(self, key: tuple[str, int, int], action: Action) -> tuple[Values, bool]:
         if self.box.failed:  # another stage failed or the caller was interrupted: stop now
             raise _Aborted
         runtime = self.runtimes[action.stage]
         start = time.perf_counter()
-        values, flag = self.box.get(key, self.deadline)  # type: ignore[misc]
+        values, flag, mark = self.box.get(key, self.deadline)  # type: ignore[misc]
         runtime.events.append(Event(action.stage, "wait", action.microbatch, start, time.perf_counter()))
         if values is not None:
-            values = tuple(None if v is None else v.to(runtime.device, non_blocking=True) for v in values)
+            values = self.streams.hand_over(values, mark, self.rank, runtime.device)
         return values, flag
 
     def send(self, key: tuple[str, int, int], values: Values, was_tensor: bool) -> None:
-        self.box.put(key, (values, was_tensor))
+        self.box.put(key, (values, was_tensor, self.streams.mark(self.rank, self.device)))
 
 
 class LocalChannel:
@@ -107,6 +110,7 @@ class LocalChannel:
         self.num_stages = len(self.runtimes)
         self.threads_per_stage = threads_per_stage
         self.timeout = timeout
+        self.streams: Streams = streams_for([r.device for r in self.runtimes.values()])
 
     def prepare(self, schedule: Schedule) -> Any:
         return None
@@ -146,7 +150,7 @@ class LocalChannel:
 
         def run_rank(k: int) -> None:
             actions = schedule[k]
-            device = self.runtimes[actions[0].stage].device if actions else torch.device("cpu")
+            device = rank_devices[k]
             if device.type == "cpu":
                 torch.set_num_threads(self.threads_per_stage)
             elif device.type == "cuda":
@@ -160,14 +164,20 @@ class LocalChannel:
 
             current[k] = actions[0] if actions else None
             try:
-                run_actions(actions, self.runtimes, _Endpoint(box, self.runtimes, deadline), feed,
-                            self.num_stages, after)
+                with self.streams.compute(k, device):
+                    run_actions(actions, self.runtimes,
+                                _Endpoint(box, self.runtimes, deadline, k, device, self.streams), feed,
+                                self.num_stages, after)
             except _Aborted:
                 pass
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append((time.monotonic(), k, current[k], exc))
                 box.fail()
 
+        rank_devices = [self.runtimes[schedule[k][0].stage].device if schedule[k] else torch.device("cpu")
+                        for k in range(K)]
+        ranks = list(enumerate(rank_devices))
+        self.streams.begin(ranks)  # the optimizer updated the parameters on the caller's stream
         threads = [threading.Thread(target=work, args=(k,), name=f"gpipe-stage-{k}", daemon=True)
                    for k in range(K)]
         try:
@@ -185,6 +195,7 @@ class LocalChannel:
             raise
         finally:
             torch.set_num_threads(main_threads)
+            self.streams.finish(ranks)  # the caller reads losses and gradients on its own stream
         if errors:
             self._abort()
             real = [e for e in errors if not isinstance(e[3], TimeoutError)]

@@ -11,7 +11,7 @@ rank (locally: nothing to sum), so all ranks read the same verdict::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -23,54 +23,72 @@ class NonFiniteError(FloatingPointError):
     """The loss or a stage's gradients are NaN or infinite (policy ``nonfinite="raise"``)."""
 
 
-def all_finite(tensors: Iterable[Tensor | None]) -> bool:
-    """Whether every element of every tensor is finite (``None`` entries are skipped).
+def nonfinite_flag(tensors: Iterable[Tensor | None]) -> Tensor | None:
+    """A 0-d bool tensor, True if some element of some tensor is NaN/inf; computed without a host sync.
 
-    Fast path: one sum per tensor (a single read, no tensor-sized temporary; NaN
-    and inf survive a sum). A sum can also overflow on huge but finite values, so
-    a non-finite sum is confirmed element-wise before ``False`` is returned.
+    Each tensor's minimum and maximum are read (``aminmax``: one pass, no
+    tensor-sized temporary); NaN propagates through both and an infinity is one
+    of them, and unlike a sum they cannot overflow on large finite values.
+    Tensors on several devices are combined on the first one's. ``None`` entries
+    are skipped; returns ``None`` when nothing is left.
     """
-    present = [t for t in tensors if t is not None]
+    present = [t for t in tensors if t is not None and t.numel() > 0]
     if not present:
-        return True
-    # 16-bit sums are taken in float32 so that ordinary gradients do not overflow
-    sums = torch.stack([t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum().float()
-                        for t in present])
-    if bool(torch.isfinite(sums).all()):
-        return True
-    return all(bool(t.isfinite().all()) for t in present)
+        return None
+    device = present[0].device
+    extremes = []
+    for t in present:
+        low, high = torch.aminmax(t.detach())
+        extremes.append(torch.stack([low, high]).float().to(device, non_blocking=True))
+    return ~torch.isfinite(torch.cat(extremes)).all()
+
+
+def all_finite(tensors: Iterable[Tensor | None]) -> bool:
+    """Whether every element of every tensor is finite (``None`` entries are skipped); one host sync."""
+    flag = nonfinite_flag(tensors)
+    return flag is None or not bool(flag)
 
 
 def verdict_vector(loss: Tensor | None, modules: Mapping[int, nn.Module], num_chunks: int,
                    dp_size: int, check: bool, device: torch.device) -> Tensor:
     """This rank's contribution: its loss share and, with ``check``, its non-finite marks.
 
-    ``modules`` maps each (virtual) stage held here to its layers.
+    ``modules`` maps each (virtual) stage held here to its layers. Built on
+    ``device`` from device-side flags only: nothing here waits for the device;
+    ``read_verdict`` is the step's one read.
     """
-    shared = torch.zeros(2 + num_chunks, device=device)
+    slots: list[Tensor] = [torch.zeros((), device=device)] * (2 + num_chunks)
     if loss is not None:
-        shared[0] = loss.detach().float() / dp_size
-    if not check:
-        return shared
-    if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
-        shared[1] = 1.0
-    for j, module in modules.items():
-        if not all_finite(p.grad for p in module.parameters()):
-            shared[2 + j] = 1.0
-    return shared
+        slots[0] = (loss.detach().float() / dp_size).to(device)
+    if check:
+        if loss is not None:
+            slots[1] = (~torch.isfinite(loss.detach()).all()).float().to(device)
+        for j, module in modules.items():
+            flag = nonfinite_flag(p.grad for p in module.parameters())
+            if flag is not None:
+                slots[2 + j] = flag.float().to(device, non_blocking=True)
+    return torch.stack(slots)
 
 
-def describe_problem(shared: Tensor, num_stages: int, virtual_stages: int,
+def read_verdict(shared: Tensor) -> list[float]:
+    """The summed verdict vector on the host: the step's single device-to-host read."""
+    return shared.detach().cpu().tolist()
+
+
+def describe_problem(shared: Tensor | Sequence[float], num_stages: int, virtual_stages: int,
                      loss: Tensor | None = None) -> str | None:
     """What the summed vector says went wrong, or ``None`` when the step is finite.
 
-    ``loss`` (when this rank holds the whole loss) is quoted instead of slot 0.
+    ``shared`` is the vector or its host copy (``read_verdict``); ``loss`` (when
+    this rank holds the whole loss) is quoted instead of slot 0.
     """
+    values = read_verdict(shared) if isinstance(shared, Tensor) else list(shared)
+
     def name(chunk: int) -> str:
         return str(chunk) if virtual_stages == 1 else f"{chunk % num_stages} (chunk {chunk})"
 
-    if shared[1] > 0:
-        value = shared[0].item() if loss is None else loss.item()
+    if values[1] > 0:
+        value = values[0] if loss is None else loss.item()
         return f"loss is {value} (computed on stage {name(num_stages * virtual_stages - 1)})"
-    bad = [j for j in range(len(shared) - 2) if shared[2 + j] > 0]
+    bad = [j for j in range(len(values) - 2) if values[2 + j] > 0]
     return f"gradients of stage {name(bad[0])} are not finite" if bad else None

@@ -114,8 +114,8 @@ def _native_dropout(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> An
         return f(*args, **kwargs)
     if p >= 1.0:
         return x * 0.0, torch.zeros_like(x, dtype=torch.bool)
-    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=mode.generator_for(x.device))
-    return x * keep * (1.0 / (1.0 - p)), keep.bool()
+    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=mode.generator_for(x.device)).bool()
+    return torch.where(keep, x, x.new_zeros(())) * (1.0 / (1.0 - p)), keep
 
 
 def _dropout_probability(func: Any, args: tuple, kwargs: dict) -> float | None:

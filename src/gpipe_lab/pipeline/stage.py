@@ -17,12 +17,14 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline.checkpointing import checkpointing
 from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
+from gpipe_lab.pipeline.device_timing import DeviceClock
 from gpipe_lab.pipeline.microbatch import as_tuple, unwrap
 from gpipe_lab.pipeline.timeline import Event
 from gpipe_lab.pipeline.weight_gradients import (
@@ -100,6 +102,7 @@ class StageRuntime:
         self.peak_bytes = 0
         self.track_memory = True
         self.replay_random = True
+        self.clock = DeviceClock(device) if device.type == "cuda" else None
 
     # ---------------------------------------------------------------- step
     def begin(self, plan: StepPlan, keep_outputs: bool = False) -> None:
@@ -111,6 +114,8 @@ class StageRuntime:
         self.outputs = {}
         self._saved = {}
         self.live_bytes = self.peak_bytes = 0
+        if self.clock is not None:
+            self.clock.begin()
         self._param_storages = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
 
     def abort(self) -> None:
@@ -128,8 +133,18 @@ class StageRuntime:
         gen.manual_seed(microbatch_seed(self.base_seed, self.plan.step, self.index, mb))
         return gen
 
-    def _record(self, kind: str, mb: int, start: float) -> None:
-        self.events.append(Event(self.index, kind, mb, start, time.perf_counter()))
+    def _start(self) -> tuple[float, Any]:
+        """Host time and (on a GPU) a device event at an action's start."""
+        return time.perf_counter(), None if self.clock is None else self.clock.start()
+
+    def _record(self, kind: str, mb: int, start: tuple[float, Any]) -> None:
+        self.events.append(Event(self.index, kind, mb, start[0], time.perf_counter()))
+        if self.clock is not None:
+            self.clock.stop(kind, (mb,), start[1])
+
+    def device_events(self) -> list[Event]:
+        """The last step's actions timed on the device (GPU stages; waits for it once), else []."""
+        return [] if self.clock is None else self.clock.resolve(self.index)
 
     def _add_bytes(self, n: int) -> None:
         self.live_bytes += n
@@ -183,7 +198,7 @@ class StageRuntime:
     def forward(self, mb: int, inputs: tuple[Tensor, ...], was_tensor: bool,
                 target: object = None) -> tuple[tuple[Tensor, ...], bool]:
         """Forward of one micro-batch; returns (outputs, outputs-were-a-tensor)."""
-        start = time.perf_counter()
+        start = self._start()
         grad = self.plan.grad_enabled
         own_input_grads = True
         if self.index > 0 and grad:
@@ -214,7 +229,7 @@ class StageRuntime:
         """
         saved = self._saved[mb]
         if saved.outputs is None:
-            start = time.perf_counter()
+            start = self._start()
             with torch.enable_grad():
                 saved.outputs, _ = self._run(mb, saved.inputs, saved.was_tensor, saved.target,
                                              recomputing=True)
@@ -224,7 +239,7 @@ class StageRuntime:
         """Backward of one micro-batch; returns the gradient of each stage input."""
         saved = self._saved[mb]
         self.rematerialize(mb)
-        start = time.perf_counter()
+        start = self._start()
         tensors, grad_tensors = self._backward_pairs(saved.outputs, grads)
         leaves = [t for t in saved.inputs if t.requires_grad and t.is_leaf]
         if mb in self.plan.split_backward:
@@ -265,7 +280,7 @@ class StageRuntime:
         run = self.plan.weight_runs.get(self.index, {}).get(mb, (mb,))
         if mb != run[-1]:
             return  # done with the rest of its run, at the run's last W
-        start = time.perf_counter()
+        start, device_start = self._start()
         saved = [self._saved[m] for m in run]
         splits = [s.split for s in saved if s.split is not None]
         if len(splits) > 1:
@@ -281,6 +296,8 @@ class StageRuntime:
                 elif tensors and params:
                     torch.autograd.backward(tensors, grad_tensors, inputs=params)
         end = time.perf_counter()
+        if self.clock is not None:
+            self.clock.stop("W", tuple(run), device_start)
         for i, m in enumerate(run):  # one event per micro-batch: an equal share of the run's time
             self._release(m)
             self.events.append(Event(self.index, "W", m, start + (end - start) * i / len(run),

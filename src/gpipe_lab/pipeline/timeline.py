@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 # F forward, B backward (input and, unless split, weight gradients), W deferred
@@ -35,6 +36,26 @@ class Timeline:
     events: list[Event] = field(default_factory=list)
     #: M the step actually ran (min(chunks, batch)); 0 for timelines not measured by an engine
     num_microbatches: int = 0
+    #: GPU steps: returns the actions timed with CUDA events (see ``on_device``)
+    device_source: Callable[[], list[Event]] | None = field(default=None, repr=False, compare=False)
+
+    def on_device(self) -> Timeline:
+        """The same step with GPU stages' actions timed by CUDA events, not host times.
+
+        On a GPU the host times bracket kernel launches only; this waits for the
+        device once and returns the actions as the device ran them (CPU stages keep
+        their host times). Without GPU stages, the timeline itself.
+        """
+        if self.device_source is None:
+            return self
+        device = self.device_source()
+        if not device:
+            return self
+        timed = {(e.stage, e.kind, e.microbatch) for e in device}
+        events = sorted([e for e in self.events if (e.stage, e.kind, e.microbatch) not in timed
+                         or e.kind == "wait"] + device, key=lambda e: e.start)
+        end = max([self.end] + [e.end for e in events])
+        return Timeline(self.num_stages, self.start, end, events, self.num_microbatches)
 
     @property
     def wall(self) -> float:

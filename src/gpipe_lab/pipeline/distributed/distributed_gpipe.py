@@ -22,13 +22,20 @@ from gpipe_lab.pipeline.allocator import retain_freed_memory
 from gpipe_lab.pipeline.autograd_forward import refuse_backward, wants_graph
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.core import PipelineCore
+from gpipe_lab.pipeline.devices import move_target
 from gpipe_lab.pipeline.distributed.failure import AbortChannel
 from gpipe_lab.pipeline.distributed.grad_sync import BUCKET_BYTES, GradientSync
 from gpipe_lab.pipeline.distributed.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.distributed.p2p_channel import P2PChannel
-from gpipe_lab.pipeline.distributed.resolve import resolve_balance, resolve_device, shared_seed
+from gpipe_lab.pipeline.distributed.resolve import (
+    bind_device,
+    resolve_balance,
+    resolve_device,
+    shared_seed,
+    to_cpu,
+)
 from gpipe_lab.pipeline.distributed.state import gather_full_state_dict, local_state_dict
-from gpipe_lab.pipeline.distributed.topology import build_topology
+from gpipe_lab.pipeline.distributed.topology import build_topology, connect_links
 from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import PipelineOptions, merged_options
@@ -80,6 +87,8 @@ class DistributedGPipe(PipelineCore):
         self.topo = topo = build_topology(num_stages, v, data_parallel_size)
         self.balance = balance
         self.device = resolve_device(device)
+        bind_device(self.device)  # the main thread's collectives run on this rank's GPU, not cuda:0
+        connect_links(topo, self.device)
         if self.device.type == "cpu" and opts.retain_cpu_memory:
             retain_freed_memory()
         self.seed = shared_seed(opts.seed, self.device)
@@ -150,10 +159,10 @@ class DistributedGPipe(PipelineCore):
         """
         outputs = self._forward_only(inputs)
         if broadcast and self.num_stages > 1:
-            box = [outputs if self.is_last_stage else None]
+            box = [to_cpu(outputs) if self.is_last_stage else None]
             dist.broadcast_object_list(box, src=self.topo.last_rank, group=self.pp_group,
                                        device=self.device if self.device.type == "cuda" else None)
-            outputs = box[0]
+            outputs = outputs if self.is_last_stage else move_target(box[0], self.device)
         if outputs is not None and wants_graph(self):
             outputs = refuse_backward(outputs, "DistributedGPipe cannot back-propagate pipe(x) across "
                                       "processes; use pipe.train_step(x, y, loss_fn)")

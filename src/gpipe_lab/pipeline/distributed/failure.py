@@ -182,6 +182,15 @@ def link_error(what: str, peer: int, cause: BaseException) -> PeerFailedError:
     return error
 
 
+_NCCL_POLL_SECONDS = 0.0005
+
+
+def _completed(work: object) -> bool:
+    """Whether a Work finished on the device too (Works without ``is_completed``: yes)."""
+    check = getattr(work, "is_completed", None)
+    return True if check is None else bool(check())
+
+
 def wait_works(works: Sequence[object], what: str, peer: int | Sequence[int] | None, timeout: float,
                abort: AbortChannel) -> None:
     """Wait for Work handles without ever hanging.
@@ -196,13 +205,17 @@ def wait_works(works: Sequence[object], what: str, peer: int | Sequence[int] | N
     """
     if not works:
         return
-    done = threading.Event()
+    done, given_up = threading.Event(), threading.Event()
     failed: list[tuple[BaseException, object]] = []
 
     def run() -> None:
         for w in works:
             try:
                 w.wait()  # type: ignore[attr-defined]
+                # NCCL's wait() only orders the current stream after the work and returns at
+                # once: poll its completion, so a stuck peer meets the deadline below
+                while not _completed(w) and not given_up.is_set():
+                    given_up.wait(_NCCL_POLL_SECONDS)
             except BaseException as exc:  # noqa: BLE001 - handed to the polling thread
                 failed.append((exc, w))
                 break
@@ -216,18 +229,21 @@ def wait_works(works: Sequence[object], what: str, peer: int | Sequence[int] | N
     where = abort.where(what)
     threading.Thread(target=run, name="gpipe-wait", daemon=True).start()
     deadline = time.monotonic() + timeout
-    while not done.wait(POLL_SECONDS):
-        try:
-            abort.check()
-        except PeerFailedError as exc:
-            raise abort.explain_error(exc, where) from None
-        if abort.peers.gone(peers):  # a member is gone: the operation can never complete
-            raise abort.explain(what, peers, None, where)
-        if time.monotonic() > deadline:
-            names = "a peer rank" if len(peers) != 1 else f"rank {peers[0]}"
-            raise PeerTimeoutError(f"rank {abort.rank} waited more than {timeout:g} s for {names} "
-                                   f"({what}); is it alive? [in {where}]", peers[0] if len(peers) == 1 else None,
-                                   timeout)
+    try:
+        while not done.wait(POLL_SECONDS):
+            try:
+                abort.check()
+            except PeerFailedError as exc:
+                raise abort.explain_error(exc, where) from None
+            if abort.peers.gone(peers):  # a member is gone: the operation can never complete
+                raise abort.explain(what, peers, None, where)
+            if time.monotonic() > deadline:
+                names = "a peer rank" if len(peers) != 1 else f"rank {peers[0]}"
+                raise PeerTimeoutError(f"rank {abort.rank} waited more than {timeout:g} s for {names} "
+                                       f"({what}); is it alive? [in {where}]",
+                                       peers[0] if len(peers) == 1 else None, timeout)
+    finally:
+        given_up.set()  # the waiter thread stops polling a Work nobody waits for any more
     if failed:
         exc, work = failed[0]
         culprit = getattr(work, "peer", None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -61,6 +62,22 @@ def message_plan(ranks: Schedule, pp_ranks: list[int], num_virtual: int) -> dict
             raise ValueError(f"link {link}: sent in order {sent.get(link)} but consumed in order "
                              f"{received.get(link)}; the schedule must keep each link in order")
     return sent
+
+
+def accept(values: tuple, ready: object, device: torch.device) -> tuple:
+    """Order the calling thread's stream after a received value's ``ready`` event.
+
+    ``record_stream`` keeps the side stream's buffers from being reused while
+    this stream still reads them.
+    """
+    if ready is None:
+        return values
+    stream = torch.cuda.current_stream(device)
+    stream.wait_event(ready)  # type: ignore[arg-type]
+    for v in values:
+        if v is not None:
+            v.record_stream(stream)
+    return values
 
 
 class Inbox:
@@ -123,8 +140,15 @@ class Inbox:
 
 def start_receivers(plan: dict[LinkKey, list[MessageKey]], rank: int, links: dict[LinkKey, object],
                     inbox: Inbox, device: torch.device, header_device: torch.device,
-                    on_thread_start: Callable[[], None] | None = None) -> list[threading.Thread]:
-    """One daemon thread per incoming link, receiving its messages in order."""
+                    on_thread_start: Callable[[], None] | None = None,
+                    header_links: dict[LinkKey, object] | None = None) -> list[threading.Thread]:
+    """One daemon thread per incoming link, receiving its messages in order.
+
+    Each inbox item is ``(values, was_tensor, ready)``. On a GPU a thread receives
+    on a side stream of its own and ``ready`` is a CUDA event recorded there once
+    the data is in; the consumer makes its stream wait for it (``accept``).
+    Elsewhere ``ready`` is ``None``.
+    """
     threads = []
     for link, messages in plan.items():
         _, src, dst = link
@@ -134,11 +158,19 @@ def start_receivers(plan: dict[LinkKey, list[MessageKey]], rank: int, links: dic
         def run(link: LinkKey = link, messages: list[MessageKey] = messages, src: int = src) -> None:
             if on_thread_start is not None:
                 on_thread_start()
+            side = torch.cuda.Stream(device) if device.type == "cuda" else None
+            headers = None if header_links is None else header_links.get(link)
             try:
                 for seq, key in enumerate(messages):
-                    value = recv_values(src, links[link], seq, device, header_device,
-                                        lambda work, _what: work.wait())  # type: ignore[attr-defined]
-                    inbox.put(key, value)
+                    with torch.cuda.stream(side) if side is not None else nullcontext():
+                        values, was_tensor = recv_values(
+                            src, links[link], seq, device, header_device,
+                            lambda work, _what: work.wait(), headers)  # type: ignore[attr-defined]
+                    ready = None
+                    if side is not None:
+                        ready = torch.cuda.Event()
+                        ready.record(side)
+                    inbox.put(key, (values, was_tensor, ready))
             except BaseException as exc:  # noqa: BLE001 - surfaces in Inbox.get
                 inbox.fail(exc, src)
 

@@ -28,7 +28,14 @@ from torch import Tensor
 from gpipe_lab.pipeline.channel import StepFeed, Values, run_actions
 from gpipe_lab.pipeline.distributed.failure import AbortChannel, PeerFailedError, wait_works
 from gpipe_lab.pipeline.distributed.grad_sync import GradientSync
-from gpipe_lab.pipeline.distributed.links import Inbox, LinkKey, MessageKey, message_plan, start_receivers
+from gpipe_lab.pipeline.distributed.links import (
+    Inbox,
+    LinkKey,
+    MessageKey,
+    accept,
+    message_plan,
+    start_receivers,
+)
 from gpipe_lab.pipeline.distributed.topology import Topology
 from gpipe_lab.pipeline.distributed.wire import Pending, send_values
 from gpipe_lab.pipeline.errors import annotate, describe
@@ -49,8 +56,9 @@ class _Endpoint:
         topo = self.channel.topo
         src_stage = action.stage - 1 if key[0] == "F" else action.stage + 1
         start = time.perf_counter()
-        values, was_tensor = self.inbox.get(key, topo.rank_of(src_stage), self.channel.timeout,
-                                            self.channel.abort)
+        values, was_tensor, ready = self.inbox.get(key, topo.rank_of(src_stage), self.channel.timeout,
+                                                   self.channel.abort)
+        values = accept(values, ready, self.channel.device)
         self.channel.runtimes[action.stage].events.append(
             Event(action.stage, "wait", action.microbatch, start, time.perf_counter()))
         return values, was_tensor
@@ -59,12 +67,13 @@ class _Endpoint:
         topo = self.channel.topo
         dst = topo.rank_of(key[1])
         if dst == topo.rank:
-            self.inbox.put(key, (values, was_tensor))
+            self.inbox.put(key, (values, was_tensor, None))
             return
         link = ("act" if key[0] == "F" else "grad", topo.rank, dst)
         n = self.seq.get(link, 0)
         self.seq[link] = n + 1
-        self.pending.extend(send_values(values, was_tensor, dst, topo.links[link], n, self.channel.header_device))
+        self.pending.extend(send_values(values, was_tensor, dst, topo.links[link], n, self.channel.header_device,
+                                        topo.header_links.get(link)))
 
 
 class P2PChannel:
@@ -77,7 +86,8 @@ class P2PChannel:
         self.topo = topo
         self.runtimes = runtimes
         self.device = device
-        self.header_device = device if device.type == "cuda" else torch.device("cpu")
+        # headers are CPU tensors: under NCCL they travel on the links' gloo groups
+        self.header_device = torch.device("cpu")
         self.abort = abort
         self.timeout = timeout
         self.grad_sync = grad_sync
@@ -109,7 +119,8 @@ class P2PChannel:
         inbox = Inbox()
         device = self.device
         start_receivers(prepared, self.topo.rank, self.topo.links, inbox, device, self.header_device,
-                        (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None)
+                        (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None,
+                        self.topo.header_links)
         endpoint = _Endpoint(self, inbox)
         last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind in "BW"}
         self.peak_live = {s: 0 for s in self.runtimes}

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpipe_lab.pipeline.devices import normalize_device
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.partition import balance_by_cost, check_balance, layer_costs
 
@@ -58,12 +60,41 @@ def resolve_balance(module: nn.Sequential, balance: Sequence[int] | None, partit
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """Default: ``cuda:<LOCAL_RANK>`` under the NCCL backend, else CPU."""
+    """Default: ``cuda:<LOCAL_RANK>`` under the NCCL backend, else CPU; ``"cuda"`` gets an index.
+
+    Raises:
+        ValueError: a device that cannot be used here (see ``devices.normalize_device``).
+    """
     if device is not None:
-        return torch.device(device)
+        return normalize_device(device)
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (nothing for other devices).
+
+    The main thread runs the per-step collectives (barrier, verdict, timeline
+    gather); without this they would all run on ``cuda:0`` whatever the rank.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def to_cpu(value: object) -> object:
+    """``value`` with every tensor copied to the CPU, so it can be pickled to another process.
+
+    A pickled CUDA tensor unpickles onto the sender's GPU index, which the
+    receiver may not have; CPU tensors travel anywhere.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    return value
 
 
 def shared_seed(seed: int | None, device: torch.device) -> int:
@@ -74,3 +105,21 @@ def shared_seed(seed: int | None, device: torch.device) -> int:
                          device=device if device.type == "cuda" else "cpu")
     dist.broadcast(value, src=0)
     return int(value.item())
+
+
+#: seconds the process group waits for a collective before NCCL's watchdog ends the rank
+PROCESS_GROUP_TIMEOUT = 120.0
+
+
+def nccl_failure_settings(timeout: float = PROCESS_GROUP_TIMEOUT) -> timedelta:
+    """Call before ``init_process_group``: NCCL errors end the rank, and the group's timeout.
+
+    With asynchronous error handling NCCL's watchdog aborts a communicator whose
+    operation failed or ran past the process-group timeout, and the rank ends
+    with an error naming the operation, instead of hanging. The engine's own
+    waits (``failure.wait_works``, shorter: ``timeout=`` of the pipeline) name
+    the peer first; this is the backstop for a hang inside NCCL itself.
+    Returns the timeout to pass to ``init_process_group(timeout=...)``.
+    """
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    return timedelta(seconds=timeout)

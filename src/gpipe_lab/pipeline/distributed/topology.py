@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 LinkKey = tuple[str, int, int]  # (kind "act" | "grad", source rank, destination rank): global ranks
@@ -38,6 +39,8 @@ class Topology:
     pp_group: object = None
     dp_group: object = None
     links: dict[LinkKey, object] = field(default_factory=dict)
+    #: the group each link's headers travel on (a CPU group under NCCL; else the link itself)
+    header_links: dict[LinkKey, object] = field(default_factory=dict)
 
     @property
     def dp_size(self) -> int:
@@ -111,6 +114,7 @@ def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size:
         raise ValueError(f"data_parallel_size {data_parallel_size} × {num_stages} stages = "
                          f"{data_parallel_size * num_stages}, but the world size is {world}")
     topo = Topology(world, rank, num_stages, virtual_stages)
+    nccl = dist.get_backend() == "nccl"
     D = world // num_stages
     for d in range(D):  # every rank creates every group, in the same order
         group = dist.new_group(list(range(d * num_stages, (d + 1) * num_stages)))
@@ -124,6 +128,23 @@ def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size:
         for kind, src, dst in _edges(num_stages, virtual_stages):
             a, b = d * num_stages + src, d * num_stages + dst
             group = dist.new_group(sorted((a, b)))
+            # NCCL moves device tensors only: headers travel over a CPU (gloo) group of their own,
+            # so reading one never waits for the device
+            header = dist.new_group(sorted((a, b)), backend="gloo") if nccl else group
             if rank in (a, b):
                 topo.links[(kind, a, b)] = group
+                topo.header_links[(kind, a, b)] = header
     return topo
+
+
+def connect_links(topo: Topology, device: torch.device) -> None:
+    """Create every link's NCCL communicator now, not inside the first step (collective).
+
+    Each rank touches its links in one global order (sorted link keys), so the
+    pairwise set-ups can never wait on each other in a cycle. Nothing to do off NCCL.
+    """
+    if device.type != "cuda" or dist.get_backend() != "nccl":
+        return
+    for key in sorted(topo.links):
+        dist.all_reduce(torch.zeros(1, device=device), group=topo.links[key])
+    torch.cuda.synchronize(device)

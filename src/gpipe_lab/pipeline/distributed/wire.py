@@ -39,6 +39,9 @@ class PeerWork:
     def wait(self) -> object:
         return self.work.wait()  # type: ignore[attr-defined]
 
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())  # type: ignore[attr-defined]
+
 
 Values = tuple[Tensor | None, ...]
 Pending = list[tuple[object, object]]  # (Work, the tensor it reads or writes: kept alive until done)
@@ -87,8 +90,10 @@ def _wire(t: Tensor) -> Tensor:
 
 
 def send_values(values: Values, was_tensor: bool, dst: int, group: object, seq: int,
-                header_device: torch.device) -> Pending:
+                header_device: torch.device, header_group: object = None) -> Pending:
     """Start sending a boundary value; returns the Work handles (with their tensors) to keep.
+
+    The header goes over ``header_group`` (default: ``group``) as ``header_device`` tensors.
 
     Raises:
         PeerFailedError: the link to ``dst`` is closed (``dst`` went away), naming ``dst``.
@@ -99,12 +104,13 @@ def send_values(values: Values, was_tensor: bool, dst: int, group: object, seq: 
     parts = [torch.tensor(fixed, dtype=torch.int64, device=header_device)]
     if len(words) > HEADER_SLOTS:
         parts.append(torch.tensor(words[HEADER_SLOTS:], dtype=torch.int64, device=header_device))
-    sends = [(tensor, base + part) for part, tensor in enumerate(parts)]
-    sends += [(_wire(t), base + 2 + j) for j, t in enumerate(values) if t is not None]
+    headers = group if header_group is None else header_group
+    sends = [(tensor, base + part, headers) for part, tensor in enumerate(parts)]
+    sends += [(_wire(t), base + 2 + j, group) for j, t in enumerate(values) if t is not None]
     pending: Pending = []
-    for tensor, tag in sends:
+    for tensor, tag, on in sends:
         try:
-            work = dist.isend(tensor, dst=dst, group=group, tag=tag)
+            work = dist.isend(tensor, dst=dst, group=on, tag=tag)
         except RuntimeError as exc:  # gloo raises here once the peer's connection is closed
             raise link_error(f"sending to rank {dst}", dst, exc) from exc
         pending.append((PeerWork(work, dst), tensor))
@@ -112,15 +118,20 @@ def send_values(values: Values, was_tensor: bool, dst: int, group: object, seq: 
 
 
 def recv_values(src: int, group: object, seq: int, device: torch.device, header_device: torch.device,
-                wait: WaitFn) -> tuple[Values, bool]:
-    """Receive one boundary value; ``wait(work, what)`` blocks until a Work completes."""
+                wait: WaitFn, header_group: object = None) -> tuple[Values, bool]:
+    """Receive one boundary value; ``wait(work, what)`` blocks until a Work completes
+    (for NCCL data: until the calling thread's current stream is ordered after it).
+
+    The header comes over ``header_group`` (default: ``group``) into ``header_device`` tensors.
+    """
     base = seq * TAGS_PER_MESSAGE
+    headers = group if header_group is None else header_group
     fixed = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=header_device)
-    wait(dist.irecv(fixed, src=src, group=group, tag=base), "header")
+    wait(dist.irecv(fixed, src=src, group=headers, tag=base), "header")
     words = fixed.tolist()
     if words[0] > HEADER_SLOTS:
         rest = torch.empty(words[0] - HEADER_SLOTS, dtype=torch.int64, device=header_device)
-        wait(dist.irecv(rest, src=src, group=group, tag=base + 1), "header")
+        wait(dist.irecv(rest, src=src, group=headers, tag=base + 1), "header")
         words = words + rest.tolist()
     specs, was_tensor = decode_header(words)
     buffers: list[Tensor | None] = []

@@ -1,0 +1,82 @@
+"""Host syncs in a local step: the non-finite verdict over all stages is the step's one device read."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_lab.pipeline import GPipe, NonFiniteError, all_finite
+from gpipe_lab.pipeline.nonfinite import nonfinite_flag
+
+# every Python-level way to read a tensor's value on the host (each one a sync on CUDA)
+_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextmanager
+def counted_reads() -> Iterator[list[str]]:
+    """Counts host reads of tensor values in every thread while the block runs."""
+    seen: list[str] = []
+    lock = threading.Lock()
+    originals = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def counting(name: str):  # noqa: ANN202 - a wrapper of any signature
+        original = originals[name]
+
+        def read(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+            with lock:
+                seen.append(name)
+            return original(self, *args, **kwargs)
+
+        return read
+
+    try:
+        for name in _READS:
+            setattr(torch.Tensor, name, counting(name))
+        yield seen
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.1), nn.ReLU(),
+                         nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip", "ignore"])
+def test_a_local_step_reads_the_device_once(nonfinite: str) -> None:
+    pipe = GPipe(model(), partitions=3, chunks=4, nonfinite=nonfinite, deferred_batch_norm=True)
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+    pipe.train_step(x, y, nn.functional.mse_loss)  # first step: lazy set-up out of the count
+    with counted_reads() as seen:
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    assert seen == ["tolist"], seen
+
+
+def test_the_single_read_still_names_the_bad_stage() -> None:
+    pipe = GPipe(model(), partitions=3, chunks=2, nonfinite="skip", deferred_batch_norm=True)
+    x, y = torch.randn(8, 8), torch.randn(8, 2)
+    # stage 1's gradients turn NaN while the loss stays finite
+    next(pipe.partitions[1].parameters()).register_hook(lambda g: g * float("nan"))
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    assert pipe.last_step_skipped and all(p.grad is None for p in pipe.parameters())
+    pipe.options = pipe.options.replace(nonfinite="raise")
+    with pytest.raises(NonFiniteError, match="gradients of stage 1 are not finite"):
+        pipe.train_step(x, y, nn.functional.mse_loss)
+
+
+def test_flags_need_no_read_and_do_not_overflow() -> None:
+    big = torch.full((1000,), 3e38)  # a sum would overflow to inf: still finite
+    assert all_finite([big, None]) and all_finite([torch.full((10,), 6e4, dtype=torch.float16)])
+    assert not all_finite([big, torch.tensor([1.0, float("nan")])])
+    assert not all_finite([torch.tensor([-float("inf")], dtype=torch.bfloat16)])
+    assert nonfinite_flag([None]) is None and all_finite([])
+    with counted_reads() as seen:
+        flag = nonfinite_flag([big, torch.tensor([float("inf")])])
+    assert not seen and flag.dtype == torch.bool
