@@ -100,6 +100,7 @@ class StageRuntime:
         self.peak_bytes = 0
         self.track_memory = True
         self.replay_random = True
+        self.call: Callable[..., object] = module  # the forward: the module, or its compiled form
 
     # ---------------------------------------------------------------- step
     def begin(self, plan: StepPlan, keep_outputs: bool = False) -> None:
@@ -161,7 +162,7 @@ class StageRuntime:
         # every micro-batch gets its generator: any layer may draw from current_generator()
         with microbatch_context(self._generator(mb), recomputing, self.replay_random), hooks, \
                 checkpointing(mb in self.plan.checkpointed):
-            out = self.module(unwrap(inputs, was_tensor))
+            out = self.call(unwrap(inputs, was_tensor))
             outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
             out_is_tensor = isinstance(out, Tensor)
             if self.is_last and self.plan.loss_fn is not None:
