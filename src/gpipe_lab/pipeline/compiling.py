@@ -9,9 +9,8 @@ raises ``UnreplayableRandomError`` naming the op for any other draw, before any
 compiled code runs. Dynamo breaks the graph at ``StageDropout``'s draw (a
 ``torch.Generator`` argument), so the dropout runs eagerly between compiled pieces.
 
-Re-materialization calls the same compiled module (its grad-enabled graph), and the
-split-backward schedules work on it exactly, but the compiled backward is one
-autograd node, so their deferred weight pass repeats the input-gradient work.
+Re-materialization calls the same compiled module (its grad-enabled graph). The
+split-backward schedules are refused with ``compile`` (``split_backward_error``).
 """
 
 from __future__ import annotations
@@ -25,9 +24,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpipe_lab.pipeline.context import current_generator
+from gpipe_lab.pipeline.options import OptionError
 from gpipe_lab.pipeline.random_replay import UnreplayableRandomError, _current_layer, _dropout_probability
 
-__all__ = ["CompiledStage", "DrawCheck", "compile_kwargs"]
+__all__ = ["CompiledStage", "DrawCheck", "compile_kwargs", "split_backward_error"]
 
 _SEEDED = torch.Tag.nondeterministic_seeded
 
@@ -70,6 +70,33 @@ class DrawCheck(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def split_backward_error(schedule: str) -> OptionError:
+    """The error for ``compile`` with a schedule that splits the backward into B and W.
+
+    A compiled stage's backward is one autograd node: W could not skip B's work, and
+    AOT autograd's donated buffers (freed by the compiled backward) forbid the
+    ``retain_graph`` that B needs to leave the graph to W.
+    """
+    return OptionError(f"compile: schedule {schedule!r} splits the backward into B and W, which a compiled "
+                       "stage cannot (its backward is one autograd node); use compile=false with it, or a "
+                       "schedule without split backward (gpipe, 1f1b, interleaved-1f1b)")
+
+
+def _own_frame(module: nn.Module) -> Any:
+    """``module``'s call in a function with a code object of its own.
+
+    Dynamo keeps its compiled graphs, and its recompile limit (8), per code object:
+    compiling the stages themselves would share ``nn.Sequential.forward``'s among every
+    stage of every pipeline, and past 8 entries (K stages × grad modes) stages would
+    silently run eagerly.
+    """
+    def stage_forward(*args: Any) -> Any:
+        return module(*args)
+
+    stage_forward.__code__ = stage_forward.__code__.replace()
+    return stage_forward
+
+
 class CompiledStage:
     """Calls ``torch.compile(module, **kwargs)``; the first call runs eagerly under ``DrawCheck``.
 
@@ -78,7 +105,7 @@ class CompiledStage:
 
     def __init__(self, module: nn.Module, kwargs: Mapping[str, Any]) -> None:
         self.module = module
-        self.compiled = torch.compile(module, **dict(kwargs))
+        self.compiled = torch.compile(_own_frame(module), **dict(kwargs))
         self.checked = False
 
     def __call__(self, *args: Any) -> Any:
