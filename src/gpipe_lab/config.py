@@ -45,6 +45,7 @@ class PipelineConfig:
     threads_per_stage: int | None = None
     timeout: float = 300.0
     nonfinite: str = "raise"
+    compile: Any = False
 
 
 @dataclass
@@ -118,6 +119,12 @@ def validate_pipeline(cfg: DictConfig) -> DictConfig:
         if p.partitions is not None and p.partitions != len(p.balance):
             raise ConfigError(f"pipeline.balance: {list(p.balance)} has {len(p.balance)} entries but "
                               f"pipeline.partitions={p.partitions}; set pipeline.partitions=null or match them")
+    from gpipe_lab.pipeline.compiling import compile_kwargs
+
+    try:
+        compile_kwargs(p.compile, "pipeline.compile")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     return p
 
 

@@ -120,7 +120,7 @@ class DistributedMixin:
             chunks=self.chunks, checkpoint=self.checkpoint, schedule=self.schedule,  # type: ignore[attr-defined]
             deferred_batch_norm=self.deferred_batch_norm, cost=self.cost, seed=self.seed,  # type: ignore[attr-defined]
             device=self.root_device, data_parallel_size=self.data_parallel_size,  # type: ignore[attr-defined]
-            timeout=self.timeout, nonfinite=self.nonfinite)  # type: ignore[attr-defined]
+            timeout=self.timeout, nonfinite=self.nonfinite, compile=self.compile)  # type: ignore[attr-defined]
 
     def _distributed_reduce(self, tensor: Any, group: Any, reduce_op: Any) -> Any:
         if isinstance(tensor, torch.Tensor):

@@ -48,6 +48,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
             (naming the step and the stage; training stops), ``"skip"`` the optimizer
             step of that mini-batch (or accumulation window; logs ``train/skipped_steps``),
             or ``"ignore"``. In distributed runs every rank takes the same decision.
+        compile: ``torch.compile`` each stage (``True``, or a dict of its keywords).
         Other arguments: as for Lightning's ``ParallelStrategy``.
 
     Raises:
@@ -63,7 +64,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
                  seed: int | None = None, stage_devices: Sequence[str] | None = None,
                  threads_per_stage: int | None = None, timeout: float = 300.0,
                  process_group_backend: str | None = None, nonfinite: str = "raise",
-                 **kwargs: Any) -> None:
+                 compile: bool | dict = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {transport!r}")
@@ -90,6 +91,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         self.threads_per_stage = threads_per_stage
         self.timeout = timeout
         self.nonfinite = nonfinite
+        self.compile = compile
         self._skip_pending = False
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -185,7 +187,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
                      devices=self._local_devices(), chunks=self.chunks, checkpoint=self.checkpoint,
                      schedule=self.schedule, deferred_batch_norm=self.deferred_batch_norm,
                      cost=self.cost, seed=self.seed, threads_per_stage=self.threads_per_stage,
-                     timeout=self.timeout, nonfinite=self.nonfinite)
+                     timeout=self.timeout, nonfinite=self.nonfinite, compile=self.compile)
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
