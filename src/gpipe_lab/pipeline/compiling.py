@@ -98,20 +98,24 @@ def _own_frame(module: nn.Module) -> Any:
 
 
 class CompiledStage:
-    """Calls ``torch.compile(module, **kwargs)``; the first call runs eagerly under ``DrawCheck``.
+    """Calls ``torch.compile(module, **kwargs)``; the first training call runs eagerly under ``DrawCheck``.
 
-    One per stage, called from that stage's thread only.
+    One per stage, called from that stage's thread only, with the stage's current module
+    (compiled again if a front end has replaced it, e.g. by an autocast wrapper).
     """
 
-    def __init__(self, module: nn.Module, kwargs: Mapping[str, Any]) -> None:
-        self.module = module
-        self.compiled = torch.compile(_own_frame(module), **dict(kwargs))
+    def __init__(self, kwargs: Mapping[str, Any]) -> None:
+        self.kwargs = dict(kwargs)
+        self.module: nn.Module | None = None
+        self.compiled: Any = None
         self.checked = False
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, module: nn.Module, *args: Any) -> Any:
+        if module is not self.module:
+            self.module, self.compiled = module, torch.compile(_own_frame(module), **self.kwargs)
         if not self.checked:
             with DrawCheck():
-                out = self.module(*args)
+                out = module(*args)
             self.checked = self.module.training  # an eval forward draws nothing: check a training one
             return out
         return self.compiled(*args)

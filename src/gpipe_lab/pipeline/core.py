@@ -63,7 +63,7 @@ class PipelineCore(nn.Module):
             # dynamo does not trace under the per-op replay mode: a compiled stage checks its draws instead
             runtime.replay_random = options.random_replay and compiling is None
             if compiling is not None:
-                runtime.call = CompiledStage(runtime.module, compiling)
+                runtime.compiled = CompiledStage(compiling)
         self.channel = channel
         self._num_ranks = num_ranks
         self._dp_size = dp_size

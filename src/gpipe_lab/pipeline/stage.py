@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline.checkpointing import checkpointing
+from gpipe_lab.pipeline.compiling import CompiledStage
 from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
 from gpipe_lab.pipeline.microbatch import as_tuple, unwrap
 from gpipe_lab.pipeline.timeline import Event
@@ -100,7 +101,7 @@ class StageRuntime:
         self.peak_bytes = 0
         self.track_memory = True
         self.replay_random = True
-        self.call: Callable[..., object] = module  # the forward: the module, or its compiled form
+        self.compiled: CompiledStage | None = None  # set by the core with ``compile``
 
     # ---------------------------------------------------------------- step
     def begin(self, plan: StepPlan, keep_outputs: bool = False) -> None:
@@ -162,7 +163,9 @@ class StageRuntime:
         # every micro-batch gets its generator: any layer may draw from current_generator()
         with microbatch_context(self._generator(mb), recomputing, self.replay_random), hooks, \
                 checkpointing(mb in self.plan.checkpointed):
-            out = self.call(unwrap(inputs, was_tensor))
+            x = unwrap(inputs, was_tensor)
+            # the module is read at each call: a front end may wrap it (autocast) after construction
+            out = self.module(x) if self.compiled is None else self.compiled(self.module, x)
             outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
             out_is_tensor = isinstance(out, Tensor)
             if self.is_last and self.plan.loss_fn is not None:
