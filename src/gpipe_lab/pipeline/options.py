@@ -64,7 +64,8 @@ class PipelineOptions:
     random_replay: bool = True
     #: compile each stage's module with ``torch.compile``: ``false``, ``true``, or a dict of its
     #: keywords (``mode``, ``dynamic``, ``backend`` ...). A compiled stage replays only
-    #: ``nn.Dropout`` draws (see ``compiling``); it raises for any other draw.
+    #: ``nn.Dropout`` draws (see ``compiling``); it raises for any other draw. The first steps
+    #: compile, and a neighbour's wait for it counts against ``timeout``: raise it for large stages.
     compile: Any = False
     #: count saved-activation bytes per stage (``memory()``) with saved-tensor hooks.
     track_memory: bool = True
