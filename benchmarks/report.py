@@ -39,15 +39,17 @@ def plot_throughput(results: dict, path: Path) -> None:
         never = [r for r in res["rows"] if r["checkpoint"] == "never" and r["schedule"] == "gpipe"]
         ax.plot([r["M"] for r in never], [r["ideal_uncorrected_speedup"] for r in never], "k--x",
                 label="ideal KM/(M+K-1)")
-        ax.plot([r["M"] for r in never], [res["baseline_s"] / r["ideal_step_s"] for r in never], "k:+",
+        ax.plot([r["M"] for r in never], [r["baseline_s"] / r["ideal_step_s"] for r in never], "k:+",
                 label="ideal, micro-batch corrected")
-        for fw, style in (("ours", "s-"), ("torch", "d-")):
-            gl = sorted((r["chunks"], res["baseline_s"] / r["step"]["median"]) for r in results.get("gloo", [])
-                        if (r["workload"], r["framework"], r["schedule"], r["checkpoint"]) == (name, fw, "gpipe", "never")
-                        and not r.get("error"))
+        # a gloo step has no baseline of its own rounds: each is divided by the local row's at the same M
+        base = {r["M"]: r["baseline_s"] for r in never}
+        for fw, schedule, style in (("ours", "gpipe", "s-"), ("ours", "gpipe-bw", "v-"), ("torch", "gpipe", "d-")):
+            gl = sorted((r["chunks"], base[r["chunks"]] / r["step"]["median"]) for r in results.get("gloo", [])
+                        if (r["workload"], r["framework"], r["schedule"], r["checkpoint"]) == (name, fw, schedule, "never")
+                        and not r.get("error") and r["chunks"] in base)
             if gl:
-                label = "ours, distributed (gloo)" if fw == "ours" else "torch ScheduleGPipe (gloo)"
-                ax.plot([m for m, _ in gl], [v for _, v in gl], style, label=label)
+                label = (f"ours {schedule}, distributed (gloo)" if fw == "ours" else "torch ScheduleGPipe (gloo)")
+                ax.plot([m for m, _ in gl], [v for _, v in gl], style, label=label + ", / local baseline at M")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{name} (K=2)")
         ax.set_xlabel("micro-batches M")

@@ -129,8 +129,23 @@ def configs(args: argparse.Namespace, defaults: Sequence[str], tiny: dict[str, S
             if overrides else c for n, c in base.items()}
 
 
+def git_commit() -> str:
+    """The repository's HEAD commit (short), ``+dirty`` when tracked files differ from it; ``unknown``
+    outside a git checkout."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, check=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def provenance(argv: Sequence[str] | None = None) -> str:
-    """One markdown line: date, machine, torch version and the exact command.
+    """One markdown line: date, git commit, machine, torch version and the exact command.
 
     A script of this repository is named as the module ``python -m`` runs (``-m experiments.table1_capacity``).
     """
@@ -142,7 +157,7 @@ def provenance(argv: Sequence[str] | None = None) -> str:
     cpu = platform.processor() or platform.machine()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    return (f"_Generated {now} on {platform.node()} ({cpu}, {os.cpu_count()} CPU cores, {gpu}), "
+    return (f"_Generated {now} at commit `{git_commit()}` on {platform.node()} ({cpu}, {os.cpu_count()} CPU cores, {gpu}), "
             f"torch {torch.__version__}, by `python {shlex.join(command + argv[1:])}`._")
 
 

@@ -31,6 +31,7 @@ class RunResult:
 
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    max_logits: list[float] = field(default_factory=list)
     nonfinite_steps: int = 0
     val_nll: float = float("nan")
     bleu: float = float("nan")
@@ -57,11 +58,16 @@ class WarmupTranslator(Translator):
 
 
 class StepRecorder(pl.Callback):
-    """Appends each training step's loss, gradient norm and token count to a ``RunResult``."""
+    """Appends each training step's loss, gradient norm, largest |logit| and token count to a ``RunResult``.
 
-    def __init__(self, result: RunResult) -> None:
+    ``peak`` is a one-element list the output projection's hook raises to the step's largest
+    unclipped logit magnitude; the recorder reads and resets it after every step.
+    """
+
+    def __init__(self, result: RunResult, peak: list[float] | None = None) -> None:
         self.result = result
         self.tokens = 0
+        self.peak = peak if peak is not None else [0.0]
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -73,6 +79,8 @@ class StepRecorder(pl.Callback):
             self.result.nonfinite_steps += 1
         self.result.losses.append(loss)
         self.result.grad_norms.append(norm)
+        self.result.max_logits.append(self.peak[0])
+        self.peak[0] = 0.0
         self.tokens += int(count_tokens(batch[1]))
 
 
@@ -119,7 +127,16 @@ def train_translation(steps: int, seed: int = 0, lr: float = 1e-3, warmup: int =
     module = WarmupTranslator(net, {"name": "adam", "lr": lr, "betas": (0.9, 0.98)},
                               float(model.get("label_smoothing", 0.0)), warmup)
     result = RunResult(params=sum(p.numel() for p in net.parameters()))
-    recorder = StepRecorder(result)
+    peak = [0.0]
+    head = net[-1]
+    projection = getattr(head, "proj", head)  # the raw logits, before any clipping
+
+    def record_peak(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        if torch.is_grad_enabled():  # one count per micro-batch: skip checkpoint replays' no-grad twin
+            peak[0] = max(peak[0], float(output.detach().abs().max()))
+
+    projection.register_forward_hook(record_peak)
+    recorder = StepRecorder(result, peak)
     strategy = GPipeStrategy(partitions=partitions, chunks=chunks, seed=seed, threads_per_stage=1,
                              nonfinite="skip")
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, max_epochs=-1,
@@ -131,6 +148,19 @@ def train_translation(steps: int, seed: int = 0, lr: float = 1e-3, warmup: int =
     result.val_nll, result.bleu = evaluate(net, data, eval_batches)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def diverged(losses: list[float], nonfinite_steps: int, factor: float = 1.5, after: int = 10) -> bool:
+    """True for a run with a non-finite step or a loss spike: a loss above ``factor`` x the lowest
+    loss so far, at any step from ``after`` on (the first steps' fall is not a baseline yet)."""
+    if nonfinite_steps or any(not math.isfinite(v) for v in losses):
+        return True
+    lowest = math.inf
+    for i, value in enumerate(losses):
+        if i >= after and value > factor * lowest:
+            return True
+        lowest = min(lowest, value)
+    return False
 
 
 def spikes(norms: list[float], factor: float = 5.0, window: int = 10) -> int:

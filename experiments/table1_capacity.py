@@ -214,9 +214,6 @@ def plot(amoeba: dict, transformer: dict, path: Path) -> Path:
     return path
 
 
-NOTES = Path(__file__).with_name("table1_notes.md")
-
-
 def main() -> None:
     """Regenerate ``table1_capacity.md`` (+ ``.json``) under ``--out``.
 
@@ -252,8 +249,7 @@ def main() -> None:
         "The paper's Naive-1 memory cells look swapped (282.2M x 12 B = 3.15 GiB is the parameter memory).", "",
         md_table(t_head, t_rows), "",
         "## Peak activation of the paper's Pipeline-k AmoebaNet configs against M (sum over stages)", "",
-        md_table(m_head, m_rows), "", "![parameters per column](table1_capacity.png)", "",
-        NOTES.read_text() if NOTES.exists() and not args.tiny else ""]
+        md_table(m_head, m_rows), "", "![parameters per column](table1_capacity.png)", ""]
     args.out.mkdir(parents=True, exist_ok=True)
     png = plot(a_counts, t_counts, args.out / "table1_capacity.png")
     path = write(args.out, "table1_capacity.md", "\n".join(md),

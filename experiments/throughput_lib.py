@@ -1,13 +1,14 @@
-"""Measuring pipeline steps on CPU stages and per-layer times for the simulator.
+"""Measuring pipeline steps (CPU stages or emulated devices) and per-layer times for the simulator.
 
 ``measure_step`` runs ``GPipe`` (one thread per stage) for a few steps, timed by
 ``gpipe_lab.bench``'s timer, and keeps the median step time and the timeline of
-the median step. ``layer_times`` times every layer's forward (with and without
+the median step; given an ``EmulatedSpec`` its stages sleep instead of computing. ``layer_times`` times every layer's forward (with and without
 autograd) and backward on one micro-batch with one thread, the way a stage runs
 it; each figure is one slice of a single chained pass (a layer's input is the
 previous layer's output, its backward needs that pass's graph), so the clock is
-read around each call instead of through the shared timer. ``simulate_step`` sums
-those per layer over the engine's balance and runs the planner's simulator.
+read around each call instead of through the shared timer. ``run_grid`` fits the
+planner's ``CostModel`` (fixed + per-sample per layer, engine overhead per action,
+hand-over per hop) from those once and predicts every cell of a grid with it.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any
 
 import torch
 
-from gpipe_lab.bench import Timing, WorkloadSpec, time_call
-from gpipe_lab.pipeline import GPipe, Timeline, checkpointed_microbatches, get_schedule
-from gpipe_lab.planner.simulator import StageCosts, predict_step
+from gpipe_lab.bench import EmulatedSpec, Timing, WorkloadSpec, time_call
+from gpipe_lab.pipeline import GPipe, Timeline
+from gpipe_lab.planner.cost_model import CostModel, LinearCost
+from gpipe_lab.planner.simulator import costs_from_timeline
 
 
 def gpu_devices(partitions: int) -> list[str] | None:
@@ -104,71 +106,120 @@ def layer_times(work: WorkloadSpec, micro_batch: int, repeat: int = 3) -> dict[s
         torch.set_num_threads(threads)
 
 
-def stage_costs(times: dict[str, list[float]], balance: list[int], chunks: int,
-                transfer: float = 0.0) -> StageCosts:
-    """Sum per-layer times over ``balance`` into simulator costs (GPipe fill-drain, except_last)."""
-    fwd_key = "forward_nograd" if chunks > 1 else "forward_grad"
-    sums: dict[str, list[float]] = {k: [] for k in times}
-    start = 0
-    for count in balance:
-        for k, v in times.items():
-            sums[k].append(sum(v[start:start + count]))
-        start += count
-    k = len(balance)
-    return StageCosts(sums[fwd_key], sums["backward"], [0.0] * k, sums["forward_grad"],
-                      [transfer] * max(k - 1, 0))
+def proportional(times: dict[str, list[float]], samples: int) -> dict[int, dict[str, list[float]]]:
+    """One size's per-layer times as two points of a cost with no fixed part (for a single-M grid)."""
+    return {samples: times, 2 * samples: {k: [2 * t for t in v] for k, v in times.items()}}
 
 
-def simulate_step(times: dict[str, list[float]], balance: list[int], chunks: int,
-                  transfer: float = 0.0) -> tuple[float, Timeline]:
-    """Predicted seconds per step (and timeline) of fill-drain GPipe with ``except_last`` checkpoints."""
-    costs = stage_costs(times, balance, chunks, transfer)
-    pred = predict_step(get_schedule("gpipe", len(balance), chunks), costs,
-                        checkpointed_microbatches("except_last", chunks))
-    return pred.step_time, pred.timeline
+def engine_overhead(steps: int = 3) -> float:
+    """Median seconds of one action of ``GPipe`` on a near-empty workload (4 x Linear(4, 4), K=2, M=8):
+    the engine's own per-action cost, which per-layer times do not contain."""
+    from gpipe_lab.bench import tiny_linear
+
+    work = tiny_linear(16, partitions=2)
+    pipe = GPipe(work.module, balance=work.balance, chunks=8, threads_per_stage=1, seed=0)
+    durations: list[float] = []
+    for _ in range(steps + 1):
+        pipe.train_step(work.inputs, work.targets, work.loss_fn)
+        assert pipe.timeline is not None
+        durations = [e.duration for e in pipe.timeline.events if e.kind != "wait"]
+    return statistics.median(durations)
+
+
+def cost_model_of(times_by_size: dict[int, dict[str, list[float]]], overhead: float, hop: float) -> CostModel:
+    """The simulator's cost model from per-layer times at each micro-batch size (one size: proportional)."""
+    if len(times_by_size) == 1:
+        (samples, times), = times_by_size.items()
+        times_by_size = proportional(times, samples)
+    return CostModel.fit(times_by_size, overhead, hop)
+
+
+def emulated_cost_model(emu: EmulatedSpec) -> CostModel:
+    """The emulated devices' exact costs (what their layers sleep), no engine overhead, no hand-over."""
+    seconds = emu.per_sample_seconds()
+    forward = [LinearCost(0.0, s) for s in seconds]
+    return CostModel({"forward_grad": forward, "forward_nograd": forward,
+                      "backward": [LinearCost(0.0, emu.backward_ratio * s) for s in seconds]})
 
 
 def hop_seconds(timeline: Timeline) -> float:
     """Median hand-over delay between stages measured in a real step (0 for one stage)."""
     if timeline.num_stages < 2:
         return 0.0
-    from gpipe_lab.planner.simulator import costs_from_timeline
-
     transfer = costs_from_timeline(timeline).transfer or [0.0]
     return float(statistics.median(transfer))
 
 
+def error(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured, or None when either is missing."""
+    return None if predicted is None or not measured else (predicted - measured) / measured
+
+
 def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], chunks: list[int],
-             steps: int = 3, repeat: int = 3, gpu: bool = False) -> list[dict]:
-    """Measure (K in ``measured_k``) and simulate (K in ``measured_k + simulated_k``) every M.
+             steps: int = 3, repeat: int = 3, gpu: bool = False, emulated_k: list[int] | None = None,
+             emulated_ms: float = 0.0) -> list[dict]:
+    """Measure (K in ``measured_k``), measure on emulated devices (K in ``emulated_k``, their mini-batch
+    forward taking ``emulated_ms``) and simulate (every K) each M.
 
-    With ``gpu`` every K this machine has GPUs for is measured on ``cuda:0..K-1``
-    (the simulator still runs from CPU per-layer times, for comparison).
+    Timed once, simulated many: per-layer times at every micro-batch size of the grid (and at 8x the
+    micro-batch when the grid has one M: fixed + per-sample needs two sizes), the engine's
+    per-action overhead and the median hand-over of the measured K >= 2 steps are measured once; the
+    cost model fitted from them predicts every cell. With ``gpu`` every K this machine has GPUs for is
+    measured on ``cuda:0..K-1``.
 
-    Returns one row per (K, M): ``measured_s`` (None when not measured), ``simulated_s``,
-    samples/s of each, the balance, the measured and simulated bubbles, and the timeline.
+    Returns one row per (K, M): measured / emulated / simulated seconds and samples/s (None where not
+    run), the simulator's error against each, bubbles, the balance and the timelines.
     """
     model = work.model()
-    rows = []
+    emulated_k = list(emulated_k or [])
+    fit_chunks = set(chunks) if len(set(chunks)) > 1 else {*chunks, max(1, min(chunks) // 8)}
+    times = {work.batch // m: layer_times(work, work.batch // m, repeat) for m in sorted(fit_chunks)}
+    real: dict[tuple[int, int], tuple[float, Timeline, list[int]]] = {}
     for m in chunks:
-        times = layer_times(work, work.batch // m, repeat)
-        hop = 0.0
         for k in sorted(set(measured_k) | set(simulated_k)):
-            balance = work.balance(model, k)
-            measured, timeline = None, None
             devices = gpu_devices(k) if gpu else None
             if k in measured_k or devices:
-                measured, timeline, balance = measure_step(work, k, m, steps, devices=devices)
-                hop = max(hop, hop_seconds(timeline))
-            simulated, sim_timeline = simulate_step(times, balance, m, hop)
-            rows.append({"workload": work.name, "K": k, "M": m, "batch": work.batch, "balance": balance,
-                         "measured_s": measured, "simulated_s": simulated, "hop_s": hop,
-                         "measured_sps": None if measured is None else work.batch / measured,
-                         "simulated_sps": work.batch / simulated,
-                         "measured_bubble": None if timeline is None else timeline.measured_bubble(),
-                         "simulated_bubble": sim_timeline.measured_bubble(),
-                         "timeline": timeline, "sim_timeline": sim_timeline})
+                real[(k, m)] = measure_step(work, k, m, steps, devices=devices)
+    hops = [hop_seconds(tl) for (k, _), (_, tl, _) in real.items() if k > 1]
+    cost = cost_model_of(times, engine_overhead(), statistics.median(hops) if hops else 0.0)
+    emu = EmulatedSpec(work, emulated_ms) if emulated_k else None
+    rows = []
+    for m in chunks:
+        for k in sorted(set(measured_k) | set(simulated_k) | set(emulated_k)):
+            measured, timeline, balance = real.get((k, m), (None, None, work.balance(model, k)))
+            pred = cost.predict(balance, m, work.batch)
+            row = {"workload": work.name, "K": k, "M": m, "batch": work.batch, "balance": balance,
+                   "measured_s": measured, "simulated_s": pred.step_time, "hop_s": cost.handover,
+                   "overhead_s": cost.action_overhead, "sim_error": error(pred.step_time, measured),
+                   "measured_sps": None if measured is None else work.batch / measured,
+                   "simulated_sps": work.batch / pred.step_time,
+                   "measured_bubble": None if timeline is None else timeline.measured_bubble(),
+                   "simulated_bubble": pred.bubble, "timeline": timeline, "sim_timeline": pred.timeline,
+                   "emulated_s": None, "emulated_sps": None, "emulated_sim_s": None, "emulated_error": None,
+                   "emulated_bubble": None}
+            if emu is not None and k in emulated_k:
+                row.update(emulated_cell(emu, k, m, steps))
+            rows.append(row)
     return rows
+
+
+def emulated_cell(emu: EmulatedSpec, partitions: int, chunks: int, steps: int) -> dict[str, float | None]:
+    """One (K, M) step on emulated devices: seconds, samples/s, bubble, and the simulator's prediction
+    from the devices' exact costs (the difference is the engine's hand-over and scheduling cost)."""
+    seconds, timeline, balance = measure_step(emu, partitions, chunks, steps)  # type: ignore[arg-type]
+    pred = emulated_cost_model(emu).predict(balance, chunks, emu.batch)
+    return {"emulated_s": seconds, "emulated_sps": emu.batch / seconds, "emulated_sim_s": pred.step_time,
+            "emulated_error": error(pred.step_time, seconds), "emulated_bubble": timeline.measured_bubble()}
+
+
+def emulation_settings(e: Any) -> tuple[list[int], float]:
+    """``experiment.emulated_k`` (default K = 1, 2, 4, 8) and ``experiment.emulated_forward_ms`` (default
+    1600: the emulated mini-batch forward; at K=8, M=32 an action then sleeps 6 ms or more) of a config."""
+    from omegaconf import OmegaConf
+
+    ks = OmegaConf.select(e, "emulated_k", default=None)
+    ms = OmegaConf.select(e, "emulated_forward_ms", default=None)
+    return [1, 2, 4, 8] if ks is None else [int(k) for k in ks], 1600.0 if ms is None else float(ms)
 
 
 def workload_of(block: Any, label: str | None = None) -> WorkloadSpec:
@@ -191,7 +242,8 @@ def workload_of(block: Any, label: str | None = None) -> WorkloadSpec:
 
 def tiny_overrides(amoebanet_config: str, transformer_config: str) -> dict[str, list[str]]:
     """``--tiny`` overrides of a throughput table's two configs: toy networks, one timed step."""
-    common = ["experiment.steps=1", "experiment.repeat=1"]
+    common = ["experiment.steps=1", "experiment.repeat=1", "++experiment.emulated_k=[1,2]",
+              "++experiment.emulated_forward_ms=40"]
     return {amoebanet_config: ["model.num_layers=3", "model.num_filters=8", "data.batch_size=64",
                              "data.num_train=640", *common],
             transformer_config: [

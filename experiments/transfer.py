@@ -128,7 +128,7 @@ def datamodule(cfg: DictConfig, **changes: object) -> object:
 
 def model_for(cfg: DictConfig, classes: int, seed: int) -> torch.nn.Sequential:
     torch.manual_seed(seed)
-    sizes = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    sizes = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k not in ("name", "task")}
     return build(cfg.model.name, "cpu", **{**sizes, "num_classes": classes})
 
 

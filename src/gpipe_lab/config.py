@@ -13,15 +13,16 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from gpipe_lab.pipeline.options import OptionError, PipelineOptions
 
 LOGGERS = ("wandb", "csv", "none")
 WANDB_MODES = ("online", "offline", "disabled")
-TRANSPORTS = ("local", "distributed")
 
 
 #: Root blocks read by experiment scripts (e.g. ``experiments/transfer.py``), ignored by gpipe-train.
@@ -32,29 +33,8 @@ class ConfigError(ValueError):
     """A config that cannot run; the message starts with the key."""
 
 
-@dataclass
-class PipelineConfig:
-    partitions: int | None = 2
-    balance: list[int] | None = None
-    chunks: int = 4
-    checkpoint: str = "except_last"
-    schedule: str = "gpipe"
-    transport: str = "local"
-    deferred_batch_norm: bool = False
-    cost: Any = "params"
-    threads_per_stage: int | None = None
-    timeout: float = 300.0
-    nonfinite: str = "raise"
-    compile: Any = False
-
-
-@dataclass
-class OptimizerConfig:
-    name: str = "adam"
-    lr: float = 0.002
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+#: The schema of ``conf/pipeline/`` is the engine's own options dataclass (one default per option).
+PipelineConfig = PipelineOptions
 
 
 @dataclass
@@ -80,13 +60,21 @@ def _typed(section: Any, schema: type, key: str) -> DictConfig:
         return OmegaConf.merge(OmegaConf.structured(schema), section)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
         bad = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
-        raise ConfigError(f"{key}.{bad}: {exc.msg if hasattr(exc, 'msg') else exc}") from None
+        message = str(exc.msg if hasattr(exc, "msg") else exc).splitlines()[0]
+        if isinstance(exc, ConfigKeyError):
+            message += f"; allowed: {', '.join(f.name for f in fields(schema))}"
+        raise ConfigError(f"{key}.{bad}: {message}") from None
 
 
 def _check_keys(section: Any, allowed: list[str], key: str, what: str) -> None:
     unknown = sorted(set(section) - set(allowed))
     if unknown:
-        raise ConfigError(f"{key + '.' if key else ''}{unknown[0]}: unknown key for {what}; allowed: {', '.join(sorted(allowed))}")
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        guess = f"did you mean {key + '.' if key else ''}{close[0]}? " if close else ""
+        raise ConfigError(f"{key + '.' if key else ''}{unknown[0]}: unknown key for {what}; {guess}"
+                          f"allowed: {', '.join(sorted(allowed))}")
 
 
 def _positive(value: Any, key: str) -> None:
@@ -94,38 +82,24 @@ def _positive(value: Any, key: str) -> None:
         raise ConfigError(f"{key}: must be a positive integer, got {value!r}")
 
 
-def validate_pipeline(cfg: DictConfig) -> DictConfig:
-    from gpipe_lab.pipeline import CHECKPOINT_MODES, NONFINITE_POLICIES, SCHEDULES
+def validate_pipeline(cfg: DictConfig) -> PipelineOptions:
+    """The ``pipeline`` group as ``PipelineOptions``, every option checked once.
 
-    p = _typed(cfg.pipeline, PipelineConfig, "pipeline")
-    _positive(p.partitions, "pipeline.partitions")
-    _positive(p.chunks, "pipeline.chunks")
-    if p.checkpoint not in CHECKPOINT_MODES:
-        raise ConfigError(f"pipeline.checkpoint: must be one of {list(CHECKPOINT_MODES)}, got {p.checkpoint!r}")
-    if p.schedule not in SCHEDULES:
-        raise ConfigError(f"pipeline.schedule: must be one of {sorted(SCHEDULES)}, got {p.schedule!r}")
-    if p.transport not in TRANSPORTS:
-        raise ConfigError(f"pipeline.transport: must be one of {list(TRANSPORTS)}, got {p.transport!r}")
-    if p.nonfinite not in NONFINITE_POLICIES:
-        raise ConfigError(f"pipeline.nonfinite: must be one of {list(NONFINITE_POLICIES)}, got {p.nonfinite!r}")
+    Raises:
+        ConfigError: an unknown key, a wrong type or a bad value, naming ``pipeline.<key>``.
+    """
+    typed = _typed(cfg.pipeline, PipelineOptions, "pipeline")
+    options: PipelineOptions = OmegaConf.to_object(typed)  # type: ignore[assignment]
+    try:
+        options.check(prefix="pipeline.")
+    except OptionError as exc:
+        raise ConfigError(str(exc)) from None
     from gpipe_lab.models import COST_KINDS
 
-    if isinstance(p.cost, str) and p.cost not in COST_KINDS:
+    if isinstance(options.cost, str) and options.cost not in COST_KINDS:
         raise ConfigError(f"pipeline.cost: must be one of {list(COST_KINDS)} or a list of per-layer costs, "
-                          f"got {p.cost!r}")
-    if p.balance is not None:
-        for i, b in enumerate(p.balance):
-            _positive(b, f"pipeline.balance[{i}]")
-        if p.partitions is not None and p.partitions != len(p.balance):
-            raise ConfigError(f"pipeline.balance: {list(p.balance)} has {len(p.balance)} entries but "
-                              f"pipeline.partitions={p.partitions}; set pipeline.partitions=null or match them")
-    from gpipe_lab.pipeline.compiling import compile_kwargs
-
-    try:
-        compile_kwargs(p.compile, "pipeline.compile")
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    return p
+                          f"got {options.cost!r}")
+    return options
 
 
 def validate_model(cfg: DictConfig) -> None:
@@ -136,7 +110,11 @@ def validate_model(cfg: DictConfig) -> None:
     if name not in PRESETS:
         raise ConfigError(f"model.name: unknown preset {name!r}; known: {', '.join(PRESETS)}")
     allowed = AMOEBANET_OVERRIDES if name in AMOEBANET_PRESETS else TRANSFORMER_OVERRIDES
-    _check_keys(cfg.model, ["name", *allowed], "model", f"preset {name!r}")
+    _check_keys(cfg.model, ["name", "task", *allowed], "model", f"preset {name!r}")
+    task = cfg.model.get("task")
+    if not isinstance(task, DictConfig) or not isinstance(task.get("_target_"), str):
+        raise ConfigError(f"model.task: must be a node with the _target_ of the model's LightningModule "
+                          f"(e.g. gpipe_lab.lightning.modules.ImageClassifier), got {task!r}")
 
 
 def validate_data(cfg: DictConfig) -> None:
@@ -193,33 +171,80 @@ def validate_callbacks(cfg: DictConfig) -> DictConfig:
     return c
 
 
-def validate_combinations(cfg: DictConfig, p: DictConfig, num_layers: int | None) -> None:
-    """Checks that need several groups (and, when given, the model's layer count)."""
-    k = len(p.balance) if p.balance is not None else p.partitions
-    if num_layers is not None:
-        if p.balance is not None and sum(p.balance) != num_layers:
-            raise ConfigError(f"pipeline.balance: {list(p.balance)} sums to {sum(p.balance)} but model "
-                              f"{cfg.model.name!r} has {num_layers} layers")
-        if k > num_layers:
-            raise ConfigError(f"pipeline.partitions: {k} partitions but model {cfg.model.name!r} has only "
-                              f"{num_layers} layers")
+def validate_optimizer(cfg: DictConfig) -> None:
+    """The ``optimizer`` group: ``hydra.utils.instantiate`` gives a factory of the named optimizer.
+
+    Raises:
+        ConfigError: a missing or foreign ``_target_``, an unknown key, a non-number ``lr`` or an
+            unknown ``optimizer.name``.
+    """
+    from gpipe_lab.lightning.modules import OPTIMIZERS, make_optimizer
+
+    section = cfg.optimizer
+    target = f"{make_optimizer.__module__}.{make_optimizer.__name__}"
+    if section.get("_target_") != target:
+        raise ConfigError(f"optimizer._target_: must be {target!r}, got {section.get('_target_')!r}")
+    allowed = [p for p in inspect.signature(make_optimizer).parameters if p != "params"]
+    _check_keys(section, ["_target_", "_partial_", *allowed], "optimizer", target)
+    if section.get("name") not in OPTIMIZERS:
+        raise ConfigError(f"optimizer.name: must be one of {list(OPTIMIZERS)}, got {section.get('name')!r}")
+    for key in ("lr", "momentum", "weight_decay"):
+        value = section.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise ConfigError(f"optimizer.{key}: must be a number >= 0, got {value!r}")
+
+
+def trainer_devices(cfg: DictConfig, p: PipelineOptions) -> Any:
+    """``trainer.devices`` as the Trainer takes it: ``auto`` under the distributed transport is
+    K processes per node (one per stage; more replicas: set a multiple of K)."""
+    devices = cfg.trainer.get("devices", "auto")
+    if p.transport == "distributed" and devices == "auto":
+        return p.num_stages
+    return devices
+
+
+def validate_layer_count(cfg: DictConfig, p: PipelineOptions, num_layers: int) -> None:
+    """The pipeline against the built model's layer count.
+
+    Raises:
+        ConfigError: a balance that does not sum to the layers, or more stages than layers.
+    """
+    if p.balance is not None and sum(p.balance) != num_layers:
+        raise ConfigError(f"pipeline.balance: {list(p.balance)} sums to {sum(p.balance)} but model "
+                          f"{cfg.model.name!r} has {num_layers} layers")
+    if p.num_stages > num_layers:
+        raise ConfigError(f"pipeline.partitions: {p.num_stages} partitions but model {cfg.model.name!r} has only "
+                          f"{num_layers} layers")
+
+
+def validate_combinations(cfg: DictConfig, p: PipelineOptions) -> None:
+    """Checks that need several groups.
+
+    Raises:
+        ConfigError: chunks above the batch size, a distributed world size that K does not
+            divide, or fewer local GPUs than stages.
+    """
+    k = p.num_stages
     batch = cfg.data.get("batch_size")
     if batch is not None and p.chunks > batch:
         raise ConfigError(f"pipeline.chunks: {p.chunks} micro-batches is more than data.batch_size={batch}")
     devices = cfg.trainer.get("devices", 1)
     nodes = cfg.trainer.get("num_nodes", 1) or 1
-    if p.transport == "distributed":
-        if not isinstance(devices, int):
-            raise ConfigError(f"trainer.devices: the distributed transport needs an integer, got {devices!r}")
+    if p.transport == "distributed" and devices != "auto":
+        if not isinstance(devices, int) or isinstance(devices, bool):
+            raise ConfigError(f"trainer.devices: the distributed transport needs an integer or auto (K processes "
+                              f"per node), got {devices!r}")
         if (devices * nodes) % k:
             raise ConfigError(f"trainer.devices: world size {devices * nodes} (devices x num_nodes) is not "
-                              f"divisible by pipeline.partitions={k}")
+                              f"divisible by pipeline.partitions={k}: pipeline.transport=distributed runs one "
+                              f"process per stage and data-parallel replica; drop trainer.devices (it then "
+                              f"follows K) or set trainer.devices={k} (or a multiple of {k})")
     elif cfg.trainer.get("accelerator") in ("gpu", "cuda") and isinstance(devices, int) and devices < k:
         raise ConfigError(f"trainer.devices: {devices} GPUs for {k} local pipeline stages; set trainer.devices={k}")
 
 
-def validate(cfg: DictConfig, num_layers: int | None = None) -> DictConfig:
-    """Validate the composed config (see the module docstring); returns the typed pipeline section.
+def validate(cfg: DictConfig, num_layers: int | None = None) -> PipelineOptions:
+    """Validate the composed config (see the module docstring); returns the pipeline's options.
 
     Raises:
         ConfigError: naming the key, for unknown keys, bad values and impossible combinations.
@@ -229,20 +254,23 @@ def validate(cfg: DictConfig, num_layers: int | None = None) -> DictConfig:
             raise ConfigError(f"{group}: missing config group")
     known_root = {"model", "data", "pipeline", "trainer", "optimizer", "logger", "paths", "task_name",
                   "tags", "seed", "ckpt_path", "init_from", "callbacks", "dry_run", "experiment", "hydra",
-                  "notes", *EXTENSION_KEYS}
+                  "notes", "fresh_classifier", *EXTENSION_KEYS}
     _check_keys(cfg, sorted(known_root), "", "the root config")
     if not isinstance(cfg.get("seed"), int):
         raise ConfigError(f"seed: must be an integer, got {cfg.get('seed')!r}")
+    from gpipe_lab.config_checks import validate_model_data, validate_trainer_values, validate_transfer
+
     validate_model(cfg)
     validate_data(cfg)
+    validate_model_data(cfg)
     p = validate_pipeline(cfg)
     validate_trainer(cfg)
-    _typed(cfg.optimizer, OptimizerConfig, "optimizer")
-    from gpipe_lab.lightning.modules import OPTIMIZERS
-
-    if cfg.optimizer.name not in OPTIMIZERS:
-        raise ConfigError(f"optimizer.name: must be one of {list(OPTIMIZERS)}, got {cfg.optimizer.name!r}")
+    validate_trainer_values(cfg)
+    validate_optimizer(cfg)
     validate_logger(cfg)
     validate_callbacks(cfg)
-    validate_combinations(cfg, p, num_layers)
+    validate_transfer(cfg)
+    validate_combinations(cfg, p)
+    if num_layers is not None:
+        validate_layer_count(cfg, p, num_layers)
     return p

@@ -21,7 +21,11 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parents[2] / "conf")))
+from gpipe_lab.pipeline.options import PipelineOptions
+
+# The YAML ships inside the package (``gpipe_lab/conf``; in a checkout a link to the top-level
+# ``conf/``), so an installed wheel finds it too.
+CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parent / "conf")))
 
 
 def build_datamodule(cfg: DictConfig) -> Any:
@@ -31,27 +35,28 @@ def build_datamodule(cfg: DictConfig) -> Any:
     return build(cfg.data.name, seed=cfg.seed, **kwargs)
 
 
+def model_overrides(cfg: DictConfig) -> dict[str, Any]:
+    """The ``model`` group's ``gpipe_lab.models.build`` overrides (all but ``name`` and ``task``)."""
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    return {k: v for k, v in model.items() if k not in ("name", "task")}  # type: ignore[union-attr]
+
+
 def build_module(cfg: DictConfig, datamodule: Any) -> Any:
-    """The model from ``models.build`` wrapped in its task's LightningModule.
+    """``model.task``'s LightningModule (``hydra.utils.instantiate``) around ``models.build``'s layers,
+    trained with the ``optimizer`` group's optimizer.
 
     The datamodule decides the class count / vocabulary size when it knows them.
     """
-    from gpipe_lab.lightning.modules import ImageClassifier, Translator
+    from hydra.utils import instantiate
+
     from gpipe_lab.models import build
 
-    overrides = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
-    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
-    optimizer = {k: v for k, v in optimizer.items() if not (k == "momentum" and optimizer["name"] != "sgd")}
-    if optimizer["name"] == "sgd":
-        optimizer.pop("betas", None)
-    if cfg.model.name.startswith("amoebanet"):
-        if getattr(datamodule, "num_classes", None):
-            overrides["num_classes"] = int(datamodule.num_classes)
-        return ImageClassifier(build(cfg.model.name, **overrides), optimizer)
-    if getattr(datamodule, "vocab_size", None):
-        overrides["vocab_size"] = int(datamodule.vocab_size)
+    overrides = model_overrides(cfg)
+    for key in ("num_classes", "vocab_size"):
+        if key in overrides and getattr(datamodule, key, None):
+            overrides[key] = int(getattr(datamodule, key))
     layers = build(cfg.model.name, **overrides)
-    return Translator(layers, optimizer, label_smoothing=float(cfg.model.get("label_smoothing", 0.0)))
+    return instantiate(cfg.model.task, layers=layers, optimizer=instantiate(cfg.optimizer))
 
 
 def init_from_of(cfg: DictConfig) -> str | None:
@@ -88,22 +93,32 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
             for k, v in cfg.items() if k != "hydra"}
 
 
-def build_logger(cfg: DictConfig, output_dir: Path) -> Any:
+def build_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions | None = None) -> Any:
+    """The ``logger`` group's logger (``False`` for ``none``); wandb runs are grouped and named
+    by ``gpipe_lab.lightning.wandb_run``."""
     name = cfg.logger.name if cfg.get("logger") else "none"
     if name == "csv":
         from lightning.pytorch.loggers import CSVLogger
 
         return CSVLogger(save_dir=str(output_dir), name="csv")
     if name == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
+        from gpipe_lab.config import validate_pipeline
+        from gpipe_lab.lightning.wandb_run import build_wandb_logger
 
-        output_dir.mkdir(parents=True, exist_ok=True)
-        logger = WandbLogger(save_dir=str(output_dir), project=cfg.logger.project, entity=cfg.logger.entity,
-                             group=cfg.logger.group, tags=list(cfg.logger.tags or []), mode=cfg.logger.mode,
-                             name=output_dir.name)
-        logger.log_hyperparams(resolved_config(cfg))
-        return logger
+        return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg))
     return False
+
+
+def engine_options(cfg: DictConfig, options: PipelineOptions, module: Any) -> PipelineOptions:
+    """The validated options as the engine takes them: measured per-layer costs, the run's seed."""
+    changes: dict[str, Any] = {}
+    if isinstance(options.cost, str) and options.cost != "params":
+        from gpipe_lab.models import layer_costs
+
+        changes["cost"] = layer_costs(module.layers, options.cost)
+    if options.seed is None:
+        changes["seed"] = int(cfg.seed)
+    return options.replace(**changes)
 
 
 def output_dir_of(cfg: DictConfig) -> Path:
@@ -121,11 +136,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """
     import lightning.pytorch as pl
 
-    from gpipe_lab.config import validate
+    from gpipe_lab.config import trainer_devices, validate, validate_layer_count
+    from gpipe_lab.continuation import continue_run
     from gpipe_lab.lightning import GPipeStrategy
     from gpipe_lab.lightning.callbacks import PipelineMetrics
+    from gpipe_lab.lightning.known_warnings import silence_known_warnings
+    from gpipe_lab.lightning.wandb_run import run_name
 
-    pipeline = validate(cfg)
+    silence_known_warnings()
+    cfg = continue_run(cfg)  # ckpt_path: the checkpoint's run's overrides, wandb run and a link to it
+    options = validate(cfg)
     if cfg.get("dry_run"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return {}
@@ -133,31 +153,30 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg)
     module = build_module(cfg, datamodule)
-    validate(cfg, num_layers=len(module.layers))
+    validate_layer_count(cfg, options, len(module.layers))
     ckpt_path = None
     if cfg.get("ckpt_path") is not None:
         from gpipe_lab.lightning.resume import resolve_ckpt_path
 
         ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
+        from gpipe_lab.lightning.resume_checks import check_resume
+
+        check_resume(ckpt_path, cfg, module)
     init_from = init_from_of(cfg)
     if init_from is not None:
         from gpipe_lab.lightning.resume import load_initial_weights
 
-        fresh = load_initial_weights(module, init_from)
+        fresh = load_initial_weights(module, init_from, fresh_classifier=bool(cfg.get("fresh_classifier", True)))
         print(f"init_from {init_from}: loaded every weight but {len(fresh)} new one(s) "
               f"{fresh[:4]}{' ...' if len(fresh) > 4 else ''}")
-    options = OmegaConf.to_container(pipeline, resolve=True)
-    if isinstance(options["cost"], str) and options["cost"] != "params":
-        from gpipe_lab.models import layer_costs
-
-        options["cost"] = layer_costs(module.layers, options["cost"])
-    strategy = GPipeStrategy(**options, seed=cfg.seed)
-    logger = build_logger(cfg, output_dir)
+    strategy = GPipeStrategy(options=engine_options(cfg, options, module))
+    logger = build_logger(cfg, output_dir, options)
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
              "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
-             "init_from": init_from}
+             "init_from": init_from, "run_name": run_name(options)}
     metrics = PipelineMetrics(output_dir, extra_summary=extra)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_kwargs["devices"] = trainer_devices(cfg, options)  # type: ignore[index]
     callbacks: list[Any] = [metrics, *build_callbacks(cfg, output_dir, trainer_kwargs)]
     try:
         trainer = pl.Trainer(**trainer_kwargs, strategy=strategy, logger=logger, callbacks=callbacks,
@@ -182,16 +201,43 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Console script ``gpipe-train``; returns the validation metric (for sweepers)."""
+    """The Hydra app (the console script ``gpipe-train`` is ``cli``); returns the validation metric
+    (for sweepers).
+
+    Raises:
+        SystemExit: one line for a config error or a missing dataset (no traceback).
+    """
     from gpipe_lab.config import ConfigError
+    from gpipe_lab.data.checks import DataNotFoundError
 
     try:
         summary = run(cfg)
     except ConfigError as exc:
         raise SystemExit(f"config error: {exc}") from None
+    except DataNotFoundError as exc:  # a path to fix, not a bug: no traceback
+        raise SystemExit(f"data error: {exc}") from None
     value = summary.get("validation_value")
     return float(value) if value is not None else None
 
 
+def cli() -> None:
+    """``gpipe-train``: the Hydra app, plus ``did you mean`` hints when Hydra rejects an override.
+
+    Raises:
+        SystemExit: the app's exit status, as Hydra and ``main`` give it.
+    """
+    import sys
+
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code == 1:  # Hydra rejected the command line (the app's own errors exit with a message)
+            from gpipe_lab.suggest import suggest_overrides
+
+            for hint in suggest_overrides(CONFIG_DIR, sys.argv[1:]):
+                print(hint, file=sys.stderr)
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -8,13 +8,18 @@ summary updates in ``record.summary.update``, the config in ``record.config.upda
 
     run = read_run(find_run_files("logs/train/runs/<date>")[0])
     run.history[-1]["train/loss"]; run.summary["validation_value"]
+
+From the command line (a user tool to check an offline run before ``wandb sync``)::
+
+    python -m gpipe_lab.wandb_reader logs/train/runs/<date>     # config, summary, last history row
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,13 +85,15 @@ def _key(item: Any) -> str:
 
 @dataclass
 class WandbRun:
-    """What an offline run recorded: history rows, summary, config, record kinds seen."""
+    """What an offline run recorded: history rows, summary, config, name, group, record kinds seen."""
 
     history: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     kinds: dict[str, int] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    name: str = ""
+    group: str = ""
 
     def metric(self, key: str) -> list[Any]:
         """Every history value of ``key``, in step order."""
@@ -109,6 +116,33 @@ def read_run(path: str | Path) -> WandbRun:
             run.summary.update({_key(item): _value(item) for item in record.summary.update})
         elif kind == "config":
             run.config.update({_key(item): _value(item) for item in record.config.update})
+        elif kind == "run":  # the config given to wandb.init, and the run's name and group
+            run.config.update({_key(item): _value(item) for item in record.run.config.update})
+            run.name, run.group = record.run.display_name, record.run.run_group
         elif kind == "files":
             run.files += [f.path for f in record.files.files]
     return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print each offline run under a folder as JSON: config, summary, history length and last row.
+
+    Returns 1 (and says so) when the folder holds no ``.wandb`` file.
+    """
+    parser = argparse.ArgumentParser(prog="python -m gpipe_lab.wandb_reader", description=main.__doc__)
+    parser.add_argument("directory", help="a run or sweep folder (searched recursively for *.wandb)")
+    args = parser.parse_args(argv)
+    files = find_run_files(args.directory)
+    if not files:
+        print(f"no .wandb file under {args.directory}")
+        return 1
+    for path in files:
+        run = read_run(path)
+        print(json.dumps({"file": str(path), "config": run.config, "summary": run.summary,
+                          "history_rows": len(run.history), "last_row": run.history[-1] if run.history else None},
+                         indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

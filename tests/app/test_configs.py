@@ -10,7 +10,7 @@ import torch
 from omegaconf import open_dict
 
 from gpipe_lab.config import ConfigError, validate
-from gpipe_lab.train import CONFIG_DIR, build_logger, build_module, run
+from gpipe_lab.train import CONFIG_DIR, build_logger, build_module, model_overrides, run
 from helpers.app import make_config
 
 CONF = Path(CONFIG_DIR)
@@ -24,6 +24,8 @@ MAX_TEST_PARAMS = 12_000_000
 @pytest.mark.parametrize(("group", "name"), FILES, ids=[f"{g}/{n}" for g, n in FILES])
 def test_every_config_file_composes_and_instantiates(group: str, name: str, tmp_path: Path) -> None:
     overrides = [f"{group}={name}"]
+    if (group, name[:11]) in (("model", "transformer"), ("data", "synthetic_t"), ("data", "parallel_te")):
+        overrides.append("model=transformer_tiny" if group == "data" else "data=synthetic_translation")
     if group == "trainer" and name == "distributed":
         overrides.append("pipeline.transport=distributed")
     cfg = make_config(*overrides, tmp_path=tmp_path)
@@ -34,7 +36,7 @@ def test_every_config_file_composes_and_instantiates(group: str, name: str, tmp_
     if group == "model":
         from gpipe_lab.models import build
 
-        options = {k: v for k, v in cfg.model.items() if k != "name"}
+        options = model_overrides(cfg)
         layers = build(cfg.model.name, device="meta", **options)
         assert len(layers) >= 2
     elif group == "data":
@@ -117,7 +119,7 @@ def test_every_experiment_runs_one_step(name: str, tmp_path: Path) -> None:
         pytest.skip(f"{name}: needs local data at {cfg.data.root}")
     from gpipe_lab.models import build
 
-    options = {k: v for k, v in cfg.model.items() if k != "name"}
+    options = model_overrides(cfg)
     size = sum(p.numel() for p in build(cfg.model.name, device="meta", **options).parameters())
     if size > MAX_TEST_PARAMS:
         pytest.skip(f"{name}: {size / 1e6:.0f}M parameters is too big for a CPU test step")

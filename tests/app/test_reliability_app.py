@@ -2,8 +2,8 @@
 
 Every test starts the real console app (``python -m gpipe_lab.train``) in a subprocess
 with a small AmoebaNet-D config (4 steps per epoch, a checkpoint every 3 optimizer steps,
-all of them kept, per-step losses in the CSV logger), bounds it with a deadline, and kills
-its whole process group in ``finally``.
+all of them kept, per-step losses in the CSV logger), follows its steps on the progress bar
+it prints (bounded by each test's timeout mark), and kills its whole process group in ``finally``.
 
 - An uninterrupted 20-step run is the reference (module fixture).
 - The same config again (with ``pipeline.checkpoint=always``): the 20 losses are
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -40,19 +40,27 @@ APP = [
     "pipeline.partitions=2", "pipeline.chunks=4", "seed=3",
     "callbacks.checkpoint_every_n_steps=3", "callbacks.keep_checkpoints=-1",
 ]
-RUN_DEADLINE = 240.0
+#: The interruption tests follow the app's steps on its progress bar.
+PROGRESS_BAR = ["trainer.enable_progress_bar=true"]
 
 
 def start_app(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """The app with its console (stdout and stderr) on a pipe; ``console()`` shows what was read."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    log = open(run_dir / "console.log", "wb")  # noqa: SIM115 - closed with the process
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpipe_lab.train", *APP, *overrides, f"hydra.run.dir={run_dir}",
          f"paths.log_dir={run_dir.parent / 'logs'}"],
-        cwd=run_dir, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    proc.log = log  # type: ignore[attr-defined]
+        cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc.log = open(run_dir / "console.log", "wb")  # type: ignore[attr-defined]  # noqa: SIM115 - closed by stop()
     return proc
+
+
+def drain(proc: subprocess.Popen) -> int:
+    """Read the app's console to its end (into console.log); returns its exit status."""
+    for chunk in iter(lambda: proc.stdout.read1(65536), b""):  # type: ignore[union-attr]
+        proc.log.write(chunk)  # type: ignore[attr-defined]
+    return proc.wait(timeout=60)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -63,6 +71,7 @@ def stop(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     proc.wait(timeout=30)
+    proc.stdout.close()  # type: ignore[union-attr]
     proc.log.close()  # type: ignore[attr-defined]
 
 
@@ -70,10 +79,32 @@ def console(run_dir: Path) -> str:
     return (run_dir / "console.log").read_text(errors="replace")[-4000:]
 
 
+#: The progress bar's line after each batch: ``Epoch 2:  25%|##  | 1/4 ...``.
+PROGRESS = re.compile(rb"Epoch (\d+):\s+\d+%\|[^|]*\| (\d+)/\d+")
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:
+    """Block on the app's console until its progress bar shows ``steps`` finished batches.
+
+    Lightning runs checkpoint callbacks after every other batch-end hook, so once the bar
+    shows batch n + 1, the checkpoint of step n is completely written. Bounded by the
+    test's timeout mark.
+    """
+    tail = b""
+    while True:
+        chunk = proc.stdout.read1(65536)  # type: ignore[union-attr]  # blocks until the app writes
+        proc.log.write(chunk)  # type: ignore[attr-defined]
+        assert chunk, f"the app ended early:\n{console(run_dir)}"
+        tail = (tail + chunk)[-8192:]
+        done = max((int(epoch) * STEPS_PER_EPOCH + int(batch) for epoch, batch in PROGRESS.findall(tail)), default=0)
+        if done >= steps:
+            return
+
+
 def run_app(run_dir: Path, *overrides: str) -> dict[int, float]:
     proc = start_app(run_dir, *overrides)
     try:
-        code = proc.wait(timeout=RUN_DEADLINE)
+        code = drain(proc)
     finally:
         stop(proc)
     assert code == 0, console(run_dir)
@@ -95,40 +126,8 @@ def losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
-def checkpoint_at(run_dir: Path, min_step: int) -> Path | None:
-    """The newest numbered checkpoint at a step >= ``min_step``."""
-    found = sorted((int(p.stem.rsplit("step=", 1)[1]), p) for p in (run_dir / "checkpoints").glob("*step=*.ckpt"))
-    found = [(step, p) for step, p in found if step >= min_step]
-    return found[-1][1] if found else None
-
-
 def step_of(ckpt: Path) -> int:
     return int(ckpt.stem.rsplit("step=", 1)[1])
-
-
-def wait_for(predicate, proc: subprocess.Popen, run_dir: Path, timeout: float = RUN_DEADLINE):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        assert proc.poll() is None, f"the app ended early:\n{console(run_dir)}"
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting; console:\n{console(run_dir)}")
-
-
-def stable_file(path_fn):
-    """A predicate: the file exists and its size did not change over 0.5 s (write finished)."""
-    def check():
-        path = path_fn()
-        try:
-            size = path.stat().st_size if path is not None else 0
-            time.sleep(0.5)
-            return path if size > 0 and path.stat().st_size == size else None
-        except FileNotFoundError:  # replaced by a newer checkpoint meanwhile
-            return None
-
-    return check
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +146,9 @@ def test_app_same_seed_same_k_m_is_bitwise_identical_over_20_steps(reference, tm
 @pytest.mark.timeout(600)
 def test_sigkill_then_resume_continues_with_the_same_losses(reference, tmp_path):
     killed_dir, resumed_dir = tmp_path / "killed", tmp_path / "resumed"
-    proc = start_app(killed_dir, f"trainer.max_steps={3 * STEPS}")  # longer: it cannot end before the kill
+    proc = start_app(killed_dir, f"trainer.max_steps={3 * STEPS}", *PROGRESS_BAR)  # it cannot end before the kill
     try:
-        wait_for(stable_file(lambda: checkpoint_at(killed_dir, 2 * STEPS_PER_EPOCH + 1)), proc, killed_dir)
+        wait_for_step(proc, killed_dir, 2 * STEPS_PER_EPOCH + 2)  # the step-9 checkpoint is written
         os.killpg(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
@@ -173,12 +172,11 @@ def test_sigkill_then_resume_continues_with_the_same_losses(reference, tmp_path)
 @pytest.mark.timeout(600)
 def test_sigint_stops_cleanly_and_leaves_a_resumable_checkpoint(reference, tmp_path):
     run_dir, resumed_dir = tmp_path / "interrupted", tmp_path / "resumed"
-    proc = start_app(run_dir, f"trainer.max_steps={3 * STEPS}")  # longer: it cannot end before the signal
+    proc = start_app(run_dir, f"trainer.max_steps={3 * STEPS}", *PROGRESS_BAR)  # it cannot end before the signal
     try:
-        wait_for(stable_file(lambda: checkpoint_at(run_dir, STEPS_PER_EPOCH)), proc, run_dir)
-        wait_for(lambda: len(losses(run_dir)) > STEPS_PER_EPOCH, proc, run_dir, timeout=60)  # mid-epoch
+        wait_for_step(proc, run_dir, STEPS_PER_EPOCH + 1)  # mid-epoch, after the step-3 checkpoint
         os.killpg(proc.pid, signal.SIGINT)
-        code = proc.wait(timeout=60)  # graceful: no hang on worker threads or loggers
+        code = drain(proc)  # graceful: no hang on worker threads or loggers
     finally:
         stop(proc)
     text = console(run_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,15 @@ SMALL = ["data.num_train=256", "data.num_val=64", "trainer.max_steps=6", "traine
          "data.batch_size=16", "trainer.enable_checkpointing=false"]
 
 
+def warnings_shown(proc: subprocess.CompletedProcess) -> list[str]:
+    """Lines of a run's output that are Python warnings (``file.py:N: message``) or wandb warnings."""
+    return [line for line in (proc.stdout + proc.stderr).splitlines()
+            if re.search(r"\.py:\d+: |Warning\b|WARNING", line)]
+
+
 def test_default_app_logs_everything_to_offline_wandb(tmp_path: Path) -> None:
-    gpipe_train(SMALL, tmp_path)
+    proc = gpipe_train(SMALL, tmp_path)
+    assert warnings_shown(proc) == []
     (summary_path,) = tmp_path.rglob("summary.json")
     summary = json.loads(summary_path.read_text())
     assert (summary["K"], summary["M"], summary["schedule"]) == (2, 4, "gpipe")
@@ -44,16 +52,38 @@ def test_default_app_logs_everything_to_offline_wandb(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_multirun_sweep_writes_one_summary_per_job(tmp_path: Path) -> None:
+def test_multirun_sweep_is_one_wandb_group_with_a_summary_table(tmp_path: Path) -> None:
     gpipe_train(["-m", "pipeline.partitions=1,2", "pipeline.chunks=1,4", *SMALL, "trainer.max_steps=2",
                  "trainer.enable_progress_bar=false", "data.num_val=16"], tmp_path, timeout=400)
     (table,) = tmp_path.rglob("multiruns/*/summary.json")
+    sweep_dir = table.parent
     rows = json.loads(table.read_text())
     assert sorted((r["K"], r["M"]) for r in rows) == [(1, 1), (1, 4), (2, 1), (2, 4)]
-    assert (table.parent / "summary.csv").exists()
-    assert len(find_run_files(table.parent)) == 4  # one offline wandb run per job
+    assert (sweep_dir / "summary.csv").exists()
     for row in rows:
         assert row["final_train_loss"] > 0 and row["samples_per_s"] > 0
+    markdown = (sweep_dir / "sweep_summary.md").read_text().splitlines()
+    assert markdown[2].startswith("| job | run | K | M | schedule |") and len(markdown) == 4 + len(rows)
+    assert "| K2-M4-gpipe | 2 | 4 | gpipe |" in "\n".join(markdown)
+
+    jobs = [read_run(f) for d in sorted(sweep_dir.glob("[0-9]*")) for f in find_run_files(d / "wandb")]
+    assert sorted(run.name for run in jobs) == ["K1-M1-gpipe", "K1-M4-gpipe", "K2-M1-gpipe", "K2-M4-gpipe"]
+    assert {run.group for run in jobs} == {sweep_dir.name}
+    for run in jobs:
+        assert run.name == f"K{run.config['K']}-M{run.config['M']}-gpipe"
+        assert (run.config["schedule"], run.config["checkpoint"], run.config["transport"]) == \
+            ("gpipe", "except_last", "local")
+    (summary_file,) = find_run_files(sweep_dir / "wandb")
+    summary_run = read_run(summary_file)
+    assert (summary_run.group, summary_run.name) == (sweep_dir.name, f"{sweep_dir.name}-summary")
+    (table_file,) = set((sweep_dir / "wandb").rglob("*.table.json"))
+    logged = json.loads(table_file.read_text())
+    assert logged["columns"][:4] == ["job", "run", "K", "M"] and len(logged["data"]) == len(rows)
+    by_run = {r[1]: dict(zip(logged["columns"], r)) for r in logged["data"]}
+    for row in rows:
+        assert by_run[row["run_name"]]["samples/s"] == pytest.approx(row["samples_per_s"])
+        assert by_run[row["run_name"]]["value"] == pytest.approx(row["validation_value"])
+        assert by_run[row["run_name"]]["bubble"] == pytest.approx(row["bubble_measured"])
 
 
 def test_bad_override_fails_before_training(tmp_path: Path) -> None:

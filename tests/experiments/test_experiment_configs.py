@@ -90,13 +90,20 @@ def test_table1_reads_the_planner_settings(tmp_path: Path, scripts: object) -> N
 
 def fake_grid(calls: list) -> object:
     def run_grid(work: object, measured_k: list, simulated_k: list, chunks: list, steps: int, repeat: int,
-                 gpu: bool = False) -> list[dict]:
-        calls.append((work, measured_k, simulated_k, chunks, steps, repeat))
+                 gpu: bool = False, emulated_k: list | None = None, emulated_ms: float = 0.0) -> list[dict]:
+        calls.append((work, measured_k, simulated_k, chunks, steps, repeat, emulated_k, emulated_ms))
+        emulated_k = emulated_k or []
         return [{"workload": work.name, "K": k, "M": m, "batch": work.batch, "balance": [1] * k,
                  "measured_s": 1.0 if k in measured_k else None, "simulated_s": 1.0, "hop_s": 0.0,
+                 "sim_error": 0.0 if k in measured_k else None,
                  "measured_sps": 10.0 * k / m if k in measured_k else None, "simulated_sps": 10.0 * k / m,
-                 "measured_bubble": 0.1 if k in measured_k else None, "simulated_bubble": 0.1}
-                for m in chunks for k in sorted({*measured_k, *simulated_k})]
+                 "measured_bubble": 0.1 if k in measured_k else None, "simulated_bubble": 0.1,
+                 "emulated_s": 1.0 if k in emulated_k else None,
+                 "emulated_sps": 10.0 * k / m if k in emulated_k else None,
+                 "emulated_sim_s": 1.0 if k in emulated_k else None,
+                 "emulated_error": 0.0 if k in emulated_k else None,
+                 "emulated_bubble": 0.1 if k in emulated_k else None}
+                for m in chunks for k in sorted({*measured_k, *simulated_k, *emulated_k})]
     return run_grid
 
 
@@ -112,6 +119,7 @@ def test_throughput_scripts_run_what_their_configs_say(script: str, tmp_path: Pa
     assert amoeba[0].sizes["num_filters"] == 16 and amoeba[0].sizes["num_layers"] == 3  # tiny, then ours
     assert transformer[0].sizes["num_layers"] == 8 and transformer[0].preset == "transformer_l"
     assert amoeba[3] == [1, 32] and amoeba[4] == 2
+    assert amoeba[6] == [1, 2] and amoeba[7] == 40.0  # --tiny's emulated devices
     text = (tmp_path / f"{script}.md").read_text()
     assert "3.48" in text if script == "table2_throughput" else "2.7" in text  # the paper's column
 
@@ -119,13 +127,15 @@ def test_throughput_scripts_run_what_their_configs_say(script: str, tmp_path: Pa
 def test_overheads_reads_its_workloads(tmp_path: Path, scripts: object, monkeypatch: pytest.MonkeyPatch) -> None:
     module, seen = scripts("overheads"), []
 
-    def breakdown(work: object, chunks: int, steps: int, repeat: int, out: Path, k: int = 2) -> tuple[dict, Path]:
+    def breakdown(work: object, chunks: int, steps: int, cost: object, out: Path, k: int = 2) -> tuple[dict, Path]:
         seen.append((work.name, work.batch, chunks, k))
         row = dict.fromkeys(("recompute", "bubble_measured", "bubble_theory", "bubble_simulated", "imbalance",
                              "wait", "handover_share", "handover_ms", "update_share", "wall_s"), 0.1)
         return {**row, "workload": work.name, "K": k, "M": chunks, "balance": [1, 1]}, out / "x.png"
 
     monkeypatch.setattr(module, "breakdown", breakdown)
+    monkeypatch.setattr(module, "workload_cost", lambda *args: None)
+    monkeypatch.setattr(module, "engine_overhead", lambda: 0.0)
     run_main(module, monkeypatch, "--tiny", "--out", str(tmp_path), "experiment.chunks=[8]",
              "experiment.workloads.transformer.batch=16")
     assert seen == [("amoeba", 64, 8, 2), ("transformer", 16, 8, 2)]

@@ -22,6 +22,8 @@ CASES = {
     "trainability.py": ("trainability.md", ["ffn init scaling", "logit clip", "non-finite"]),
     "nmt_scaling.py": ("nmt_scaling.md", ["30.92", "31.86", "32.71", "2.58", "2.51", "2.46"]),
     "transfer.py": ("transfer.md", ["99.0", "91.3", "94.6", "95.9", "93.0", "92.7", "83.6"]),
+    "trainability_search.py": ("trainability_search.md", ["diverged / seeds", "1.5 x the lowest"]),
+    "emulated_scaling.py": ("emulated_scaling.md", ["K·M/(M+K-1)", "hand-over per hop"]),
 }
 
 
@@ -41,7 +43,7 @@ def test_script_tiny_end_to_end(script, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (tmp_path / name).read_text()
     assert text.startswith("# ") and "| " in text and "TINY" in text
-    assert "Generated" in text and "--tiny" in text  # provenance: date, machine, command
+    assert "Generated" in text and "--tiny" in text and "at commit `" in text  # provenance: date, commit, command
     for value in paper_values:
         assert value in text, f"paper value {value!r} missing from {name}"
     assert json.loads((tmp_path / name).with_suffix(".json").read_text())

@@ -109,3 +109,19 @@ def test_cli_memory_and_search(capsys):
                  "-K", "2", "--memory-gib", "0.05", "--batch", "8"]) == 0
     assert "max_num_filters=" in capsys.readouterr().out
     assert main(["memory", "--model", "amoebanet_d", "--num-layers", "7"]) == 2
+
+
+def test_cli_memory_too_many_partitions_points_to_the_papers_size(capsys):
+    assert main(["memory", "--model", "transformer_l", "-K", "128"]) == 2
+    err = capsys.readouterr().err
+    assert "3-layer member" in err and "--num-layers 1663 (83.9B)" in err
+
+
+def test_cli_memory_restates_its_assumptions(capsys):
+    assert main(["memory", "--model", "transformer_l", "--num-layers", "13", "-K", "4", "--batch", "8",
+                 "--microbatches", "4", "--seq-len", "64"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("assumes: model=transformer_l, K=4, batch=8, M=4, num_layers=13, seq_len=64")
+    assert main(["memory", "--model", "amoebanet_d", "--num-filters", "32", "-K", "2", "--json"]) == 0
+    assumed = json.loads(capsys.readouterr().out)["assumptions"]
+    assert (assumed["image_size"], assumed["batch"], assumed["M"]) == (224, 128, 128)

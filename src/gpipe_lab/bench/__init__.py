@@ -4,7 +4,8 @@
 root (``python -m benchmarks.run``); the definitions both need live here, once.
 """
 
+from gpipe_lab.bench.emulated import EmulatedLayer, EmulatedSpec, emulated_module, emulated_workload
 from gpipe_lab.bench.timing import Timing, time_call, time_rounds
 from gpipe_lab.bench.workloads import Workload, WorkloadSpec, mlp, mlp_module, tiny_linear
 
-__all__ = ["Timing", "Workload", "WorkloadSpec", "mlp", "mlp_module", "time_call", "time_rounds", "tiny_linear"]
+__all__ = ["EmulatedLayer", "EmulatedSpec", "Timing", "emulated_module", "emulated_workload", "Workload", "WorkloadSpec", "mlp", "mlp_module", "time_call", "time_rounds", "tiny_linear"]

@@ -129,9 +129,17 @@ class WorkloadSpec:
         """
         if partitions == 1:
             return [len(model)]
+        return balance_by_cost(self.flops(model), partitions)
+
+    def flops(self, model: nn.Sequential | None = None) -> list[float]:
+        """Per-layer forward FLOPs per sample (``layer_costs(..., "flops")``), counted once per network.
+
+        Raises:
+            ValueError: invalid preset or sizes (from ``models.build``).
+        """
         if self.key not in _FLOPS:
-            _FLOPS[self.key] = list(layer_costs(model, "flops"))
-        return balance_by_cost(_FLOPS[self.key], partitions)
+            _FLOPS[self.key] = list(layer_costs(model if model is not None else self.model(), "flops"))
+        return _FLOPS[self.key]
 
     def build(self, partitions: int = 1, seed: int = 0) -> Workload:
         """The workload: images with class labels (AmoebaNet) or tokens with next-token targets.

@@ -43,14 +43,19 @@ def check_replica(rank: int, size: int) -> tuple[int, int]:
     return rank, size
 
 
+class DataNotFoundError(FileNotFoundError):
+    """A dataset's files are missing or damaged; the message says where and how to provide them
+    (``gpipe-train`` prints it as one line, without a traceback)."""
+
+
 def require_path(path: str | Path, what: str, hint: str) -> Path:
     """Return ``path`` as a Path if it exists.
 
     Raises:
-        FileNotFoundError: naming the missing path, what was expected there, and ``hint``
+        DataNotFoundError: (a ``FileNotFoundError``) naming the missing path, what was expected there, and ``hint``
             (how to provide it, e.g. ``data.root=/path/to/data``).
     """
     path = Path(path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"{what} not found at '{path}'. {hint}")
+        raise DataNotFoundError(f"{what} not found at '{path}'. {hint}")
     return path

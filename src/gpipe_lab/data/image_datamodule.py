@@ -23,6 +23,26 @@ from gpipe_lab.data.resumable import ResumableDataLoader
 from gpipe_lab.data.synthetic_images import SyntheticImageDataset
 
 
+class Augmented(Dataset):
+    """``dataset``'s images with a random horizontal flip (p=0.5) and a cutout square, drawn from
+    torch's global generator like torchvision's transforms (seeded by the run, saved in checkpoints)."""
+
+    def __init__(self, dataset: Dataset, random_flip: bool, cutout: int) -> None:
+        from gpipe_lab.data.image_transforms import Cutout
+
+        self.dataset, self.random_flip = dataset, bool(random_flip)
+        self.cut = Cutout(cutout) if cutout else None
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image, label = self.dataset[index]
+        if self.random_flip and float(torch.rand(1)) < 0.5:
+            image = image.flip(-1)
+        return (self.cut(image) if self.cut is not None else image), label
+
+
 class EpochRandomSampler(RandomSampler):
     """A ``RandomSampler`` whose order depends only on (seed, epoch), not on how many epochs
     this loader already ran: Lightning calls ``set_epoch``, so a run resumed from a checkpoint
@@ -111,6 +131,7 @@ class SyntheticImageDataModule(ImageDataModule):
         num_classes: number of classes; ``class_offset`` picks a disjoint class set
             (e.g. pretrain with offset 0, fine-tune with offset 1000).
         noise: pixel noise standard deviation.
+        random_flip / cutout: training-set augmentation (see ``Augmented``); off by default.
         Other arguments: see ``ImageDataModule``.
 
     Raises:
@@ -129,6 +150,8 @@ class SyntheticImageDataModule(ImageDataModule):
         class_offset: int = 0,
         class_seed: int = 1234,
         noise: float = 0.1,
+        random_flip: bool = False,
+        cutout: int = 0,
         drop_last: bool = True,
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
@@ -142,3 +165,6 @@ class SyntheticImageDataModule(ImageDataModule):
         self.val_set = SyntheticImageDataset(num_val, split=1, **common)
         self.num_classes = self.train_set.num_classes
         self.image_size = self.train_set.image_size
+        check_positive_int("cutout", cutout, minimum=0)
+        if random_flip or cutout:
+            self.train_set = Augmented(self.train_set, random_flip, cutout)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from torchvision import datasets
 
-from gpipe_lab.data.checks import check_positive_int, require_path
+from gpipe_lab.data.checks import DataNotFoundError, check_positive_int, require_path
 from gpipe_lab.data.image_datamodule import ImageDataModule
 from gpipe_lab.data.image_transforms import cifar_transform, imagenet_transform
 
@@ -42,7 +42,8 @@ class CIFARDataModule(ImageDataModule):
     Raises:
         ValueError: if ``variant`` is not 10 or 100, ``num_classes`` is given and differs from it,
             or a size is out of range.
-        FileNotFoundError: if ``download`` is False and a data file is missing under ``root``.
+        DataNotFoundError: (a ``FileNotFoundError``) if ``download`` is False and a data file is
+            missing under ``root``; in ``setup``, if a file fails torchvision's checksum.
     """
 
     def __init__(
@@ -73,7 +74,7 @@ class CIFARDataModule(ImageDataModule):
         self.random_crop, self.random_flip = bool(random_crop), bool(random_flip)
         if not self.download:
             folder = self.root / self.dataset_cls.base_folder
-            hint = f"Set data.root to the folder that holds '{self.dataset_cls.base_folder}', or data.download=true on a machine with internet."
+            hint = f"Set data.root to the folder that holds '{self.dataset_cls.base_folder}', or data.download=true on a machine with internet (fetches it)."
             for name, _md5 in self.dataset_cls.train_list + self.dataset_cls.test_list:
                 require_path(folder / name, f"CIFAR-{variant} file", hint)
 
@@ -86,10 +87,17 @@ class CIFARDataModule(ImageDataModule):
         if self.train_set is not None:
             return
         kw = dict(image_size=self.image_size, random_flip=self.random_flip)
-        self.train_set = self.dataset_cls(
-            str(self.root), train=True, transform=cifar_transform(True, random_crop=self.random_crop, cutout=self.cutout, **kw)
-        )
-        self.val_set = self.dataset_cls(str(self.root), train=False, transform=cifar_transform(False, **kw))
+        try:
+            self.train_set = self.dataset_cls(
+                str(self.root), train=True, transform=cifar_transform(True, random_crop=self.random_crop, cutout=self.cutout, **kw)
+            )
+            self.val_set = self.dataset_cls(str(self.root), train=False, transform=cifar_transform(False, **kw))
+        except RuntimeError as exc:  # torchvision's "Dataset not found or corrupted": a file failed its md5
+            folder = self.root / self.dataset_cls.base_folder
+            raise DataNotFoundError(
+                f"CIFAR files in '{folder}' fail torchvision's checksum (a partial or different copy); "
+                f"replace them with the files of the official archive, or data.download=true on a machine with internet (fetches it)."
+            ) from exc
 
 
 class ImageNetDataModule(ImageDataModule):

@@ -1,11 +1,21 @@
 """``PipelineMetrics``: throughput, bubble, per-stage busy time and memory, timeline pictures,
 and the run's ``summary.json``.
 
-Logged every ``log_every_n_steps`` (through the LightningModule, so every logger gets it):
-``perf/samples_per_s``, ``perf/tokens_per_s``, ``pipeline/bubble_measured``,
-``pipeline/bubble_theory``, ``pipeline/stage{k}_busy_s``, ``memory/stage{k}_param_bytes``,
+Logged every ``log_every_n_steps`` (through the LightningModule, so every logger gets it), and
+always at the first and the last step (straight to the loggers, with ``train/loss``, when
+Lightning would skip them): ``perf/samples_per_s``, ``perf/tokens_per_s``,
+``pipeline/bubble_measured`` (that step's), ``pipeline/bubble_theory`` (the schedule's own idle
+fraction, simulated at equal forward/backward/weight costs: ``theory_bubble``),
+``pipeline/stage{k}_busy_s``, ``memory/stage{k}_param_bytes``,
 ``memory/stage{k}_activation_bytes``. The timeline picture is saved (and sent to wandb as
-``pipeline/timeline``) at the first logged step and at the end of training.
+``pipeline/timeline``) at the first logged step and at the end of training (Ctrl-C too).
+
+``summary.json`` uses the history's names for the same figures (``train/loss``,
+``perf/samples_per_s``, ``pipeline/bubble_measured``: the MEAN over the steps after the first,
+``bubble_measured_over`` says so) and keeps the flat names (``final_train_loss``,
+``samples_per_s``, ``tokens_per_s``, ``bubble_measured``, ``bubble_theory``) as aliases. It
+also holds the run name, optimizer, learning rate, D (data-parallel replicas) and the run's
+command-line overrides (so a sweep's rows show what each job swept).
 """
 
 from __future__ import annotations
@@ -21,7 +31,31 @@ from lightning.pytorch.loggers import WandbLogger
 
 from gpipe_lab.lightning.strategy import GPipeStrategy
 from gpipe_lab.lightning.timeline_figure import save_timeline_figure
-from gpipe_lab.pipeline import analytic_bubble
+from gpipe_lab.pipeline import get_schedule
+
+#: The flat summary names kept as aliases of the history's names.
+ALIASES = {"final_train_loss": "train/loss", "samples_per_s": "perf/samples_per_s",
+           "tokens_per_s": "perf/tokens_per_s", "bubble_measured": "pipeline/bubble_measured",
+           "bubble_theory": "pipeline/bubble_theory"}
+
+
+def theory_bubble(schedule: str, num_stages: int, chunks: int) -> float:
+    """The schedule's idle fraction predicted by ``gpipe_lab.planner.simulator`` with every
+    forward, backward and weight-gradient action costing the same (no transfer time)."""
+    from gpipe_lab.planner.simulator import StageCosts, predict_step
+
+    costs = StageCosts.uniform(num_stages, forward=1.0, backward_input=1.0, backward_weight=1.0)
+    return float(predict_step(get_schedule(schedule, num_stages, chunks), costs).bubble)
+
+
+def job_overrides() -> list[str]:
+    """The Hydra job's command-line overrides (none outside a Hydra run)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except (ImportError, ValueError):
+        return []
 
 
 class PipelineMetrics(pl.Callback):
@@ -65,26 +99,40 @@ class PipelineMetrics(pl.Callback):
         timeline, memory = strategy.step_report()  # collective in distributed: every rank calls it
         self._timeline, self._memory = timeline, memory
         assert timeline is not None
-        k, m = strategy.num_stages, strategy.chunks
         rates = (samples / seconds, tokens / seconds)
         if batch_idx >= self.warmup_steps or trainer.max_steps == 1:
             self._rates.append(rates)
             self._bubbles.append(timeline.measured_bubble())
             self._busy.append(timeline.busy())
-        if trainer.global_step % max(1, trainer.log_every_n_steps) and self._pictured:
+        from gpipe_lab.lightning.resume import ResumableCheckpoint
+
+        skipped_by_lightning = bool(trainer.global_step % max(1, trainer.log_every_n_steps))
+        final = ResumableCheckpoint.is_final_step(trainer)
+        if skipped_by_lightning and self._pictured and not final:
             return
         metrics = {"perf/samples_per_s": rates[0], "perf/tokens_per_s": rates[1],
                    "pipeline/bubble_measured": timeline.measured_bubble(),
-                   "pipeline/bubble_theory": analytic_bubble(k, m), "pipeline/step_wall_s": timeline.wall}
+                   "pipeline/bubble_theory": self._theory(strategy), "pipeline/step_wall_s": timeline.wall}
         for stage, busy in enumerate(timeline.busy()):
             metrics[f"pipeline/stage{stage}_busy_s"] = busy
         for stage, mem in enumerate(memory):
             metrics[f"memory/stage{stage}_param_bytes"] = float(mem["parameter_bytes"])
             metrics[f"memory/stage{stage}_activation_bytes"] = float(mem["peak_activation_bytes"])
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        if skipped_by_lightning:  # the first or the last step of a run shorter than log_every_n_steps
+            if strategy.last_loss is not None:
+                metrics["train/loss"] = float(strategy.last_loss)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step - 1)
         if not self._pictured:
             self._pictured = True
             self._picture(trainer, strategy, "first")
+
+    def _theory(self, strategy: GPipeStrategy) -> float:
+        key = (strategy.schedule, strategy.num_stages, strategy.chunks)
+        if getattr(self, "_theory_key", None) != key:
+            self._theory_key, self._theory_value = key, theory_bubble(*key)
+        return self._theory_value
 
     def _picture(self, trainer: pl.Trainer, strategy: GPipeStrategy, when: str) -> None:
         if not trainer.is_global_zero or self._timeline is None:
@@ -106,6 +154,16 @@ class PipelineMetrics(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.write_summary(trainer)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Ctrl-C: the run so far still gets its summary (``"interrupted": true``) and last picture."""
+        if not isinstance(exception, KeyboardInterrupt):
+            return
+        strategy = self._strategy(trainer)
+        if strategy is not None and self._timeline is not None:
+            self._picture(trainer, strategy, "last")
+        self.extra_summary["interrupted"] = True
+        self.write_summary(trainer)
+
     def write_summary(self, trainer: pl.Trainer) -> None:
         """Build the summary; on global rank 0 write ``summary.json`` and send it to wandb."""
         self.summary = self.build_summary(trainer)
@@ -125,8 +183,13 @@ class PipelineMetrics(pl.Callback):
         if strategy is not None and strategy.last_loss is not None:
             metrics["train/loss"] = float(strategy.last_loss)
         val_key = next((k for k in ("val/acc", "val/bleu") if k in metrics), None)
+        module = trainer.lightning_module
+        optimizer = dict(getattr(module, "optimizer_cfg", {}) or {})
         summary: dict[str, Any] = {
+            "run_name": self.output_dir.name,
             **self.extra_summary,
+            "optimizer": optimizer.get("name"), "lr": optimizer.get("lr"),
+            "overrides": job_overrides(),
             "steps": trainer.global_step,
             "final_train_loss": metrics.get("train/loss"),
             "validation_metric": val_key,
@@ -138,15 +201,19 @@ class PipelineMetrics(pl.Callback):
             k, m = strategy.num_stages, strategy.chunks
             memory = self._memory
             summary.update({
-                "K": k, "M": m, "schedule": strategy.schedule, "checkpoint": strategy.checkpoint,
+                "K": k, "M": m, "D": int(getattr(strategy, "data_parallel_size", 1) or 1),
+                "schedule": strategy.schedule, "checkpoint": strategy.checkpoint,
                 "transport": strategy.transport,
                 "balance": list(getattr(strategy.pipe, "balance", []) or []),
                 "samples_per_s": mean(r[0] for r in self._rates) if self._rates else None,
                 "tokens_per_s": mean(r[1] for r in self._rates) if self._rates else None,
                 "bubble_measured": mean(self._bubbles) if self._bubbles else None,
-                "bubble_theory": analytic_bubble(k, m),
+                "bubble_measured_over": (f"mean over {len(self._bubbles)} step(s); each epoch's first "
+                                         "batch is left out as warm-up (unless max_steps=1)"),
+                "bubble_theory": self._theory(strategy),
                 "stage_busy_s": [mean(col) for col in zip(*self._busy)] if self._busy else [],
                 "stage_parameter_bytes": [s["parameter_bytes"] for s in memory],
                 "stage_peak_activation_bytes": [s["peak_activation_bytes"] for s in memory],
             })
+        summary.update({new: summary.get(old) for old, new in ALIASES.items() if old in summary})
         return summary

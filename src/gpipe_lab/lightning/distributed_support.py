@@ -96,31 +96,25 @@ class DistributedMixin:
             # Every rank, as each stage of the local transport, gets threads_per_stage (default:
             # cores / processes here): Lightning sets it on rank 0 only, and kernels reduce in an
             # order that depends on the thread count, so unequal ranks drift from the local run.
-            threads = self.threads_per_stage or (os.cpu_count() or 1) // self.num_processes  # type: ignore[attr-defined]
+            threads = self.options.threads_per_stage or (os.cpu_count() or 1) // self.num_processes  # type: ignore[attr-defined]
             torch.set_num_threads(max(1, threads))
         world = self.num_nodes * self.num_processes
         if world % self.num_stages:  # type: ignore[attr-defined]
-            raise ValueError(f"world size {world} is not divisible by the {self.num_stages} pipeline "  # type: ignore[attr-defined]
-                             "stages (pipeline.partitions); use trainer.devices = K * data-parallel size")
+            k = self.num_stages  # type: ignore[attr-defined]
+            raise ValueError(f"trainer.devices: world size {world} (devices x num_nodes) is not divisible by "
+                             f"pipeline.partitions={k}: the distributed transport runs one process per stage "
+                             f"and data-parallel replica; set trainer.devices={k} (or a multiple of {k})")
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")  # type: ignore[attr-defined]
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend,
                               timeout=timedelta(seconds=max(60.0, float(self.timeout))))  # type: ignore[attr-defined]
 
     def _build_distributed_pipeline(self, layers: nn.Sequential) -> Any:
-        """The engine's ``DistributedGPipe`` for this rank's stage.
+        """The engine's ``DistributedGPipe`` for this rank's stage (a collective)."""
+        from gpipe_lab.lightning.engine import build_distributed_engine
 
-        Raises:
-            ImportError: the engine has no distributed transport.
-        """
-        from gpipe_lab.pipeline.distributed import DistributedGPipe
-
-        return DistributedGPipe(
-            layers, balance=self.balance, partitions=None if self.balance else self.partitions,  # type: ignore[attr-defined]
-            chunks=self.chunks, checkpoint=self.checkpoint, schedule=self.schedule,  # type: ignore[attr-defined]
-            deferred_batch_norm=self.deferred_batch_norm, cost=self.cost, seed=self.seed,  # type: ignore[attr-defined]
-            device=self.root_device, data_parallel_size=self.data_parallel_size,  # type: ignore[attr-defined]
-            timeout=self.timeout, nonfinite=self.nonfinite, compile=self.compile)  # type: ignore[attr-defined]
+        return build_distributed_engine(layers, self.options, self.root_device,  # type: ignore[attr-defined]
+                                        self.data_parallel_size)
 
     def _distributed_reduce(self, tensor: Any, group: Any, reduce_op: Any) -> Any:
         if isinstance(tensor, torch.Tensor):

@@ -3,7 +3,8 @@
 In distributed runs only the last stage's rank has the outputs, so a module's
 ``log_train`` logs output-based metrics (``train/acc``, ...) only there, while the
 loggers write on global rank 0 (the first stage). ``log_train_shared`` runs
-``log_train`` on every rank, records what each ``self.log`` call logged, broadcasts
+``log_train`` on every rank, records what each ``self.log`` call logged
+(``PipelineModule.recording_logs``), broadcasts
 the last stage's records over the pipeline's process group, and replays on the other
 ranks the keys they did not log themselves. One replica's last stage feeds its own
 pipeline (with data parallelism, rank 0 shows replica 0's output metrics; the loss
@@ -31,22 +32,14 @@ def _portable(value: Any) -> Any:
 
 
 def _record_logs(module: Any, fn: Any, *args: Any) -> tuple[list[Record], BaseException | None]:
-    """Run ``fn(*args)`` with ``module.log`` recording each call (``log_dict`` goes through it)."""
-    records: list[Record] = []
-    original = module.log
-
-    def recording_log(name: str, value: Any, *log_args: Any, **log_kwargs: Any) -> Any:
-        records.append((name, _portable(value), log_args, log_kwargs))
-        return original(name, value, *log_args, **log_kwargs)
-
-    module.__dict__["log"] = recording_log
-    try:
-        fn(*args)
-        return records, None
-    except Exception as exc:  # noqa: BLE001 - re-raised after the collective (no rank left hanging)
-        return records, exc
-    finally:
-        del module.__dict__["log"]
+    """Run ``fn(*args)`` recording each ``module.log`` call (``PipelineModule.recording_logs``)."""
+    with module.recording_logs() as calls:
+        try:
+            fn(*args)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - re-raised after the collective (no rank left hanging)
+            error = exc
+    return [(name, _portable(value), log_args, log_kwargs) for name, value, log_args, log_kwargs in calls], error
 
 
 def log_train_shared(module: Any, pipe: Any, loss: Tensor, outputs: Any, targets: Any) -> None:

@@ -6,7 +6,8 @@ a loss, metrics and an optimizer; no micro-batches anywhere.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +17,17 @@ from gpipe_lab.lightning.pipeline_module import PipelineModule
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
+#: An optimizer factory (``hydra.utils.instantiate`` of ``conf/optimizer/``), or
+#: ``make_optimizer``'s keyword arguments.
+OptimizerSpec = Union[Callable[[Iterable[Any]], torch.optim.Optimizer], dict[str, Any], None]
 
-def make_optimizer(params: Any, name: str = "sgd", lr: float = 0.1, momentum: float = 0.9,
+
+def make_optimizer(params: Any, name: str = "adam", lr: float = 0.003, momentum: float = 0.9,
                    weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.98)) -> torch.optim.Optimizer:
-    """``sgd`` (with momentum, nesterov off), ``adam`` or ``adamw``.
+    """``adam`` (the default), ``adamw`` or ``sgd`` (with ``momentum``, nesterov off).
+
+    The defaults are ``conf/optimizer/adam.yaml``'s. ``momentum`` is used by ``sgd`` only,
+    ``betas`` by the Adam family only.
 
     Raises:
         ValueError: unknown optimizer name.
@@ -34,20 +42,22 @@ def make_optimizer(params: Any, name: str = "sgd", lr: float = 0.1, momentum: fl
 
 
 class _OptimizerMixin:
-    optimizer_cfg: dict[str, Any]
+    optimizer_spec: OptimizerSpec
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.parameters(), **self.optimizer_cfg)  # type: ignore[attr-defined]
+        spec = self.optimizer_spec
+        params = self.parameters()  # type: ignore[attr-defined]
+        return spec(params) if callable(spec) else make_optimizer(params, **(spec or {}))
 
 
 class ImageClassifier(_OptimizerMixin, PipelineModule):
     """Cross-entropy classification of images; logs loss and top-1 accuracy."""
 
-    def __init__(self, layers: nn.Sequential, optimizer: dict[str, Any] | None = None,
+    def __init__(self, layers: nn.Sequential, optimizer: OptimizerSpec = None,
                  label_smoothing: float = 0.0) -> None:
         super().__init__()
         self.layers = layers
-        self.optimizer_cfg = dict(optimizer or {})
+        self.optimizer_spec = optimizer
         self.label_smoothing = label_smoothing
 
     def loss_fn(self, outputs: Tensor, targets: Tensor) -> Tensor:
@@ -73,13 +83,13 @@ class Translator(_OptimizerMixin, PipelineModule):
     decoding on the first ``bleu_batches`` validation batches.
     """
 
-    def __init__(self, layers: nn.Sequential, optimizer: dict[str, Any] | None = None,
+    def __init__(self, layers: nn.Sequential, optimizer: OptimizerSpec = None,
                  label_smoothing: float = 0.0, bleu_batches: int = 2, max_decode_len: int = 32) -> None:
         super().__init__()
         from gpipe_lab.models import count_tokens, translation_loss
 
         self.layers = layers
-        self.optimizer_cfg = dict(optimizer or {})
+        self.optimizer_spec = optimizer
         self._sum_loss = translation_loss(label_smoothing, reduction="sum")
         self.loss_normalizer = count_tokens
         self.bleu_batches = bleu_batches

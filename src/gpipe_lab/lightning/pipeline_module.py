@@ -15,14 +15,25 @@ unpipelined, which is how the tests compare the two.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
 LossFn = Callable[[Any, Any], Tensor]
+#: One ``self.log`` call: name, value, positional and keyword options.
+LogRecord = tuple[str, Any, tuple, dict]
+
+
+class PipelineRunner(Protocol):
+    """What a ``GPipeStrategy`` attaches to the module: the pipelined forward and step."""
+
+    def pipeline_forward(self, inputs: Any) -> Any: ...
+
+    def run_manual(self, batch: Any) -> Tensor: ...
 
 
 class PipelineModule(pl.LightningModule):
@@ -32,10 +43,30 @@ class PipelineModule(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        # Set by GPipeStrategy: runs the pipelined forward; kept out of the module tree so
-        # that the state dict keeps the original layer names.
-        object.__setattr__(self, "pipeline_forward", None)
-        object.__setattr__(self, "pipeline_runner", None)
+        self.pipeline: PipelineRunner | None = None
+        self._log_records: list[LogRecord] | None = None
+
+    def attach_pipeline(self, runner: PipelineRunner | None) -> None:
+        """Route ``forward`` and ``pipeline_loss`` through ``runner`` (``None``: the plain layers).
+
+        ``GPipeStrategy`` attaches itself in ``setup`` and detaches in ``teardown``.
+        """
+        self.pipeline = runner
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """``LightningModule.log``; inside ``recording_logs()`` each call is also recorded."""
+        if self._log_records is not None:
+            self._log_records.append((name, value, args, kwargs))
+        super().log(name, value, *args, **kwargs)
+
+    @contextmanager
+    def recording_logs(self) -> Iterator[list[LogRecord]]:
+        """Record every ``self.log`` call (``log_dict`` goes through it) made inside the block."""
+        previous, self._log_records = self._log_records, []
+        try:
+            yield self._log_records
+        finally:
+            self._log_records = previous
 
     # ------------------------------------------------------------ what subclasses give
     def configure_layers(self) -> nn.Sequential:
@@ -72,8 +103,8 @@ class PipelineModule(pl.LightningModule):
     # ------------------------------------------------------------ shared logic
     def forward(self, inputs: Any) -> Any:
         """The pipelined forward under a ``GPipeStrategy``, the plain layers otherwise."""
-        if self.pipeline_forward is not None:
-            return self.pipeline_forward(inputs)
+        if self.pipeline is not None:
+            return self.pipeline.pipeline_forward(inputs)
         return self.configure_layers()(inputs)
 
     def full_batch_loss(self, outputs: Any, targets: Any) -> Tensor:
@@ -90,8 +121,8 @@ class PipelineModule(pl.LightningModule):
         parameters) and ``manual_backward`` of the returned loss is a no-op; otherwise the
         loss is computed unpipelined and ``manual_backward`` back-propagates it.
         """
-        if self.pipeline_runner is not None:
-            return self.pipeline_runner(batch)
+        if self.pipeline is not None:
+            return self.pipeline.run_manual(batch)
         inputs, targets = self.split_batch(batch)
         outputs = self.configure_layers()(inputs)
         loss = self.full_batch_loss(outputs, targets)

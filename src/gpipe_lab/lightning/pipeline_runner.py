@@ -22,6 +22,7 @@ Lightning still counts the step in ``global_step`` (as it does for an AMP-skippe
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -29,21 +30,40 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gpipe_lab.lightning.engine import PipelineEngine
 from gpipe_lab.lightning.metric_sharing import log_train_shared
 from gpipe_lab.lightning.pipeline_module import PipelineModule
 
 
-class _ContextPartition(nn.Module):
-    """Runs a partition inside a fresh context per call (autocast is thread-local)."""
+class _ContextPerLayer:
+    """Enters a fresh context around each forward of a layer (forward hooks), e.g. autocast.
 
-    def __init__(self, inner: nn.Module, context: Callable[[], Any]) -> None:
-        super().__init__()
-        self.inner = inner
+    Autocast is thread-local: entering it in Lightning's thread does not reach the stage
+    threads, so each layer enters it in whichever thread runs it (re-materialization too).
+    """
+
+    def __init__(self, context: Callable[[], Any]) -> None:
         self._context = context
+        self._active = threading.local()
 
-    def forward(self, *args: Any) -> Any:
-        with self._context():
-            return self.inner(*args)
+    def enter(self, module: nn.Module, args: Any) -> None:
+        stack = getattr(self._active, "stack", None)
+        if stack is None:
+            stack = self._active.stack = []
+        context = self._context()
+        context.__enter__()
+        stack.append(context)
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._active.stack.pop().__exit__(None, None, None)
+
+    def install(self, layers: nn.Sequential) -> list[Any]:
+        """Hooks on every layer of ``layers``; returns their handles."""
+        handles = []
+        for layer in layers:
+            handles.append(layer.register_forward_pre_hook(self.enter))
+            handles.append(layer.register_forward_hook(self.exit, always_call=True))
+        return handles
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -65,8 +85,9 @@ def _clone(value: Any) -> Any:
 class PipelineRunnerMixin:
     """Training and evaluation steps of ``GPipeStrategy`` through its engine (``self.pipe``)."""
 
-    pipe: Any
+    pipe: PipelineEngine | None
     precision_plugin: Any
+    _precision_hooks: list[Any]
     _pending: Any
     _skip_pending: bool
     nonfinite: str
@@ -80,18 +101,12 @@ class PipelineRunnerMixin:
                             f"{type(module).__name__}")
         return module
 
-    def _stage_context(self) -> Callable[[], Any]:
-        return self.precision_plugin.forward_context
-
-    def _wrap_stages(self) -> None:
-        """Enter the precision plugin's forward context inside every stage's own thread."""
-        context = self._stage_context()
-        if isinstance(context(), nullcontext):
+    def _enter_precision_in_stages(self, layers: nn.Sequential) -> None:
+        """Run every layer inside the precision plugin's forward context, in the stage's own thread."""
+        context = self.precision_plugin.forward_context
+        if isinstance(context(), nullcontext) or self._precision_hooks:
             return
-        runtimes = getattr(self.pipe, "stages", None) or list(getattr(self.pipe, "runtimes", {}).values())
-        for stage in runtimes:
-            if not isinstance(stage.module, _ContextPartition):
-                stage.module = _ContextPartition(stage.module, context)
+        self._precision_hooks = _ContextPerLayer(context).install(layers)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module()
@@ -142,31 +157,33 @@ class PipelineRunnerMixin:
             loss = module.loss_fn(outputs, target) * scale
             return scaler.scale(loss) if scaler is not None else loss
 
-        trainer = module._trainer
-        if trainer is not None and hasattr(self.pipe, "step_count"):
-            self.pipe.step_count = max(0, trainer.fit_loop.total_batch_idx)
-        loss, outputs = self.pipe.train_step(inputs, targets, loss_fn, module.loss_normalizer,
-                                             return_outputs=True)
+        pipe = self._engine()
+        # The batch index numbers the step's random generators, so a resumed run draws the
+        # dropout masks the uninterrupted run drew.
+        step = max(0, module.trainer.fit_loop.total_batch_idx)
+        loss, outputs = pipe.train_step(inputs, targets, loss_fn, module.loss_normalizer,
+                                        return_outputs=True, step=step)
         loss = loss.detach().float()
         if scaler is not None:
             loss = loss / scaler.get_scale()
         real = (loss / scale).to(self.root_device)
         self.last_loss = real
         self.last_batch_size = module.count_samples(inputs, targets)
-        if getattr(self.pipe, "last_step_skipped", False):
+        if pipe.last_step_skipped:
             self._skip_pending = True
-        previous = module._current_fx_name
-        module._current_fx_name = "training_step"
-        try:
-            if self.is_distributed and self.num_stages > 1:  # type: ignore[attr-defined]
-                log_train_shared(module, self.pipe, real, outputs, targets)
-            else:
-                module.log_train(real, outputs, targets)
-            if self.nonfinite == "skip":
-                module.log("train/skipped_steps", float(self.pipe.skipped_steps))
-        finally:
-            module._current_fx_name = previous
+        # Lightning allows self.log in the strategy's backward hook (same options as training_step).
+        if self.is_distributed and self.num_stages > 1:  # type: ignore[attr-defined]
+            log_train_shared(module, pipe, real, outputs, targets)
+        else:
+            module.log_train(real, outputs, targets)
+        if self.nonfinite == "skip":
+            module.log("train/skipped_steps", float(pipe.skipped_steps))
         return real
+
+    def _engine(self) -> PipelineEngine:
+        if self.pipe is None:
+            raise RuntimeError("GPipeStrategy has no pipeline yet: it is built in setup() by the Trainer")
+        return self.pipe
 
     def pipeline_forward(self, inputs: Any) -> Any:
         """Forward only through the pipeline (validation, test, decoding).
@@ -179,6 +196,6 @@ class PipelineRunnerMixin:
             with torch.inference_mode(False):
                 inputs = _clone(inputs)
                 return self.pipeline_forward(inputs)
-        outputs = self.pipe(inputs)
+        outputs = self._engine()(inputs)
         first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
         return _to_device(outputs, first.device)

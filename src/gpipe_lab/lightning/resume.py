@@ -21,8 +21,8 @@ losses as an uninterrupted run, bitwise on CPU with the same K and M.
 Never saved at an epoch end or on another exception: Lightning 2.6 resumes an epoch-end
 checkpoint with other batches, and an exception can leave a step half done.
 
-``resolve_ckpt_path`` gives ``ckpt_path=last`` a meaning; ``load_initial_weights`` is
-``init_from`` (transfer learning: every weight but the classifier).
+``resolve_ckpt_path`` gives ``ckpt_path=last`` a meaning; ``load_initial_weights`` (from
+``gpipe_lab.lightning.init_from``) is ``init_from``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+
+from gpipe_lab.lightning.init_from import load_initial_weights
+
+__all__ = ["ResumableCheckpoint", "load_initial_weights", "resolve_ckpt_path", "resume_command"]
 
 RNG_KEY = "gpipe_lab_rng_states"
 
@@ -157,6 +161,9 @@ class ResumableCheckpoint(ModelCheckpoint):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore_handler()
         super().on_exception(trainer, pl_module, exception)
+        last = Path(str(self.dirpath)) / "last.ckpt"
+        if isinstance(exception, KeyboardInterrupt) and trainer.is_global_zero and last.exists():
+            print(f"\nresume with: {resume_command(last)}", file=sys.stderr, flush=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_handler()
@@ -195,6 +202,14 @@ class ResumableCheckpoint(ModelCheckpoint):
         self._last_checkpoint_saved = filepath
 
 
+def resume_command(last: Path) -> str:
+    """This process's ``gpipe-train`` command line with ``ckpt_path`` set to ``last``."""
+    import shlex
+
+    args = [a for a in sys.argv[1:] if not a.startswith(("ckpt_path=", "init_from="))]
+    return shlex.join(["gpipe-train", *args, f"ckpt_path={last}"])
+
+
 # ---------------------------------------------------------------------- ckpt_path=last
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path, runs_dir: Path | None = None) -> str | None:
     """``ckpt_path`` for ``Trainer.fit``: a path as given, or ``"last"``: this run directory's
@@ -213,40 +228,3 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path, runs_dir: Path | 
     if not found:
         raise FileNotFoundError(f"ckpt_path=last: no checkpoints/last.ckpt in {output_dir} nor under {runs_dir}")
     return str(found[-1])
-
-
-# ---------------------------------------------------------------------- init_from
-def load_initial_weights(module: torch.nn.Module, path: str | Path) -> list[str]:
-    """Load every weight of ``path`` (a Lightning checkpoint or a state dict, of the whole
-    module or of its ``layers``) into ``module`` except those of another shape, which may only
-    be the last layer's (the classifier, e.g. for another number of classes).
-
-    Returns the keys left as initialized (the new classifier's).
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        RuntimeError: a weight outside the last layer is missing or has another shape.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"init_from: checkpoint file not found: {path}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    state = state.get("state_dict", state)
-    own = module.state_dict()
-    prefix = "layers." if any(k.startswith("layers.") for k in own) else ""
-    if prefix and not any(k.startswith(prefix) for k in state):
-        state = {prefix + k: v for k, v in state.items()}
-    layers = getattr(module, "layers", None)
-    last = None
-    if isinstance(layers, torch.nn.Sequential) and len(layers):
-        last = f"{prefix}{[n for n, _ in layers.named_children()][-1]}."
-    keep = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
-    skipped = sorted(k for k in own if k not in keep)
-    bad = [k for k in skipped if last is None or not k.startswith(last)]
-    if bad:
-        detail = ", ".join(f"{k} {tuple(own[k].shape)} vs {tuple(state[k].shape) if k in state else 'missing'}"
-                           for k in bad[:4])
-        raise RuntimeError(f"init_from {path}: the checkpoint does not match the model outside its last layer "
-                           f"({len(bad)} weights): {detail}")
-    module.load_state_dict(keep, strict=False)
-    return skipped

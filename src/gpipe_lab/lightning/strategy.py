@@ -20,85 +20,107 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 from gpipe_lab.lightning.distributed_support import DistributedMixin
+from gpipe_lab.lightning.engine import PipelineEngine, build_local_engine
 from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.lightning.pipeline_runner import PipelineRunnerMixin
-from gpipe_lab.pipeline import CHECKPOINT_MODES, NONFINITE_POLICIES, SCHEDULES, GPipe, Timeline
+from gpipe_lab.pipeline import Timeline
+from gpipe_lab.pipeline.options import TRANSPORTS, PipelineOptions
 
-TRANSPORTS = ("local", "distributed")
+__all__ = ["TRANSPORTS", "GPipeStrategy"]
 
 
 class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
     """Pipeline-parallel training of a ``PipelineModule`` (registered as ``"gpipe"``).
 
     Args:
-        partitions: K, balanced automatically by ``cost``; or
-        balance: layers per partition, e.g. ``[3, 6]``.
-        chunks: M micro-batches per mini-batch.
-        checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``.
-        schedule: ``"gpipe"``, ``"1f1b"`` or any schedule the engine registered.
-        transport: ``"local"`` (threads) or ``"distributed"`` (one process per stage).
-        deferred_batch_norm: per-mini-batch BatchNorm running statistics.
-        cost: per-layer cost for the automatic balance (``"params"`` or a list).
-        seed: base seed of the per-(step, stage, micro-batch) generators.
-        stage_devices: local transport only: one device per stage (default: the
-            Trainer's devices when there are K of them, else CUDA when enough GPUs, else CPU).
-        threads_per_stage: intra-op threads of each CPU stage (a thread, or a rank's process).
-        timeout: seconds a stage waits for a neighbour before the step fails.
-        nonfinite: a NaN/inf loss or gradient ``"raise"`` the engine's ``NonFiniteError``
-            (naming the step and the stage; training stops), ``"skip"`` the optimizer
-            step of that mini-batch (or accumulation window; logs ``train/skipped_steps``),
-            or ``"ignore"``. In distributed runs every rank takes the same decision.
-        compile: ``torch.compile`` each stage (``True``, or a dict of its keywords).
+        options: every pipeline setting (``PipelineOptions``: K or the balance, M, the
+            re-materialization mode, the schedule, the transport, the non-finite policy, ...).
+        partitions, balance, chunks, checkpoint, schedule, virtual_stages, transport,
+            deferred_batch_norm, cost, seed, threads_per_stage, timeout, nonfinite: the
+            ``PipelineOptions`` field of that name, over ``options`` when given (not ``None``).
+            ``threads_per_stage`` sets the intra-op threads of each CPU stage: a thread of the
+            local transport, or a rank's process of the distributed one.
+        stage_devices: alias of ``PipelineOptions.devices``: local transport only, one device
+            per stage (default: the Trainer's devices when there are K of them, else CUDA when
+            enough GPUs, else CPU).
+        process_group_backend: distributed transport: ``gloo``/``nccl`` (default by device).
         Other arguments: as for Lightning's ``ParallelStrategy``.
 
+    With ``nonfinite="skip"`` a mini-batch whose loss or gradients are NaN/inf gets no
+    optimizer step (nor does its accumulation window); ``train/skipped_steps`` counts them.
+    In distributed runs every rank takes the same decision.
+
     Raises:
-        ValueError: unknown transport / checkpoint / schedule / nonfinite, or neither/both of
-            partitions and balance inconsistent; messages name the key.
+        OptionError: (a ``ValueError``) an option with a value that cannot run, naming it.
+        TypeError: ``options`` is not a ``PipelineOptions``.
     """
 
     strategy_name = "gpipe"
 
-    def __init__(self, partitions: int | None = None, balance: Sequence[int] | None = None,
-                 chunks: int = 1, checkpoint: str = "except_last", schedule: str = "gpipe",
-                 transport: str = "local", deferred_batch_norm: bool = False, cost: Any = None,
-                 seed: int | None = None, stage_devices: Sequence[str] | None = None,
-                 threads_per_stage: int | None = None, timeout: float = 300.0,
-                 process_group_backend: str | None = None, nonfinite: str = "raise",
-                 compile: bool | dict = False, **kwargs: Any) -> None:
+    def __init__(self, options: PipelineOptions | None = None, *, partitions: int | None = None,
+                 balance: Sequence[int] | None = None, chunks: int | None = None,
+                 checkpoint: str | None = None, schedule: str | None = None,
+                 virtual_stages: int | None = None, transport: str | None = None,
+                 deferred_batch_norm: bool | None = None, cost: Any = None, seed: int | None = None,
+                 stage_devices: Sequence[str] | None = None, threads_per_stage: int | None = None,
+                 timeout: float | None = None, nonfinite: str | None = None,
+                 process_group_backend: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {transport!r}")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {list(CHECKPOINT_MODES)}, got {checkpoint!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-        if not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {list(NONFINITE_POLICIES)}, got {nonfinite!r}")
-        if partitions is None and balance is None:
-            partitions = 1
-        self.partitions = partitions
-        self.balance = list(balance) if balance is not None else None
-        self.chunks = chunks
-        self.checkpoint = checkpoint
-        self.schedule = schedule
-        self.transport = transport
-        self.deferred_batch_norm = deferred_batch_norm
-        self.cost = cost
-        self.seed = seed
-        self.stage_devices = stage_devices
-        self.threads_per_stage = threads_per_stage
-        self.timeout = timeout
-        self.nonfinite = nonfinite
-        self.compile = compile
+        if options is not None and not isinstance(options, PipelineOptions):
+            raise TypeError(f"options must be a PipelineOptions, got {type(options).__name__}")
+        aliases = dict(partitions=partitions, balance=list(balance) if balance is not None else None,
+                       chunks=chunks, checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual_stages,
+                       transport=transport, deferred_batch_norm=deferred_batch_norm, cost=cost, seed=seed,
+                       devices=[str(d) for d in stage_devices] if stage_devices is not None else None,
+                       threads_per_stage=threads_per_stage, timeout=timeout, nonfinite=nonfinite)
+        given = {k: v for k, v in aliases.items() if v is not None}
+        self.options = (options or PipelineOptions()).replace(**given).check()
         self._skip_pending = False
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
-        self.pipe: Any = None
+        self.pipe: PipelineEngine | None = None
         self._pending: Any = None
+        self._precision_hooks: list[Any] = []
         self.last_loss: Tensor | None = None
         self.last_batch_size: tuple[int, int] = (0, 0)
+
+    # ------------------------------------------------------------------ options, read-only
+    @property
+    def partitions(self) -> int | None:
+        return self.options.partitions
+
+    @property
+    def balance(self) -> list[int] | None:
+        return self.options.balance
+
+    @property
+    def chunks(self) -> int:
+        return self.options.chunks
+
+    @property
+    def checkpoint(self) -> str:
+        return self.options.checkpoint
+
+    @property
+    def schedule(self) -> str:
+        return self.options.schedule
+
+    @property
+    def transport(self) -> str:
+        return self.options.transport
+
+    @property
+    def nonfinite(self) -> str:
+        return self.options.nonfinite
+
+    @property
+    def timeout(self) -> float:
+        return self.options.timeout
+
+    @property
+    def stage_devices(self) -> list[str] | None:
+        """Alias of ``options.devices``."""
+        return self.options.devices
 
     # ------------------------------------------------------------------ properties
     @property
@@ -107,16 +129,15 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
 
     @property
     def num_stages(self) -> int:
-        if self.pipe is not None:
-            return len(self.pipe.balance)
-        return len(self.balance) if self.balance is not None else int(self.partitions or 1)
+        """K: pipeline ranks (threads or processes); each holds ``virtual_stages`` chunks."""
+        return self.pipe.num_stages if self.pipe is not None else self.options.num_stages
 
     @property
     def root_device(self) -> torch.device:
         if self.is_distributed:
             return self._distributed_root_device()
         if self.pipe is not None:
-            return self.pipe.devices[0]
+            return self.pipe.devices[0]  # type: ignore[attr-defined]
         devices = self._local_devices()
         return devices[0] if devices else torch.device("cpu")
 
@@ -124,7 +145,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
     def output_device(self) -> torch.device:
         """Device of the last stage (where the loss and the outputs live)."""
         if self.pipe is not None and not self.is_distributed:
-            return self.pipe.devices[-1]
+            return self.pipe.devices[-1]  # type: ignore[attr-defined]
         return self.root_device
 
     @property
@@ -140,7 +161,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         """Timeline and per-stage memory of the whole pipeline; a collective in distributed."""
         if not self.is_distributed or self.pipe is None or self.pipe.timeline is None:
             return self.timeline, self.memory()
-        return self.pipe.gather_timeline(), self._gather_memory()
+        return self.pipe.gather_timeline(), self._gather_memory()  # type: ignore[attr-defined]
 
     def _local_devices(self) -> list[torch.device] | None:
         if self.stage_devices is not None:
@@ -163,31 +184,26 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self._module()
         self.model = self.precision_plugin.convert_module(self.model)
+        layers = module.configure_layers()
+        self._enter_precision_in_stages(layers)
         if self.pipe is None:
-            layers = module.configure_layers()
             if not self.is_distributed:
                 self.model_to_device()
             self.pipe = self._build_pipeline(layers)
-            self._wrap_stages()
         elif not self.is_distributed:  # a later fit/validate: teardown moved the module to CPU
-            for part, device in zip(self.pipe.partitions, self.pipe.devices):
+            for part, device in zip(self.pipe.partitions, self.pipe.devices):  # type: ignore[attr-defined]
                 part.to(device)
-        object.__setattr__(module, "pipeline_forward", self.pipeline_forward)
-        object.__setattr__(module, "pipeline_runner", self.run_manual)
+        module.attach_pipeline(self)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if self.is_distributed:
             self._install_global_clipping()
 
-    def _build_pipeline(self, layers: nn.Sequential) -> Any:
+    def _build_pipeline(self, layers: nn.Sequential) -> PipelineEngine:
         if self.is_distributed:
             return self._build_distributed_pipeline(layers)
-        return GPipe(layers, balance=self.balance, partitions=None if self.balance else self.partitions,
-                     devices=self._local_devices(), chunks=self.chunks, checkpoint=self.checkpoint,
-                     schedule=self.schedule, deferred_batch_norm=self.deferred_batch_norm,
-                     cost=self.cost, seed=self.seed, threads_per_stage=self.threads_per_stage,
-                     timeout=self.timeout, nonfinite=self.nonfinite, compile=self.compile)
+        return build_local_engine(layers, self.options, self._local_devices())
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
@@ -205,8 +221,10 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
     def teardown(self) -> None:
         module = self.lightning_module
         if isinstance(module, PipelineModule):
-            object.__setattr__(module, "pipeline_forward", None)
-            object.__setattr__(module, "pipeline_runner", None)
+            module.attach_pipeline(None)
+        for handle in self._precision_hooks:
+            handle.remove()
+        self._precision_hooks = []
         if self.is_distributed:  # other stages' layers live on meta: no module.cpu()
             self.precision_plugin.teardown()
             assert self.accelerator is not None

@@ -185,7 +185,7 @@ class PipelineCore(nn.Module):
 
     def train_step(self, inputs: Value | None, targets: object, loss_fn: LossFn,
                    loss_normalizer: Normalizer | None = None,
-                   return_outputs: bool = False) -> Tensor | tuple[Tensor, Value | None]:
+                   return_outputs: bool = False, step: int | None = None) -> Tensor | tuple[Tensor, Value | None]:
         """Forward and backward of all micro-batches; gradients accumulate into the module.
 
         ``loss_fn(output_mb, target_mb)`` returns the micro-batch's mean loss; each is
@@ -194,6 +194,9 @@ class PipelineCore(nn.Module):
         ``loss_normalizer(targets)`` (e.g. the number of non-pad tokens), exactly.
         A batch smaller than ``chunks`` runs as that many micro-batches of one sample.
 
+        ``step`` numbers this step for the per-(step, stage, micro-batch) random generators
+        (a trainer resuming at batch n passes n); default: ``step_count``, the steps run so far.
+
         Returns the full-batch loss (and the last stage's outputs if asked).
 
         Raises:
@@ -201,6 +204,8 @@ class PipelineCore(nn.Module):
             NonFiniteError: a NaN/inf loss or gradient under ``nonfinite="raise"``.
             Exception: whatever a layer raised, with its stage and micro-batch in the message.
         """
+        if step is not None:
+            self.step_count = step
         try:
             M = self._num_microbatches(inputs, targets)
             plan = StepPlan(self.step_count, M, checkpointed_microbatches(self.options.checkpoint, M),

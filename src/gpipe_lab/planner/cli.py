@@ -6,7 +6,10 @@
     gpipe-plan search --model amoebanet_d --num-layers 18 -K 2 --memory-gib 8 --batch 128 --microbatches 128
 
 Memory is measured on the meta device (see ``gpipe_lab.planner.capacity``);
-nothing is allocated, so the paper's 83.9B-parameter Transformer plans in seconds.
+nothing is allocated, so the paper's 83.9B-parameter Transformer plans in seconds
+(``--model transformer_l --num-layers 1663 -K 128``; the ``transformer_l`` preset alone is
+Table 1's 3-layer member). Every table first restates what it assumes (batch, M, sequence or
+image size, re-materialization, bytes per parameter and per activation).
 """
 
 from __future__ import annotations
@@ -68,6 +71,44 @@ def plan_to_dict(plan: Plan) -> dict[str, object]:
                             "activation_gib": p.activation_bytes / GiB} for p in plan.partitions]}
 
 
+def assumptions(args: argparse.Namespace, sizes: dict[str, object], micro: int) -> dict[str, object]:
+    """What a plan assumes, to print above its table (and in ``--json``)."""
+    from gpipe_lab.models.registry import AMOEBANET_PRESETS, DEFAULT_SEQ_LEN
+    from gpipe_lab.models.transformer_presets import TRANSFORMER_PRESETS
+
+    out: dict[str, object] = {"model": args.model, "K": args.partitions, "batch": args.batch, "M": micro}
+    if args.model in AMOEBANET_PRESETS:
+        preset = AMOEBANET_PRESETS[args.model]
+        for key in ("num_layers", "num_filters", "image_size"):
+            out[key] = sizes.get(key, preset[key])
+    else:
+        preset_cfg = TRANSFORMER_PRESETS[args.model][0] if args.model in TRANSFORMER_PRESETS else None
+        out["num_layers"] = sizes.get("num_layers", getattr(preset_cfg, "num_layers", None))
+        out["seq_len"] = sizes.get("seq_len", DEFAULT_SEQ_LEN.get(args.model))
+    out.update({"rematerialization": not args.no_remat, "bytes_per_param": args.bytes_per_param,
+                "activation_bytes": args.activation_bytes, "memory_gib": args.memory_gib})
+    return out
+
+
+def too_few_layers(model: str, layers: int, partitions: int) -> str:
+    """The message for more partitions than layers, with the paper's size when there is one."""
+    from gpipe_lab.models import TRANSFORMER_L_PAPER
+
+    msg = (f"cannot cut {layers} layers into {partitions} partitions: --model {model} has {layers} layers "
+           f"(stem/embedding and head included)")
+    if model == "transformer_l":
+        sizes = ", ".join(f"--num-layers {n} ({p})" for n, p in TRANSFORMER_L_PAPER.items())
+        msg += (f"; the transformer_l preset is Table 1's 3-layer member; the paper's sizes: {sizes} "
+                f"(K=128 used --num-layers 1663)")
+    else:
+        msg += "; pass a larger --num-layers or a smaller -K"
+    return msg
+
+
+def _print_assumptions(values: dict[str, object]) -> None:
+    print("assumes: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+
+
 def _print_plan(plan: Plan) -> None:
     print(f"{'stage':>5} {'layers':>6} {'params':>14} {'param GiB':>10} {'act GiB':>9} {'total GiB':>10}")
     for k, p in enumerate(plan.partitions):
@@ -98,13 +139,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     scale = args.activation_bytes / 4
     capacity = args.memory_gib * GiB
     try:
+        assumed = assumptions(args, sizes, micro)
         if args.command == "memory":
             records = layer_records(args.model, **sizes)
+            if args.partitions > len(records):
+                raise ValueError(too_few_layers(args.model, len(records), args.partitions))
             plan = best_plan(records, args.partitions, capacity, batch, micro, remat,
                              args.bytes_per_param, scale)
             if args.json:
-                print(json.dumps(plan_to_dict(plan), indent=2))
+                print(json.dumps({**plan_to_dict(plan), "assumptions": assumed}, indent=2))
             else:
+                _print_assumptions(assumed)
                 _print_plan(plan)
             return 0
         if args.model.startswith("amoebanet"):
@@ -127,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(result, indent=2) if args.json else
               "; ".join(f"{k}={v}" for k, v in result.items() if k != "plan"))
         if records is not None and not args.json:
+            _print_assumptions({k: v for k, v in assumed.items() if k not in ("num_layers", "num_filters")})
             _print_plan(plan)
         return 0
     except ValueError as exc:

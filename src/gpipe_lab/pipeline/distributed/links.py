@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from gpipe_lab.pipeline.channel import MessageKey, incoming, outgoing
 from gpipe_lab.pipeline.distributed.failure import (
     POLL_SECONDS,
     AbortChannel,
@@ -29,28 +30,9 @@ from gpipe_lab.pipeline.distributed.failure import (
 )
 from gpipe_lab.pipeline.distributed.wire import recv_values
 from gpipe_lab.pipeline.errors import describe
-from gpipe_lab.pipeline.schedule import Action, Schedule
+from gpipe_lab.pipeline.schedules import Action, Schedule
 
-MessageKey = tuple[str, int, int]  # ("F" activation | "B" gradient, destination virtual stage, micro-batch)
 LinkKey = tuple[str, int, int]     # ("act" | "grad", source rank, destination rank)
-
-
-def incoming(action: Action, num_virtual: int) -> MessageKey | None:
-    """The message an action consumes (None: it reads local data)."""
-    if action.kind == "F" and action.stage > 0:
-        return ("F", action.stage, action.microbatch)
-    if action.kind == "B" and action.stage < num_virtual - 1:
-        return ("B", action.stage, action.microbatch)
-    return None
-
-
-def outgoing(action: Action, num_virtual: int) -> MessageKey | None:
-    """The message an action produces."""
-    if action.kind == "F" and action.stage < num_virtual - 1:
-        return ("F", action.stage + 1, action.microbatch)
-    if action.kind == "B" and action.stage > 0:
-        return ("B", action.stage - 1, action.microbatch)
-    return None
 
 
 def message_plan(ranks: Schedule, pp_ranks: list[int], num_virtual: int) -> dict[LinkKey, list[MessageKey]]:

@@ -58,7 +58,7 @@ def test_ignore_and_bad_policy() -> None:
     module = Faulty()
     trainer(GPipeStrategy(partitions=2, chunks=4, nonfinite="ignore"), max_steps=3).fit(module, TinyData())
     assert len(module.losses) == 3
-    with pytest.raises(ValueError, match=r"nonfinite must be one of \['raise', 'skip', 'ignore'\], got 'maybe'"):
+    with pytest.raises(ValueError, match=r"nonfinite: must be one of \['raise', 'skip', 'ignore'\], got 'maybe'"):
         GPipeStrategy(nonfinite="maybe")
 
 

@@ -1,0 +1,74 @@
+"""``ckpt_path=...`` continues the checkpoint's run: its overrides, its wandb run, a link to it.
+
+When ``gpipe-train`` resumes a checkpoint that lies in another run directory
+(``<old run>/checkpoints/*.ckpt``, e.g. ``ckpt_path=last``), ``continue_run``:
+
+- recomposes the config from the old run's command-line overrides (``.hydra/overrides.yaml``)
+  followed by this command's, so only what changes needs typing (this command wins);
+- resumes the old run's wandb run (same id: ``WANDB_RUN_ID``/``WANDB_RESUME=allow``);
+- links the old run from the new run directory as ``resumed_run`` (the new directory holds
+  the continued checkpoints, summary and logs).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+#: Overrides of the old run that never carry over.
+NOT_CARRIED = ("ckpt_path", "init_from", "hydra", "dry_run")
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def wandb_run_id(run_dir: Path) -> str | None:
+    """The id of the newest wandb run under ``run_dir/wandb`` (``[offline-]run-<time>-<id>``)."""
+    runs = sorted((run_dir / "wandb").glob("*run-*-*"), key=lambda p: p.name.split("run-", 1)[1])
+    return runs[-1].name.rsplit("-", 1)[1] if runs else None
+
+
+def continue_run(cfg: DictConfig) -> DictConfig:
+    """See the module docstring; returns ``cfg`` unchanged outside a Hydra run, without
+    ``ckpt_path``, or when the checkpoint has no saved run around it.
+
+    Raises:
+        FileNotFoundError: ``ckpt_path=last`` and no checkpoint exists.
+    """
+    if cfg.get("ckpt_path") is None:
+        return cfg
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+
+    from gpipe_lab.lightning.resume import resolve_ckpt_path
+
+    try:
+        hydra_cfg = HydraConfig.get()
+    except ValueError:  # called outside a Hydra run
+        return cfg
+    run_dir = OmegaConf.select(hydra_cfg, "runtime.output_dir", throw_on_missing=False)
+    if run_dir is None:  # a composed config (compose API, tests), not a run
+        return cfg
+    output_dir = Path(run_dir)
+    ckpt = resolve_ckpt_path(str(cfg.ckpt_path), output_dir, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
+    assert ckpt is not None
+    old_run = Path(ckpt).resolve().parent.parent
+    saved = old_run / ".hydra" / "overrides.yaml"
+    if old_run == output_dir.resolve() or not saved.is_file():
+        return cfg
+    current = [o for o in hydra_cfg.overrides.task if _key(o) != "ckpt_path"]
+    given = {_key(o) for o in current}
+    carried = [o for o in OmegaConf.load(saved)
+               if _key(o) not in given and not _key(o).startswith(NOT_CARRIED)]
+    new_cfg = compose(hydra_cfg.job.config_name, overrides=[*carried, *current, f"ckpt_path='{ckpt}'"])
+    run_id = wandb_run_id(old_run)
+    if run_id is not None and new_cfg.logger.get("name") == "wandb":
+        os.environ["WANDB_RUN_ID"], os.environ["WANDB_RESUME"] = run_id, "allow"
+    link = output_dir / "resumed_run"
+    if not link.exists():
+        link.symlink_to(old_run, target_is_directory=True)
+    print(f"continuing run {old_run} (wandb id {run_id}) with its overrides {carried} and {current}")
+    return new_cfg

@@ -1,0 +1,80 @@
+"""What ``GPipeStrategy`` needs from an engine, and how it builds one from ``PipelineOptions``.
+
+The strategy holds its engine through ``PipelineEngine`` only: build it (``build_engine``),
+run a training step, run a forward, read the last timeline and the per-stage memory. Both
+front doors of the engine (``GPipe``: a thread per stage; ``DistributedGPipe``: a process
+per stage) satisfy it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from gpipe_lab.pipeline import GPipe, Timeline
+from gpipe_lab.pipeline.options import PipelineOptions
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+@runtime_checkable
+class PipelineEngine(Protocol):
+    """The engine as the strategy uses it (``GPipe`` or ``DistributedGPipe``)."""
+
+    #: K pipeline ranks (threads or processes); ``balance`` has K·v entries with v virtual stages.
+    num_stages: int
+    balance: list[int]
+    timeline: Timeline | None
+    last_step_skipped: bool
+    skipped_steps: int
+
+    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn,
+                   loss_normalizer: Callable[[Any], Tensor | float] | None = None,
+                   return_outputs: bool = False, step: int | None = None) -> Any:
+        """Forward and backward of every micro-batch; returns the loss (and outputs)."""
+
+    def __call__(self, inputs: Any) -> Any:
+        """Forward only (evaluation)."""
+
+    def memory(self) -> list[dict[str, int]]:
+        """Per stage: parameter bytes and the last step's peak activation bytes."""
+
+
+def _common(options: PipelineOptions) -> dict[str, Any]:
+    """Keyword arguments both front doors take, from the options."""
+    kwargs: dict[str, Any] = dict(
+        balance=options.balance, partitions=None if options.balance else options.num_stages,
+        chunks=options.chunks, checkpoint=options.checkpoint, schedule=options.schedule,
+        deferred_batch_norm=options.deferred_batch_norm, cost=options.cost, seed=options.seed,
+        timeout=options.timeout, nonfinite=options.nonfinite, retain_cpu_memory=options.retain_cpu_memory,
+        compile=options.compile)
+    if options.virtual_stages != 1:  # only interleaved schedules take it
+        kwargs["virtual_stages"] = options.virtual_stages
+    return kwargs
+
+
+def build_local_engine(layers: nn.Sequential, options: PipelineOptions,
+                       devices: Sequence[torch.device] | None) -> PipelineEngine:
+    """``GPipe`` over ``layers``: a thread per stage on ``devices`` (``None``: the engine's choice).
+
+    Raises:
+        ValueError, TypeError: what the engine raises for options that cannot run on ``layers``.
+    """
+    return GPipe(layers, devices=devices, threads_per_stage=options.threads_per_stage,  # type: ignore[return-value]
+                 track_memory=options.track_memory, **_common(options))
+
+
+def build_distributed_engine(layers: nn.Sequential, options: PipelineOptions, device: torch.device,
+                             data_parallel_size: int) -> PipelineEngine:
+    """``DistributedGPipe``: this rank's stage of ``layers`` on ``device``; a collective.
+
+    Raises:
+        ValueError, TypeError: what the engine raises for options that cannot run on ``layers``.
+    """
+    from gpipe_lab.pipeline.distributed import DistributedGPipe
+
+    return DistributedGPipe(layers, device=device, data_parallel_size=data_parallel_size,  # type: ignore[return-value]
+                            **_common(options))

@@ -1,0 +1,97 @@
+"""Checks before ``gpipe-train`` resumes a checkpoint, so a wrong resume fails in one clear line.
+
+``check_resume(ckpt_path, cfg, module)`` compares the checkpoint with the run about to start:
+
+- the checkpoint's step already reaches ``trainer.max_steps``: nothing would train; the message
+  gives the command that continues (a larger ``trainer.max_steps``);
+- another optimizer than the one the checkpoint's state belongs to: both are named, with the
+  ``init_from`` alternative (weights only);
+- another model: the keys of the saved config (``<run dir>/.hydra/config.yaml``) that differ
+  from the run's are named; without a saved config, the weights that differ in name or shape.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from gpipe_lab.config import ConfigError
+
+#: The config keys that decide the weights' names and shapes.
+MODEL_SECTIONS = ("model",)
+MODEL_DATA_KEYS = ("num_classes", "image_size", "vocab_size")
+
+
+def saved_config(ckpt_path: str | Path) -> DictConfig | None:
+    """The config Hydra saved for the checkpoint's run (``<run>/.hydra/config.yaml``), if any."""
+    path = Path(ckpt_path).resolve().parent.parent / ".hydra" / "config.yaml"
+    return OmegaConf.load(path) if path.is_file() else None  # type: ignore[return-value]
+
+
+def optimizer_of_state(state: dict[str, Any]) -> str | None:
+    """``sgd`` or ``adam``-family, from the keys of a saved optimizer state (None if unknown)."""
+    groups = (state.get("optimizer_states") or [{}])[0].get("param_groups") or [{}]
+    if "momentum" in groups[0] and "betas" not in groups[0]:
+        return "sgd"
+    return "adam" if "betas" in groups[0] else None
+
+
+def differing_keys(saved: DictConfig, cfg: DictConfig) -> list[str]:
+    """``key: checkpoint X, this run Y`` for the model keys (and shape-deciding data keys) that differ."""
+    old = {f"model.{k}": v for k, v in OmegaConf.to_container(saved.model, resolve=False).items()}
+    new = {f"model.{k}": v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items()}
+    for key in MODEL_DATA_KEYS:
+        old[f"data.{key}"], new[f"data.{key}"] = saved.data.get(key), cfg.data.get(key)
+    return [f"{k}: checkpoint {old.get(k)!r}, this run {new.get(k)!r}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def differing_weights(state: dict[str, Any], module: torch.nn.Module) -> list[str]:
+    """``name: checkpoint shape vs model shape`` for weights missing on either side or of another shape."""
+    saved = state.get("state_dict", {})
+    own = module.state_dict()
+    out = []
+    for k in sorted(set(saved) | set(own)):
+        a = tuple(saved[k].shape) if k in saved else "missing"
+        b = tuple(own[k].shape) if k in own else "missing"
+        if a != b:
+            out.append(f"{k}: checkpoint {a} vs model {b}")
+    return out
+
+
+def check_resume(ckpt_path: str, cfg: DictConfig, module: torch.nn.Module) -> None:
+    """See the module docstring.
+
+    Raises:
+        ConfigError: the checkpoint cannot continue this run (the message says why and what to run).
+    """
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    saved = saved_config(ckpt_path)
+    if saved is not None and saved.get("model") is not None:
+        diff = differing_keys(saved, cfg)
+        if diff:
+            raise ConfigError(f"ckpt_path={ckpt_path}: the checkpoint is of another model than this run "
+                              f"({'; '.join(diff[:6])}); resume with the checkpoint's values, or start a new "
+                              f"run from its weights with init_from")
+    bad = differing_weights(state, module)
+    if bad:
+        raise ConfigError(f"ckpt_path={ckpt_path}: {len(bad)} weight(s) of the checkpoint do not fit this run's "
+                          f"model ({'; '.join(bad[:4])}{' ...' if len(bad) > 4 else ''})")
+    configured = cfg.optimizer.name
+    if saved is not None and saved.get("optimizer") is not None:
+        had, same = saved.optimizer.name, saved.optimizer.name == configured
+    else:  # only the state's keys: sgd or the adam family
+        had = optimizer_of_state(state)
+        same = had is None or had == ("sgd" if configured == "sgd" else "adam")
+    if not same:
+        raise ConfigError(f"optimizer.name: this run uses {configured!r} but the checkpoint {ckpt_path} holds "
+                          f"the state of {had!r}; resume with optimizer={had}, or start a new run from its "
+                          f"weights only with init_from={ckpt_path} (and no ckpt_path)")
+    step, max_steps = int(state.get("global_step", 0)), cfg.trainer.get("max_steps", -1)
+    if max_steps not in (None, -1) and step >= max_steps:
+        raise ConfigError(f"trainer.max_steps: the checkpoint {ckpt_path} is at step {step}, which already reaches "
+                          f"trainer.max_steps={max_steps}, so nothing would train; to continue, raise it, e.g. "
+                          f"gpipe-train ckpt_path={ckpt_path} trainer.max_steps={step + max(max_steps, 1)}")

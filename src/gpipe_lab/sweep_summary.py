@@ -1,0 +1,98 @@
+"""Hydra callback: after a multirun, gather every job's ``summary.json`` into one table.
+
+Writes next to the job folders ``summary.json`` (a list of rows), ``summary.csv`` and
+``sweep_summary.md`` (one line per job: throughput, bubble, memory, final metric), and, when
+the logger is wandb, one more wandb run in the sweep's group (``job_type=sweep-summary``)
+holding the same table as ``sweep/summary``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+#: The table's columns: (header, summary.json key or a function of the row).
+COLUMNS: list[tuple[str, Any]] = [
+    ("job", "job_dir"), ("run", "run_name"), ("K", "K"), ("M", "M"), ("schedule", "schedule"),
+    ("checkpoint", "checkpoint"), ("transport", "transport"), ("samples/s", "samples_per_s"),
+    ("tokens/s", "tokens_per_s"), ("bubble", "bubble_measured"), ("bubble (theory)", "bubble_theory"),
+    ("peak activation bytes", lambda r: max(r.get("stage_peak_activation_bytes") or [0]) or None),
+    ("parameter bytes", lambda r: sum(r.get("stage_parameter_bytes") or [0]) or None),
+    ("train loss", "final_train_loss"), ("metric", "validation_metric"), ("value", "validation_value"),
+]
+
+
+def collect_summaries(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """The ``summary.json`` rows of every job under ``sweep_dir`` (job folder order)."""
+    rows = []
+    for path in sorted(Path(sweep_dir).glob("*/summary.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
+        row = json.loads(path.read_text())
+        row["job_dir"] = path.parent.name
+        rows.append(row)
+    return rows
+
+
+def table_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """``COLUMNS``' headers and one list of values per job."""
+    headers = [name for name, _ in COLUMNS]
+    data = [[key(row) if callable(key) else row.get(key) for _, key in COLUMNS] for row in rows]
+    return headers, data
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_table(rows: list[dict[str, Any]], sweep_dir: str | Path) -> None:
+    """``summary.json``, ``summary.csv`` (every key) and ``sweep_summary.md`` (``COLUMNS``)."""
+    sweep_dir = Path(sweep_dir)
+    (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2))
+    columns = sorted({k for row in rows for k in row})
+    with open(sweep_dir / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()})
+    headers, data = table_rows(rows)
+    lines = [f"# Sweep {sweep_dir.name}: {len(rows)} jobs", "",
+             "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_cell(v) for v in values) + " |" for values in data]
+    (sweep_dir / "sweep_summary.md").write_text("\n".join(lines) + "\n")
+
+
+def log_wandb_table(rows: list[dict[str, Any]], sweep_dir: Path, logger: DictConfig) -> None:
+    """One wandb run in the sweep's group holding the table (``logger``: the ``logger`` group)."""
+    import wandb
+
+    headers, data = table_rows(rows)
+    group = logger.get("group") or sweep_dir.name
+    run = wandb.init(dir=str(sweep_dir), project=logger.get("project"), entity=logger.get("entity"),
+                     group=group, name=f"{group}-summary", job_type="sweep-summary",
+                     mode=logger.get("mode", "offline"), tags=list(logger.get("tags") or []))
+    try:
+        run.log({"sweep/summary": wandb.Table(columns=headers, data=data)})
+    finally:
+        run.finish()
+
+
+class SweepSummary(Callback):
+    """``hydra.callbacks.sweep_summary`` in conf/hydra/default.yaml."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = collect_summaries(sweep_dir)
+        if not rows:
+            return
+        write_table(rows, sweep_dir)
+        logger = config.get("logger")
+        if logger is not None and logger.get("name") == "wandb" and logger.get("mode") != "disabled":
+            log_wandb_table(rows, sweep_dir, logger)

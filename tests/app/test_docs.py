@@ -1,0 +1,124 @@
+"""The README and docs work as written: every command of their ``bash`` blocks is listed here and
+either run (shrunk with small overrides appended, bounded by a timeout) or skipped with the
+reason it cannot run in a CPU test; the scheduling example's Python runs too.
+
+A new command in a ``bash`` block fails ``test_every_documented_command_is_run_or_skipped_here``
+until it is added to ``COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+IMAGES = "trainer=smoke logger=none data.num_train=32 data.num_val=8 data.batch_size=8 model.num_filters=8 " \
+         "data.image_size=8 model.image_size=8 trainer.max_steps=1"
+TEXT = "trainer=smoke logger=none data.num_train=64 data.num_val=16 data.batch_size=16 trainer.max_steps=1"
+DEMO = "--steps 1 --batch 16 --width 16 --hidden 32"
+SLURM = "#!/bin/bash"
+
+#: command (as written, comments and line breaks removed) -> ("run", appended arguments, setup
+#: command or "") or ("skip", why).
+COMMANDS: dict[str, tuple[str, ...]] = {
+    'python -m pip install -e ".[dev]" && gpipe-train': ("skip", "the install is .ci/run's; gpipe-train runs below"),
+    "python -m pytest -q": ("skip", "this test suite"),
+    "torchrun --nproc-per-node 2 -m gpipe_lab.pipeline.distributed.demo": ("run", DEMO, ""),
+    "torchrun --nproc-per-node 4 -m gpipe_lab.train pipeline.transport=distributed trainer=distributed "
+    "pipeline.partitions=2 trainer.devices=4": ("run", IMAGES + " trainer.enable_checkpointing=false", ""),
+    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m gpipe_lab.train "
+    "pipeline.transport=distributed trainer=distributed pipeline.partitions=8 trainer.devices=8 trainer.num_nodes=2":
+        ("skip", "needs two nodes of 8 processes"),
+    "gpipe-train": ("run", IMAGES, ""),
+    "gpipe-train model=transformer_tiny data=synthetic_translation": ("run", TEXT, ""),
+    "gpipe-train -m pipeline.partitions=1,2 pipeline.chunks=1,4,8": ("run", IMAGES + " data.batch_size=16", ""),
+    "gpipe-train pipeline.schedule=zb-h1 pipeline.checkpoint=always trainer.max_steps=200 seed=1": ("run", IMAGES, ""),
+    "gpipe-train logger=csv": ("run", IMAGES.replace("logger=none", "logger=csv"), ""),
+    "gpipe-train ckpt_path=last trainer.max_steps=120":
+        ("run", "trainer.max_steps=2", f"gpipe-train {IMAGES} trainer.enable_checkpointing=true"),
+    "gpipe-train dry_run=true": ("run", "", ""),
+    "wandb sync logs/train/runs/<time>/wandb/offline-run-*": ("skip", "uploads to wandb.ai (network)"),
+    "python experiments/table2_throughput.py experiment.chunks=[1,4]": ("run", "--tiny --out out", ""),
+    "gpipe-train -m experiment=paper_table2_amoebanet pipeline.partitions=1,2 pipeline.chunks=1,4,32":
+        ("skip", "six paper-size AmoebaNet-D jobs (tens of minutes on CPU); tests/experiments runs the config"),
+    "python experiments/table2_throughput.py --from-multirun logs/train/multiruns/<time>":
+        ("skip", "reads the sweep above; tests/experiments/test_experiment_configs.py covers --from-multirun"),
+    "gpipe-plan memory --model transformer_l --num-layers 1663 -K 128 --batch 32 --microbatches 32": ("run", "", ""),
+    "torchrun --nproc-per-node 4 -m gpipe_lab.pipeline.distributed.demo --stages 2 --chunks 8": ("run", DEMO, ""),
+    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-id job42 --rdzv-backend c10d --rdzv-endpoint node0.example:29500 "
+    "-m gpipe_lab.pipeline.distributed.demo --stages 8": ("skip", "needs two nodes of 8 processes"),
+    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-id job43 --rdzv-backend c10d --rdzv-endpoint node0.example:29500 "
+    "-m gpipe_lab.train pipeline.transport=distributed trainer=distributed pipeline.partitions=8 trainer.devices=8 "
+    "trainer.num_nodes=2": ("skip", "needs two nodes of 8 processes"),
+    SLURM: ("skip", "a SLURM batch script (a cluster with GPUs)"),
+}
+
+
+def documented_commands(path: Path) -> list[str]:
+    """The commands of ``path``'s ``bash`` blocks: continuation lines joined, ``  # ...`` comments
+    dropped; a block that is a script (``#!``) is one entry, its first line."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
+        if block.startswith("#!"):
+            commands.append(block.splitlines()[0])
+            continue
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                commands.append(re.sub(r"\s+", " ", line))
+    return commands
+
+
+ALL = sorted({c for path in DOCS for c in documented_commands(path)})
+
+
+def test_every_documented_command_is_run_or_skipped_here():
+    assert [c for c in ALL if c not in COMMANDS] == []
+    assert [c for c in COMMANDS if c not in ALL] == []  # no stale entry either
+
+
+def shell(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "MPLBACKEND": "Agg",
+           "GPIPE_LAB_ROOT": str(cwd), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+               [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+RUN = sorted(c for c, how in COMMANDS.items() if how[0] == "run")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("command", RUN)
+def test_documented_command_runs(command, tmp_path):
+    _, extra, setup = COMMANDS[command]
+    (tmp_path / "experiments").symlink_to(ROOT / "experiments")
+    if setup:
+        done = shell(setup, tmp_path, 300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    proc = shell(f"{command} {extra}".strip(), tmp_path, 360)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_readme_scheduling_example_runs(tmp_path, monkeypatch):
+    from torch import nn
+
+    from gpipe_lab import GPipe
+
+    code = re.search(r"```python\n(from gpipe_lab.pipeline import get_schedule.*?)```",
+                     (ROOT / "README.md").read_text(), flags=re.S)
+    assert code is not None, "the scheduling example (starting with its get_schedule import) is gone"
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), partitions=2, chunks=8)
+    import torch
+
+    pipe.train_step(torch.randn(16, 4), torch.randn(16, 4), nn.functional.mse_loss)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code.group(1), "README.md", "exec"), {"pipe": pipe})  # noqa: S102 - the README's own code
+    assert (tmp_path / "timeline.png").exists()

@@ -1,0 +1,66 @@
+"""One definition per option: ``conf/pipeline/`` is ``PipelineOptions`` (same keys, same defaults
+but the default run's documented choices), the optimizer and the task come from ``_target_``."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import fields
+
+import pytest
+from omegaconf import OmegaConf
+
+from gpipe_lab.config import ConfigError, validate
+from gpipe_lab.lightning.modules import ImageClassifier, Translator, make_optimizer
+from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.train import CONFIG_DIR, build_module
+from helpers.app import make_config
+
+#: conf/pipeline/default.yaml's own choices for the default run (K=2 balanced by FLOPs).
+APP_CHOICES = {"partitions": 2, "cost": "flops"}
+
+
+def test_pipeline_yaml_lists_every_option_with_its_one_default() -> None:
+    yaml = OmegaConf.to_container(OmegaConf.load(f"{CONFIG_DIR}/pipeline/default.yaml"))
+    defaults = {f.name: getattr(PipelineOptions(), f.name) for f in fields(PipelineOptions)}
+    assert set(yaml) == set(defaults)
+    assert {k: v for k, v in yaml.items() if v != defaults[k]} == APP_CHOICES
+
+
+def test_validate_returns_the_options_the_strategy_takes() -> None:
+    options = validate(make_config("pipeline.chunks=8", "pipeline.schedule=1f1b"))
+    assert options == PipelineOptions(**{**APP_CHOICES, "chunks": 8, "schedule": "1f1b"})
+
+
+def test_optimizer_default_learning_rate_is_one_value() -> None:
+    adam = OmegaConf.load(f"{CONFIG_DIR}/optimizer/adam.yaml")
+    signature = inspect.signature(make_optimizer).parameters
+    assert (adam.name, adam.lr) == (signature["name"].default, signature["lr"].default)
+
+
+@pytest.mark.parametrize(("overrides", "task", "optimizer"), [
+    ((), ImageClassifier, "Adam"),
+    (("model=transformer_tiny", "data=synthetic_translation", "optimizer=sgd"), Translator, "SGD"),
+])
+def test_task_and_optimizer_are_instantiated_from_target(overrides, task, optimizer) -> None:
+    cfg = make_config(*overrides)
+    module = build_module(cfg, datamodule=None)
+    assert type(module) is task
+    opt = module.configure_optimizers()
+    assert type(opt).__name__ == optimizer and opt.param_groups[0]["lr"] == cfg.optimizer.lr
+
+
+def test_optimizer_key_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"optimizer\.lr: must be a number >= 0, got 'fast'"):
+        validate(make_config("optimizer.lr=fast"))
+    with pytest.raises(ConfigError, match=r"optimizer\.nesterov: unknown key"):
+        validate(make_config("+optimizer.nesterov=true"))
+
+
+#: Until the engine lists every built-in schedule in its registry (not registered on import).
+
+
+@pytest.mark.parametrize("transport", ["local", "distributed"])
+def test_interleaved_schedule_with_virtual_stages_is_accepted(transport: str) -> None:
+    options = validate(make_config("pipeline.schedule=interleaved-1f1b", f"pipeline.transport={transport}",
+                                   "pipeline.virtual_stages=2", "trainer.devices=2"))
+    assert (options.schedule, options.virtual_stages, options.transport) == ("interleaved-1f1b", 2, transport)

@@ -1,0 +1,28 @@
+"""A job's wandb run: named by what the pipeline runs, grouped by its sweep (or ``logger.group``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpipe_lab.lightning.wandb_run import run_config, run_name, sweep_group
+from gpipe_lab.pipeline.options import PipelineOptions
+from helpers.app import make_config
+
+
+def test_run_name_says_what_runs_and_what_differs_from_the_defaults() -> None:
+    assert run_name(PipelineOptions(partitions=2, chunks=8, schedule="gpipe-bw")) == "K2-M8-gpipe-bw"
+    assert run_name(PipelineOptions(partitions=3, chunks=4, checkpoint="never", transport="distributed",
+                                    virtual_stages=2)) == "K3-M4-gpipe-ckpt_never-distributed-v2"
+
+
+def test_group_is_logger_group_else_none_outside_a_sweep(tmp_path: Path) -> None:
+    assert sweep_group(make_config(), tmp_path / "run") is None
+    assert sweep_group(make_config("logger.group=ablation"), tmp_path / "run") == "ablation"
+
+
+def test_run_config_has_flat_keys_to_group_and_plot_by() -> None:
+    config = run_config({"pipeline": {"chunks": 8}}, PipelineOptions(partitions=2, chunks=8, transport="distributed"))
+    assert {k: config[k] for k in ("K", "M", "schedule", "checkpoint", "transport", "compile")} == {
+        "K": 2, "M": 8, "schedule": "gpipe", "checkpoint": "except_last", "transport": "distributed",
+        "compile": False}
+    assert config["pipeline"] == {"chunks": 8}

@@ -1,0 +1,79 @@
+"""``GPipeStrategy`` takes ``PipelineOptions`` (keyword aliases on top), builds its engine from
+them, and attaches to the module only through public methods (no patching, no private state)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpipe_lab.lightning import GPipeStrategy
+from gpipe_lab.lightning.engine import PipelineEngine
+from gpipe_lab.pipeline.options import OptionError, PipelineOptions
+from helpers.strategy import TinyData, TinyRegressor, trainer
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def test_options_reach_the_engine_and_aliases_override_them() -> None:
+    options = PipelineOptions(partitions=3, chunks=2, checkpoint="never", schedule="1f1b")
+    strategy = GPipeStrategy(options, chunks=4, stage_devices=["cpu", "cpu", "cpu"])
+    module = TinyRegressor()
+    trainer(strategy, max_steps=1).fit(module, TinyData())
+    engine = strategy.pipe
+    assert isinstance(engine, PipelineEngine)
+    assert (len(engine.balance), engine.chunks, engine.checkpoint, engine.schedule) == (3, 4, "never", "1f1b")
+    assert [str(d) for d in engine.devices] == ["cpu", "cpu", "cpu"]
+    assert options.chunks == 2  # the caller's options are not changed
+
+
+def test_module_is_attached_during_fit_and_plain_afterwards() -> None:
+    module = TinyRegressor()
+    strategy = GPipeStrategy(partitions=2, chunks=2)
+    seen: list[object] = []
+    module.on_train_batch_start = lambda batch, idx: seen.append(module.pipeline)  # type: ignore[method-assign]
+    trainer(strategy, max_steps=2).fit(module, TinyData())
+    assert seen == [strategy, strategy]
+    assert module.pipeline is None
+    x = torch.randn(3, 8)
+    assert torch.equal(module(x), module.layers(x))
+
+
+def test_bad_options_are_refused_once_naming_the_key() -> None:
+    with pytest.raises(OptionError, match=r"^virtual_stages: must be an integer >= 1, got 0"):
+        GPipeStrategy(virtual_stages=0)
+    with pytest.raises(TypeError, match="options must be a PipelineOptions, got dict"):
+        GPipeStrategy({"partitions": 2})  # type: ignore[arg-type]
+
+
+def test_strategy_default_chunks_is_the_options_default() -> None:
+    module = TinyRegressor()
+    strategy = GPipeStrategy(partitions=2)
+    trainer(strategy, max_steps=1).fit(module, TinyData())
+    assert strategy.pipe.chunks == PipelineOptions().chunks
+    assert {e.microbatch for e in strategy.timeline.events} == set(range(PipelineOptions().chunks))
+
+
+def test_no_private_lightning_state_or_patching_in_the_package() -> None:
+    found = subprocess.run(["grep", "-rn", r"object.__setattr__\|_current_fx_name\|sys.path", str(SRC)],
+                           capture_output=True, text=True)
+    assert found.stdout == "", found.stdout
+
+
+def test_import_data_does_not_load_the_engine() -> None:
+    code = ("import sys, gpipe_lab.data, gpipe_lab.models; "
+            "print(sorted(m for m in sys.modules if m.startswith('gpipe_lab.pipeline')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_interleaved_virtual_stages_train_like_unpipelined() -> None:
+    reference = TinyRegressor()
+    trainer("auto", max_steps=2).fit(reference, TinyData())
+    module = TinyRegressor()
+    trainer(GPipeStrategy(partitions=2, virtual_stages=2, chunks=4, schedule="interleaved-1f1b"),
+            max_steps=2).fit(module, TinyData())
+    assert module.losses == pytest.approx(reference.losses, abs=1e-5)

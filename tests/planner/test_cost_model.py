@@ -1,0 +1,63 @@
+"""The fixed + per-sample cost model: its fit, its checks, and the steps it predicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpipe_lab.planner.cost_model import CostModel, LinearCost, fit_linear
+
+
+def times(size: int, layers: int = 4) -> dict[str, list[float]]:
+    """Per-layer times that are exactly 1 ms + 0.1 ms per sample forward, twice that backward."""
+    forward = [1e-3 + 1e-4 * size] * layers
+    return {"forward_grad": forward, "forward_nograd": [0.5 * f for f in forward],
+            "backward": [2 * f for f in forward]}
+
+
+def test_fit_recovers_fixed_and_per_sample_terms() -> None:
+    fit = fit_linear([2, 8, 32], [1e-3 + 1e-4 * n for n in (2, 8, 32)])
+    assert fit.fixed == pytest.approx(1e-3)
+    assert fit.per_sample == pytest.approx(1e-4)
+
+
+def test_fit_keeps_both_terms_non_negative() -> None:
+    assert fit_linear([1, 2], [2.0, 1.0]) == LinearCost(1.5, 0.0)
+    assert fit_linear([1, 2], [0.0, 3.0]).fixed == 0.0
+
+
+@pytest.mark.parametrize("sizes", [[4], [4, 4]])
+def test_fit_needs_two_distinct_sizes(sizes: list[int]) -> None:
+    with pytest.raises(ValueError, match="2 distinct"):
+        fit_linear(sizes, [1.0] * len(sizes))
+    with pytest.raises(ValueError, match=">= 2 micro-batch sizes"):
+        CostModel.fit({s: times(s) for s in set(sizes)})
+
+
+def test_single_stage_step_is_the_sum_of_its_actions() -> None:
+    model = CostModel.fit({1: times(1), 8: times(8)}, action_overhead=1e-4)
+    pred = model.predict([4], chunks=4, batch=32)  # micro-batches of 8; three replayed (except_last)
+    f = 4 * (1e-3 + 8e-4)
+    step = 1e-4 * (4 + 4 + 3) + 3 * 0.5 * f + f + 3 * f + 4 * 2 * f
+    assert pred.step_time == pytest.approx(step)
+
+
+def test_handover_delays_each_boundary_crossing() -> None:
+    model = CostModel.fit({1: times(1), 8: times(8)})
+    slow = CostModel(model.layers, handover=1e-2)
+    # one micro-batch, two stages: one hop forward and one hop back
+    assert slow.predict([2, 2], 1, 8).step_time - model.predict([2, 2], 1, 8).step_time == pytest.approx(2e-2)
+
+
+def test_two_predictions_of_one_setting_agree() -> None:
+    model = CostModel.fit({2: times(2), 16: times(16)}, 1e-4, 5e-5)
+    assert model.predict([1, 3], 8, 32).step_time == model.predict([1, 3], 8, 32).step_time
+
+
+def test_bad_inputs_are_named() -> None:
+    model = CostModel.fit({1: times(1), 8: times(8)})
+    with pytest.raises(ValueError, match="covers 3 layers"):
+        model.predict([1, 2], 2, 8)
+    with pytest.raises(ValueError, match="lacks"):
+        CostModel({"backward": []})
+    with pytest.raises(ValueError, match="unknown kind"):
+        model.stage_seconds("W", [4], 1)
