@@ -26,12 +26,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
+from gpipe_lab.config import validate_pipeline
 from gpipe_lab.lightning import GPipeStrategy
-from gpipe_lab.models import layer_costs
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.train import build_datamodule, build_module
+from gpipe_lab.train import build_datamodule, build_module, engine_options
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -76,12 +75,8 @@ def run_product_path(model: str, quick: bool, compiled: bool, repeats: int, warm
     data = build_datamodule(cfg)
     module, twin = build_module(cfg, data), build_module(cfg, data)
     twin.load_state_dict(module.state_dict())
-    options = OmegaConf.to_container(cfg.pipeline, resolve=True)
-    if isinstance(options["cost"], str) and options["cost"] != "params":  # as gpipe-train does
-        options["cost"] = layer_costs(module.layers, options["cost"])
-    pipe = GPipe(twin.configure_layers(), partitions=options["partitions"], chunks=options["chunks"],
-                 checkpoint=options["checkpoint"], schedule=options["schedule"], cost=options["cost"],
-                 threads_per_stage=options["threads_per_stage"], seed=cfg.seed, compile=options["compile"])
+    options = engine_options(cfg, validate_pipeline(cfg), module)  # as gpipe-train makes them
+    pipe = GPipe(twin.configure_layers(), options=options)
     optimizer = twin.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
     optimizer = optimizer[0] if isinstance(optimizer, (list, tuple)) else optimizer
@@ -93,7 +88,7 @@ def run_product_path(model: str, quick: bool, compiled: bool, repeats: int, warm
         optimizer.step()
 
     timer = Alternate(raw_step, warmup)
-    strategy = GPipeStrategy(**options, seed=cfg.seed)
+    strategy = GPipeStrategy(options=options)
     with tempfile.TemporaryDirectory() as logs:
         trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=cfg.trainer.max_steps,
                              limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
@@ -101,7 +96,7 @@ def run_product_path(model: str, quick: bool, compiled: bool, repeats: int, warm
                              log_every_n_steps=1, callbacks=[timer])
         trainer.fit(module, datamodule=data)
     product, raw = statistics.median(timer.product), statistics.median(timer.raw)
-    return {"model": model, "K": options["partitions"], "M": options["chunks"], "compile": compiled,
+    return {"model": model, "K": options.num_stages, "M": options.chunks, "compile": compiled,
             "product_step_s": product, "raw_step_s": raw, "ratio": raw / product, "rounds": len(timer.product),
             "product_rounds_s": timer.product, "raw_rounds_s": timer.raw}
 
