@@ -49,7 +49,8 @@ def _common(options: PipelineOptions) -> dict[str, Any]:
         balance=options.balance, partitions=None if options.balance else options.num_stages,
         chunks=options.chunks, checkpoint=options.checkpoint, schedule=options.schedule,
         deferred_batch_norm=options.deferred_batch_norm, cost=options.cost, seed=options.seed,
-        timeout=options.timeout, nonfinite=options.nonfinite, retain_cpu_memory=options.retain_cpu_memory)
+        timeout=options.timeout, nonfinite=options.nonfinite, retain_cpu_memory=options.retain_cpu_memory,
+        compile=options.compile)
     if options.virtual_stages != 1:  # only interleaved schedules take it
         kwargs["virtual_stages"] = options.virtual_stages
     return kwargs

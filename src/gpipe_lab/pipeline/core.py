@@ -25,6 +25,7 @@ from gpipe_lab.pipeline.batching import (
 )
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.channel import Channel, StepFeed
+from gpipe_lab.pipeline.compiling import CompiledStage, compile_kwargs, split_backward_error
 from gpipe_lab.pipeline.microbatch import Value, join, unwrap
 from gpipe_lab.pipeline.nonfinite import NonFiniteError, describe_problem, verdict_vector
 from gpipe_lab.pipeline.options import PipelineOptions
@@ -48,14 +49,21 @@ class PipelineCore(nn.Module):
 
         Raises:
             ValueError: the schedule has no form with ``options.virtual_stages``.
+            OptionError: ``compile`` with a split-backward schedule.
         """
         v = options.virtual_stages
-        get_schedule(options.schedule, num_ranks, num_ranks if v > 1 else 1, v)
+        schedule = get_schedule(options.schedule, num_ranks, num_ranks if v > 1 else 1, v)
         self.options = options
         self.runtimes = runtimes
+        compiling = compile_kwargs(options.compile)
+        if compiling is not None and any(a.kind == "W" for actions in schedule for a in actions):
+            raise split_backward_error(options.schedule)
         for runtime in runtimes.values():
             runtime.track_memory = options.track_memory
-            runtime.replay_random = options.random_replay
+            # dynamo does not trace under the per-op replay mode: a compiled stage checks its draws instead
+            runtime.replay_random = options.random_replay and compiling is None
+            if compiling is not None:
+                runtime.compiled = CompiledStage(compiling)
         self.channel = channel
         self._num_ranks = num_ranks
         self._dp_size = dp_size

@@ -72,7 +72,8 @@ class GPipe(PipelineCore):
     ``schedule``, ``virtual_stages`` (v chunks per rank, rank k holding chunks
     k, k+K, ...), ``deferred_batch_norm``, ``cost``, ``seed``, ``threads_per_stage``,
     ``timeout``, ``nonfinite`` (``raise``/``skip``/``ignore`` a NaN/inf step),
-    ``track_memory``, ``retain_cpu_memory``. See ``PipelineOptions`` for each.
+    ``track_memory``, ``retain_cpu_memory``, ``compile`` (``torch.compile`` each stage: ``True``
+    or a dict of its keywords). See ``PipelineOptions`` for each.
 
     Sequence-like: ``len(pipe)``, ``pipe[i]`` and iteration give the module's layers;
     ``partitions``, ``balance``, ``devices``, ``chunks``, ``checkpoint`` are read-only.
@@ -91,7 +92,7 @@ class GPipe(PipelineCore):
                  threads_per_stage: int | None = None, timeout: float | None = None,
                  nonfinite: str | None = None, track_memory: bool | None = None,
                  retain_cpu_memory: bool | None = None, virtual_stages: int | None = None,
-                 options: PipelineOptions | None = None) -> None:
+                 compile: bool | dict | None = None, options: PipelineOptions | None = None) -> None:
         super().__init__()
         opts = merged_options(options, balance=None if balance is None else list(balance),
                               partitions=partitions, devices=None if devices is None else list(devices),
@@ -99,7 +100,7 @@ class GPipe(PipelineCore):
                               deferred_batch_norm=deferred_batch_norm, cost=cost, seed=seed,
                               threads_per_stage=threads_per_stage, timeout=timeout, nonfinite=nonfinite,
                               track_memory=track_memory, retain_cpu_memory=retain_cpu_memory,
-                              virtual_stages=virtual_stages).check()
+                              virtual_stages=virtual_stages, compile=compile).check()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe needs an nn.Sequential, got {type(module).__name__}")
         if len(module) == 0:

@@ -62,6 +62,11 @@ class PipelineOptions:
     #: off only for models that draw nothing in ``forward`` besides ``nn.Dropout`` (which is
     #: always replayed, by ``StageDropout``).
     random_replay: bool = True
+    #: compile each stage's module with ``torch.compile``: ``false``, ``true``, or a dict of its
+    #: keywords (``mode``, ``dynamic``, ``backend`` ...). A compiled stage replays only
+    #: ``nn.Dropout`` draws (see ``compiling``); it raises for any other draw. The first steps
+    #: compile, and a neighbour's wait for it counts against ``timeout``: raise it for large stages.
+    compile: Any = False
     #: count saved-activation bytes per stage (``memory()``) with saved-tensor hooks.
     track_memory: bool = True
     #: CPU stages: keep freed memory in the process for the next step (glibc ``mallopt``).
@@ -112,6 +117,12 @@ class PipelineOptions:
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
                 or not (self.timeout > 0 and math.isfinite(self.timeout)):
             fail("timeout", "must be a finite number of seconds > 0")
+        if self.compile is not False and self.compile is not True:
+            from gpipe_lab.pipeline.compiling import compile_kwargs
+            try:
+                compile_kwargs(self.compile)
+            except ValueError as error:
+                raise OptionError(f"{prefix}{error}") from None
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             fail("seed", "must be an integer or null")
         return self

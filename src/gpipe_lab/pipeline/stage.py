@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline.checkpointing import checkpointing
+from gpipe_lab.pipeline.compiling import CompiledStage
 from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
 from gpipe_lab.pipeline.device_timing import DeviceClock
 from gpipe_lab.pipeline.microbatch import as_tuple, unwrap
@@ -103,6 +104,7 @@ class StageRuntime:
         self.track_memory = True
         self.replay_random = True
         self.clock = DeviceClock(device) if device.type == "cuda" else None
+        self.compiled: CompiledStage | None = None  # set by the core with ``compile``
 
     # ---------------------------------------------------------------- step
     def begin(self, plan: StepPlan, keep_outputs: bool = False) -> None:
@@ -176,7 +178,9 @@ class StageRuntime:
         # every micro-batch gets its generator: any layer may draw from current_generator()
         with microbatch_context(self._generator(mb), recomputing, self.replay_random), hooks, \
                 checkpointing(mb in self.plan.checkpointed):
-            out = self.module(unwrap(inputs, was_tensor))
+            x = unwrap(inputs, was_tensor)
+            # the module is read at each call: a front end may wrap it (autocast) after construction
+            out = self.module(x) if self.compiled is None else self.compiled(self.module, x)
             outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
             out_is_tensor = isinstance(out, Tensor)
             if self.is_last and self.plan.loss_fn is not None:

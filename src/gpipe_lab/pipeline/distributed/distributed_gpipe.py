@@ -73,13 +73,14 @@ class DistributedGPipe(PipelineCore):
                  virtual_stages: int | None = None, init_fn: InitFn | None = None,
                  bucket_bytes: int = BUCKET_BYTES, nonfinite: str | None = None,
                  retain_cpu_memory: bool | None = None, track_memory: bool | None = None,
-                 options: PipelineOptions | None = None) -> None:
+                 compile: bool | dict | None = None, options: PipelineOptions | None = None) -> None:
         super().__init__()
         opts = merged_options(options, balance=None if balance is None else list(balance),
                               partitions=partitions, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                               deferred_batch_norm=deferred_batch_norm, cost=cost, seed=seed, timeout=timeout,
                               virtual_stages=virtual_stages, nonfinite=nonfinite,
-                              retain_cpu_memory=retain_cpu_memory, track_memory=track_memory).check()
+                              retain_cpu_memory=retain_cpu_memory, track_memory=track_memory,
+                              compile=compile).check()
         v = opts.virtual_stages
         full = build_module(module)
         balance, num_stages = resolve_balance(full, opts.balance, opts.partitions, v, opts.cost,

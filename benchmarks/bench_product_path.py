@@ -1,0 +1,115 @@
+"""The product-path row: ``gpipe-train``'s step (Lightning + ``GPipeStrategy``) vs the raw engine's.
+
+One run, alternating rounds: ``gpipe-train``'s pieces (``gpipe_lab.train``'s datamodule,
+module and logger, ``GPipeStrategy``, CSV logging on, progress bar off) train the Table-2
+analogue; at the start of every training batch a callback runs the raw engine on the same
+batch (``GPipe.train_step`` + the optimizer step, on a second copy of the model with the
+same K, M and options), timed on its own. The product path's step is the time between two
+batch starts less that raw step, so it includes everything Lightning does per step (data
+loading, hooks, logging, the optimizer step). Lightning's loop cannot be called step by
+step, so this uses the callback rather than ``gpipe_lab.bench.time_rounds``; the two paths
+still alternate every round. Ratio = raw step / product step (target >= 0.95).
+
+    python -m benchmarks.bench_product_path --model transformer            # the Table-2 analogue
+    python -m benchmarks.bench_product_path --model amoebanet --quick      # 6 (4) layers, mini-batch 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from hydra import compose, initialize_config_dir
+
+from gpipe_lab.config import validate_pipeline
+from gpipe_lab.lightning import GPipeStrategy
+from gpipe_lab.pipeline import GPipe
+from gpipe_lab.train import build_datamodule, build_module, engine_options
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+class Alternate(pl.Callback):
+    """Runs ``raw_step(batch)`` at each batch start; keeps both paths' step times."""
+
+    def __init__(self, raw_step: Any, warmup: int) -> None:
+        self.raw_step, self.warmup = raw_step, warmup
+        self.product: list[float] = []
+        self.raw: list[float] = []
+        self._start: float | None = None
+        self._raw_s = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._start is not None and batch_idx > self.warmup:
+            self.product.append(now - self._start - self._raw_s)
+            self.raw.append(self._raw_s)
+        self._start = now
+        self.raw_step(batch)
+        self._raw_s = time.perf_counter() - now
+
+
+def compose_config(model: str, quick: bool, compiled: bool, steps: int) -> Any:
+    """The ``experiment=paper_table2_<model>`` config (smaller with ``quick``)."""
+    overrides = [f"experiment=paper_table2_{model}", f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
+                 "trainer.enable_progress_bar=false", "logger=csv", f"data.num_train={256 * steps}"]
+    if quick:
+        layers = 6 if model == "amoebanet" else 4  # AmoebaNet's layers come in threes
+        overrides += [f"model.num_layers={layers}", "data.batch_size=32", f"data.num_train={32 * steps}"]
+    if compiled:
+        overrides.append("pipeline.compile=true")
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="train", overrides=overrides)
+
+
+def run_product_path(model: str, quick: bool, compiled: bool, repeats: int, warmup: int = 2) -> dict[str, Any]:
+    """Median step seconds of both paths and their ratio (raw / product)."""
+    cfg = compose_config(model, quick, compiled, warmup + repeats + 1)
+    data = build_datamodule(cfg)
+    module, twin = build_module(cfg, data), build_module(cfg, data)
+    twin.load_state_dict(module.state_dict())
+    options = engine_options(cfg, validate_pipeline(cfg), module)  # as gpipe-train makes them
+    pipe = GPipe(twin.configure_layers(), options=options)
+    optimizer = twin.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    optimizer = optimizer[0] if isinstance(optimizer, (list, tuple)) else optimizer
+
+    def raw_step(batch: Any) -> None:
+        inputs, targets = twin.split_batch(batch)
+        optimizer.zero_grad(set_to_none=True)
+        pipe.train_step(inputs, targets, twin.loss_fn, twin.loss_normalizer)
+        optimizer.step()
+
+    timer = Alternate(raw_step, warmup)
+    strategy = GPipeStrategy(options=options)
+    with tempfile.TemporaryDirectory() as logs:
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=cfg.trainer.max_steps,
+                             limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, logger=pl.loggers.CSVLogger(logs),
+                             log_every_n_steps=1, callbacks=[timer])
+        trainer.fit(module, datamodule=data)
+    product, raw = statistics.median(timer.product), statistics.median(timer.raw)
+    return {"model": model, "K": options.num_stages, "M": options.chunks, "compile": compiled,
+            "product_step_s": product, "raw_step_s": raw, "ratio": raw / product, "rounds": len(timer.product),
+            "product_rounds_s": timer.product, "raw_rounds_s": timer.raw}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["transformer", "amoebanet"], default="transformer")
+    parser.add_argument("--quick", action="store_true", help="6-layer AmoebaNet / 4-layer Transformer at mini-batch 32")
+    parser.add_argument("--compile", action="store_true", help="both paths with compiled stages")
+    parser.add_argument("--repeats", type=int, default=6)
+    args = parser.parse_args()
+    print(json.dumps(run_product_path(args.model, args.quick, args.compile, args.repeats)))
+
+
+if __name__ == "__main__":
+    main()

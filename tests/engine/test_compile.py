@@ -1,0 +1,156 @@
+"""``compile``: compiled stages give the eager pipeline's loss and gradients (within 1e-4).
+
+Compilation is slow on a 2-core CPU, so the model matrix (MLP and ``transformer_tiny`` ×
+K ∈ {1, 2} × M ∈ {1, 4}; ``amoebanet_d_tiny`` at its corners, K=1 M=1 and K=2 M=4) compiles with the ``aot_eager`` backend
+(dynamo's capture and AOT autograd's compiled backward, without Inductor's code
+generation), and one test runs the default Inductor backend on the smallest model; the
+models are the smallest presets. A stage that dynamo silently leaves eager would make the
+comparison trivial, so the matrix also checks that dynamo captured graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from gpipe_lab.models.costs import example_input
+from gpipe_lab.models.losses import translation_loss
+from gpipe_lab.models.registry import build
+from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.options import OptionError
+from gpipe_lab.pipeline.random_replay import UnreplayableRandomError
+from helpers.models import grads, mlp
+
+AOT = {"backend": "aot_eager"}
+BATCH = 8
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def _mlp_with_dropout() -> nn.Sequential:
+    model = mlp(depth=4)
+    model.insert(2, nn.Dropout(0.3))  # a draw that re-materialization must repeat
+    return model
+
+
+def _case(name: str) -> tuple:
+    """(model factory, input, target, loss) for one of the three test models."""
+    if name == "mlp":
+        torch.manual_seed(1)
+        return _mlp_with_dropout, torch.randn(BATCH, 8), torch.randn(BATCH, 8), nn.functional.mse_loss
+
+    def factory() -> nn.Sequential:
+        torch.manual_seed(0)
+        return build(name)
+
+    x = example_input(factory(), BATCH, "cpu")
+    if name.startswith("transformer"):
+        torch.manual_seed(2)
+        logits = factory()(x)
+        return factory, x, torch.randint(4, logits.shape[-1], logits.shape[:-1]), translation_loss()
+    torch.manual_seed(2)
+    return factory, x, torch.randint(0, 10, (BATCH,)), nn.functional.cross_entropy
+
+
+def _step(pipe: GPipe, x: object, y: object, loss_fn: object) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    for p in pipe.module.parameters():
+        p.grad = None
+    loss = pipe.train_step(x, y, loss_fn)
+    return loss.detach(), grads(pipe.module)
+
+
+def _assert_close(got: tuple, want: tuple) -> None:
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+# capturing AmoebaNet takes about a minute per pipeline here: its two extreme corners only
+MATRIX = [(name, K, M) for name in ("mlp", "transformer_tiny") for K in (1, 2) for M in (1, 4)] + [
+    pytest.param("amoebanet_d_tiny", K, M, marks=pytest.mark.slow) for K, M in ((1, 1), (2, 4))]
+
+
+@pytest.mark.parametrize(("name", "K", "M"), MATRIX)
+def test_compiled_matches_eager(name: str, K: int, M: int) -> None:
+    factory, x, y, loss_fn = _case(name)
+    options = dict(partitions=K, chunks=M, seed=5, checkpoint="except_last")
+    eager, compiled = GPipe(factory(), **options), GPipe(factory(), compile=AOT, **options)
+    before = _graphs()
+    for _ in range(2):  # the second step runs the compiled graphs (the first is checked eagerly)
+        want, got = _step(eager, x, y, loss_fn), _step(compiled, x, y, loss_fn)
+        _assert_close(got, want)
+        with torch.no_grad():  # keep both models equal for the next step
+            for p, q in zip(compiled.module.parameters(), eager.module.parameters(), strict=True):
+                p.copy_(q)
+    assert _graphs() > before, "dynamo captured no graph: the stages ran eagerly"
+
+
+@pytest.mark.parametrize(("schedule", "checkpoint"), [("gpipe", "always"), ("1f1b", "never"),
+                                                      ("1f1b", "except_last")])
+def test_compiled_schedules_and_checkpoint_modes(schedule: str, checkpoint: str) -> None:
+    _, x, y, loss_fn = _case("mlp")
+    options = dict(partitions=2, chunks=4, seed=9, schedule=schedule, checkpoint=checkpoint)
+    eager = GPipe(_mlp_with_dropout(), **options)
+    compiled = GPipe(_mlp_with_dropout(), compile=AOT, **options)
+    for _ in range(2):
+        _assert_close(_step(compiled, x, y, loss_fn), _step(eager, x, y, loss_fn))
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "gpipe-bw"])
+def test_split_backward_schedules_are_refused_by_name(schedule: str) -> None:
+    with pytest.raises(OptionError, match=f"compile: schedule '{schedule}' splits the backward"):
+        GPipe(mlp(), partitions=2, schedule=schedule, compile=AOT)
+
+
+def _conv_bn() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 10))
+
+
+def test_compiled_deferred_batch_norm() -> None:
+    """Running statistics and gradients agree with the eager pipeline's under deferred BN."""
+    factory, x, y, loss_fn = _conv_bn, torch.randn(BATCH, 3, 4, 4), torch.randint(0, 10, (BATCH,)), \
+        nn.functional.cross_entropy
+    options = dict(partitions=2, chunks=4, seed=3, deferred_batch_norm=True, checkpoint="always")
+    eager, compiled = GPipe(factory(), **options), GPipe(factory(), compile=AOT, **options)
+    for _ in range(2):
+        _assert_close(_step(compiled, x, y, loss_fn), _step(eager, x, y, loss_fn))
+    stats = [(n, b) for n, b in compiled.module.named_buffers() if "running" in n]
+    assert stats
+    for (name, got), want in zip(stats, [b for n, b in eager.module.named_buffers() if "running" in n]):
+        torch.testing.assert_close(got, want, **TOL, msg=name)
+
+
+def test_inductor_matches_eager() -> None:
+    """The default backend (Inductor's generated kernels) on the smallest model."""
+    _, x, y, loss_fn = _case("mlp")
+    options = dict(partitions=2, chunks=4, seed=4)
+    eager, compiled = GPipe(_mlp_with_dropout(), **options), GPipe(_mlp_with_dropout(), compile=True, **options)
+    before = _graphs()
+    for _ in range(2):
+        _assert_close(_step(compiled, x, y, loss_fn), _step(eager, x, y, loss_fn))
+    assert _graphs() > before
+
+
+class _Noise(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand_like(x)
+
+
+def test_unreplayable_draw_in_a_compiled_stage_is_refused() -> None:
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), _Noise(), nn.Linear(4, 4)), partitions=1, compile=AOT)
+    with pytest.raises(UnreplayableRandomError, match=r"_Noise.*rand.*compile=false"):
+        pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), nn.functional.mse_loss)
+
+
+@pytest.mark.parametrize(("value", "match"), [("yes", "compile: must be true, false or a dict"),
+                                              ({"modee": "max-autotune"}, "'modee' is not a torch.compile keyword")])
+def test_bad_compile_option_is_named(value: object, match: str) -> None:
+    with pytest.raises(OptionError, match=match):
+        GPipe(mlp(), partitions=2, compile=value)
