@@ -144,6 +144,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from gpipe_lab.lightning.wandb_run import run_name
 
     silence_known_warnings()
+    print_lightning_logs_once()
     cfg = continue_run(cfg)  # ckpt_path: the checkpoint's run's overrides, wandb run and a link to it
     options = validate(cfg)
     if cfg.get("dry_run"):
@@ -197,6 +198,22 @@ def run(cfg: DictConfig) -> dict[str, Any]:
               f"{metrics.summary.get('validation_metric')}={value} "
               f"samples/s={metrics.summary.get('samples_per_s')} -> {output_dir / 'summary.json'}")
     return metrics.summary
+
+
+def print_lightning_logs_once() -> None:
+    """Lightning's loggers print through Hydra's handlers only.
+
+    Lightning gives its ``lightning`` logger a console handler of its own when it is
+    imported before logging is set up (here: by a Hydra callback), so each INFO line
+    would print twice, once in each format.
+    """
+    import logging
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate = True
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")

@@ -34,5 +34,6 @@ def test_a_run_shorter_than_log_every_n_steps_logs_first_and_last_step_and_names
         assert named in summary and summary[named] == summary[flat]
     assert summary["pipeline/bubble_theory"] == pytest.approx(theory_bubble("zb-h1", 2, 4))
     assert summary["bubble_measured_over"].startswith("mean over 2 step(s)")
-    assert (summary["optimizer"], summary["D"], summary["run_name"]) == ("adam", 1, "run")
+    assert (summary["optimizer"], summary["D"], summary["run_dir"]) == ("adam", 1, "run")
+    assert summary["run_name"].startswith("K2-M4-zb-h1")  # the wandb run's name
     assert summary["lr"] > 0

@@ -183,12 +183,13 @@ class PipelineMetrics(pl.Callback):
         if strategy is not None and strategy.last_loss is not None:
             metrics["train/loss"] = float(strategy.last_loss)
         val_key = next((k for k in ("val/acc", "val/bleu") if k in metrics), None)
-        module = trainer.lightning_module
-        optimizer = dict(getattr(module, "optimizer_cfg", {}) or {})
+        optimizers = trainer.optimizers
         summary: dict[str, Any] = {
             "run_name": self.output_dir.name,
+            "run_dir": self.output_dir.name,
             **self.extra_summary,
-            "optimizer": optimizer.get("name"), "lr": optimizer.get("lr"),
+            "optimizer": type(optimizers[0]).__name__.lower() if optimizers else None,
+            "lr": optimizers[0].param_groups[0]["lr"] if optimizers else None,
             "overrides": job_overrides(),
             "steps": trainer.global_step,
             "final_train_loss": metrics.get("train/loss"),
