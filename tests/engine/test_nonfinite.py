@@ -67,14 +67,7 @@ def test_nonfinite_loss_raise_names_step_and_skip_drops_the_step():
 
 
 def test_nonfinite_gradient_names_the_stage():
-    class InfGrad(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * float("inf")
+    from helpers.faults import InfGrad
 
     class Layer(nn.Module):
         def forward(self, x):

@@ -85,10 +85,12 @@ class InfAtStep(nn.Module):
             return x
         if self.where == "forward":
             return x * float("inf")
-        return _InfGrad.apply(x)
+        return InfGrad.apply(x)
 
 
-class _InfGrad(torch.autograd.Function):
+class InfGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by inf."""
+
     @staticmethod
     def forward(ctx, x):
         return x.clone()
