@@ -10,17 +10,23 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from gpipe_lab.lightning import PipelineModule
 
 
+def tiny_layers(width: int = 16) -> nn.Sequential:
+    """The 8-layer MLP of ``TinyRegressor`` (weights from the current generator)."""
+    blocks: list[nn.Module] = [nn.Linear(8, width)]
+    for _ in range(3):
+        blocks += [nn.Tanh(), nn.Linear(width, width)]
+    blocks += [nn.Tanh(), nn.Linear(width, 1)]
+    return nn.Sequential(*blocks)
+
+
 class TinyRegressor(PipelineModule):
     """An 8-layer MLP regression task; ``manual=True`` uses manual optimization."""
 
     def __init__(self, manual: bool = False, lr: float = 0.05, width: int = 16) -> None:
         super().__init__()
         torch.manual_seed(0)
-        blocks: list[nn.Module] = [nn.Linear(8, width)]
-        for _ in range(3):
-            blocks += [nn.Tanh(), nn.Linear(width, width)]
-        blocks += [nn.Tanh(), nn.Linear(width, 1)]
-        self.layers = nn.Sequential(*blocks)
+        self.layers = tiny_layers(width)
+        self.width = width
         self.automatic_optimization = not manual
         self.lr = lr
         self.losses: list[float] = []
@@ -36,6 +42,21 @@ class TinyRegressor(PipelineModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class MetaRegressor(TinyRegressor):
+    """``TinyRegressor`` whose layers are built in ``configure_model`` (on ``meta`` under a
+    ``GPipeStrategy``); ``built_on`` records the device they were created on."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        del self.layers
+        self.built_on: torch.device | None = None
+
+    def configure_model(self) -> None:
+        if getattr(self, "layers", None) is None:
+            self.layers = tiny_layers(self.width)
+            self.built_on = self.layers[0].weight.device
 
 
 class TinyData(pl.LightningDataModule):

@@ -1,7 +1,8 @@
 """GPipeStrategy(transport="distributed"): Lightning launches one process per stage (gloo on
 CPU); losses equal the local transport's, clipping uses the global norm across stages, and
 the checkpoint written by two processes resumes in one process at another K; a metric computed
-from the outputs (last stage only) reaches global rank 0, where the loggers write."""
+from the outputs (last stage only) reaches global rank 0, where the loggers write. The layers
+are built in ``configure_model`` (on meta): each rank allocates only its own stage."""
 
 from __future__ import annotations
 
@@ -15,19 +16,21 @@ import pytest
 import torch
 
 from gpipe_lab.lightning import GPipeStrategy
-from helpers.strategy import RecordMetric, TinyData, TinyRegressor, trainer
+from helpers.strategy import MetaRegressor, RecordMetric, TinyData, TinyRegressor, trainer
 
 SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from helpers.strategy import RecordMetric, TinyData, TinyRegressor, trainer
+from helpers.strategy import MetaRegressor, RecordMetric, TinyData, trainer
 from gpipe_lab.lightning import GPipeStrategy
-m = TinyRegressor()
+m = MetaRegressor()
 strategy = GPipeStrategy(partitions=2, chunks=4, transport="distributed", seed=0, timeout=60)
 record = RecordMetric("train/output_mean")
 t = trainer(strategy, devices=2, max_epochs=1, gradient_clip_val=0.05, limit_val_batches=2, callbacks=[record])
 t.fit(m, TinyData())
 t.save_checkpoint({ckpt!r})
+allocated = sum(not p.is_meta for p in m.layers.parameters())
+json.dump({{"built_on": str(m.built_on), "allocated": allocated}}, open({out!r} + str(t.global_rank), "w"))
 if t.global_rank == 0:
     json.dump({{"losses": m.losses, "val": float(t.callback_metrics["val/loss"]),
                "sampler": strategy.distributed_sampler_kwargs, "output_mean": record.values}},
@@ -45,8 +48,12 @@ def test_distributed_transport_matches_local_and_resumes(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["sampler"] == {"num_replicas": 1, "rank": 0}  # shard by replica, not by stage
+    ranks = [json.loads(Path(f"{out}{r}").read_text()) for r in (0, 1)]
+    assert [r["built_on"] for r in ranks] == ["meta", "meta"]
+    total = len(list(TinyRegressor().parameters()))
+    assert sum(r["allocated"] for r in ranks) == total and all(0 < r["allocated"] < total for r in ranks)
 
-    full = TinyRegressor()
+    full = MetaRegressor()
     record = RecordMetric("train/output_mean")
     local = trainer(GPipeStrategy(partitions=2, chunks=4, seed=0), max_epochs=2, gradient_clip_val=0.05,
                     limit_val_batches=2, callbacks=[record])

@@ -120,7 +120,8 @@ class DistributedMixin:
         options = self.options.replace(  # type: ignore[attr-defined]
             nonfinite=engine_nonfinite(self.options.nonfinite, self.precision_plugin))  # type: ignore[attr-defined]
         return build_distributed_engine(layers, options, self.root_device,  # type: ignore[attr-defined]
-                                        self.data_parallel_size)  # type: ignore[attr-defined]
+                                        self.data_parallel_size,  # type: ignore[attr-defined]
+                                        self._module().init_layer)  # type: ignore[attr-defined]
 
     def _distributed_reduce(self, tensor: Any, group: Any, reduce_op: Any) -> Any:
         if isinstance(tensor, torch.Tensor):

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline import GPipe, Timeline
+from gpipe_lab.pipeline.materialize import InitFn
 from gpipe_lab.pipeline.options import PipelineOptions
 
 LossFn = Callable[[Any, Any], Tensor]
@@ -57,19 +58,23 @@ def _common(options: PipelineOptions) -> dict[str, Any]:
 
 
 def build_local_engine(layers: nn.Sequential, options: PipelineOptions,
-                       devices: Sequence[torch.device] | None) -> PipelineEngine:
+                       devices: Sequence[torch.device] | None, init_fn: InitFn | None = None) -> PipelineEngine:
     """``GPipe`` over ``layers``: a thread per stage on ``devices`` (``None``: the engine's choice).
+
+    ``init_fn(index, layer)`` initializes a layer built on ``meta`` once it is on its device.
 
     Raises:
         ValueError, TypeError: what the engine raises for options that cannot run on ``layers``.
     """
     return GPipe(layers, devices=devices, threads_per_stage=options.threads_per_stage,  # type: ignore[return-value]
-                 track_memory=options.track_memory, **_common(options))
+                 track_memory=options.track_memory, init_fn=init_fn, **_common(options))
 
 
 def build_distributed_engine(layers: nn.Sequential, options: PipelineOptions, device: torch.device,
-                             data_parallel_size: int) -> PipelineEngine:
+                             data_parallel_size: int, init_fn: InitFn | None = None) -> PipelineEngine:
     """``DistributedGPipe``: this rank's stage of ``layers`` on ``device``; a collective.
+
+    ``init_fn(index, layer)`` initializes this rank's layers built on ``meta``.
 
     Raises:
         ValueError, TypeError: what the engine raises for options that cannot run on ``layers``.
@@ -77,4 +82,4 @@ def build_distributed_engine(layers: nn.Sequential, options: PipelineOptions, de
     from gpipe_lab.pipeline.distributed import DistributedGPipe
 
     return DistributedGPipe(layers, device=device, data_parallel_size=data_parallel_size,  # type: ignore[return-value]
-                            **_common(options))
+                            init_fn=init_fn, **_common(options))

@@ -9,6 +9,11 @@ A subclass declares three things and never sees a micro-batch:
   engine divides by the whole mini-batch's normalizer;
 - the metrics: ``log_train(loss, outputs, targets)`` and ``validation_step``.
 
+Layers built in Lightning's ``configure_model`` hook are created on ``meta`` under a
+``GPipeStrategy`` and allocated stage by stage on each stage's device; ``init_layer``
+initializes each of them there (default: ``reset_parameters()`` under the seed
+``seed + layer index``, which ``gpipe_lab.pipeline.seeded_init`` reproduces unpipelined).
+
 Without a ``GPipeStrategy`` (any other Lightning strategy) the same module trains
 unpipelined, which is how the tests compare the two.
 """
@@ -22,6 +27,8 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+
+from gpipe_lab.pipeline.materialize import reset_layer
 
 LossFn = Callable[[Any, Any], Tensor]
 #: One ``self.log`` call: name, value, positional and keyword options.
@@ -80,6 +87,15 @@ class PipelineModule(pl.LightningModule):
             raise AttributeError(f"{type(self).__name__} needs a `layers` nn.Sequential attribute "
                                  "or a configure_layers() hook returning one")
         return layers
+
+    def init_layer(self, index: int, layer: nn.Module) -> None:
+        """Initialize layer ``index``, built on ``meta``, once allocated on its stage's device.
+
+        Runs under ``torch.no_grad()`` with the generator seeded ``seed + index``. Default:
+        ``reset_parameters()`` (or ``reset_running_stats()``) of every submodule; override
+        it for a custom init (it must depend only on ``index`` and the layer).
+        """
+        reset_layer(layer)
 
     def loss_fn(self, outputs: Any, targets: Any) -> Tensor:
         """Loss of one slice of the batch (mean; or sum when ``loss_normalizer`` is defined)."""

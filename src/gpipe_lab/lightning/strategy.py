@@ -11,7 +11,8 @@ Transports: ``"local"`` (one process, a worker thread per stage, the engine's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -51,6 +52,12 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
     With ``nonfinite="skip"`` a mini-batch whose loss or gradients are NaN/inf gets no
     optimizer step (nor does its accumulation window); ``train/skipped_steps`` counts them.
     In distributed runs every rank takes the same decision.
+
+    Modules created in the LightningModule's ``configure_model`` hook (or under
+    ``trainer.init_module()``) are built on the ``meta`` device: the engine then allocates
+    each stage's layers on that stage's own device (this rank's only, in the distributed
+    transport) and initializes them with ``PipelineModule.init_layer``, so no device ever
+    holds the whole model. ``trainer.init_module(empty_init=False)`` builds on the host.
 
     Raises:
         OptionError: (a ``ValueError``) an option with a value that cannot run, naming it.
@@ -177,6 +184,20 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         return None
 
     # ------------------------------------------------------------------ setup
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Tensors created here land on ``meta`` (``empty_init=False``: on the root device).
+
+        Lightning enters it around ``configure_model`` and ``trainer.init_module()``; the
+        engine materializes each stage on its own device in ``setup``.
+        """
+        if empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
     def model_to_device(self) -> None:
         """Every stage on its own device, the module's other tensors on the root device.
 
@@ -184,8 +205,11 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         model's memory on one GPU.
         """
         assert self.model is not None
-        if self.pipe is None or self.is_distributed:
+        if self.pipe is None:
             self.model.to(self.root_device)
+            return
+        if self.is_distributed:  # the engine placed this rank's layers; the others are meta
+            place_outside(self.model, self._module().configure_layers(), self.root_device)
             return
         for part, device in zip(self.pipe.partitions, self.pipe.devices):
             part.to(device)
@@ -198,10 +222,9 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         layers = module.configure_layers()
         self._enter_precision_in_stages(layers)
-        if self.pipe is None:  # the engine moves each stage from the host to its own device
+        if self.pipe is None:  # the engine puts (or allocates) each stage on its own device
             self.pipe = self._build_pipeline(layers)
-        if not self.is_distributed:  # also a later fit/validate: teardown moved the module to CPU
-            self.model_to_device()
+        self.model_to_device()  # also a later fit/validate: teardown moved the module to CPU
         module.attach_pipeline(self)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -216,7 +239,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
             return self._build_distributed_pipeline(layers)
         # under a GradScaler the scaler decides what an overflow does, not the engine's policy
         options = self.options.replace(nonfinite=engine_nonfinite(self.options.nonfinite, self.precision_plugin))
-        return build_local_engine(layers, options, self._local_devices())
+        return build_local_engine(layers, options, self._local_devices(), self._module().init_layer)
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
@@ -238,7 +261,8 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         for handle in self._precision_hooks:
             handle.remove()
         self._precision_hooks = []
-        if self.is_distributed:  # other stages' layers live on meta: no module.cpu()
+        holds_meta = isinstance(module, nn.Module) and any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+        if self.is_distributed or holds_meta:  # layers left on meta (other stages'): no module.cpu()
             self.precision_plugin.teardown()
             assert self.accelerator is not None
             self.accelerator.teardown()
@@ -250,9 +274,24 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
 def place_outside(root: nn.Module, inner: nn.Module, device: torch.device) -> None:
     """Move the parameters and buffers of ``root`` that ``inner`` does not hold to ``device``.
 
-    ``inner``'s tensors stay where they are; parameters keep their identity.
+    ``inner``'s tensors stay where they are; parameters keep their identity. A module of
+    ``root`` built on ``meta`` is allocated on ``device`` and reset (``reset_parameters``).
+
+    Raises:
+        ValueError: a module outside ``inner`` holds meta tensors and has no
+            ``reset_parameters`` / ``reset_running_stats`` to initialize them.
     """
     inside = {id(t) for t in (*inner.parameters(), *inner.buffers())}
+    for name, m in root.named_modules():
+        own = [t for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)) if id(t) not in inside]
+        if any(t.is_meta for t in own):
+            if not any(callable(getattr(m, h, None)) for h in ("reset_parameters", "reset_running_stats")):
+                raise ValueError(f"module {name or type(root).__name__!r} ({type(m).__name__}) was built on "
+                                 "the meta device outside the pipelined layers and has no reset_parameters() "
+                                 "to initialize it: build it in __init__ (on the host), not in configure_model")
+            with torch.no_grad():
+                m.to_empty(device=device, recurse=False)
+                _reset_own(m)
     for m in root.modules():
         for p in m.parameters(recurse=False):
             if id(p) not in inside and p.device != device:
@@ -260,6 +299,14 @@ def place_outside(root: nn.Module, inner: nn.Module, device: torch.device) -> No
         for name, b in list(m.named_buffers(recurse=False)):
             if id(b) not in inside and b.device != device:
                 setattr(m, name, b.to(device))
+
+
+def _reset_own(module: nn.Module) -> None:
+    """Reset a module's own tensors only (its children are reset on their own)."""
+    for hook in ("reset_parameters", "reset_running_stats"):
+        if callable(getattr(module, hook, None)):
+            getattr(module, hook)()
+            return
 
 
 StrategyRegistry.register("gpipe", GPipeStrategy, description="GPipe pipeline parallelism",

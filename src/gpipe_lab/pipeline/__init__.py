@@ -9,6 +9,7 @@ from gpipe_lab.pipeline.core import PipelineCore
 from gpipe_lab.pipeline.dropout import StageDropout, convert_dropout
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.gpipe import GPipe
+from gpipe_lab.pipeline.materialize import seeded_init
 from gpipe_lab.pipeline.nonfinite import NONFINITE_POLICIES, NonFiniteError, all_finite
 from gpipe_lab.pipeline.options import CHECKPOINT_MODES, OptionError, PipelineOptions
 from gpipe_lab.pipeline.partition import balance_by_cost, layer_costs
@@ -33,4 +34,5 @@ __all__ = [
     "balance_by_cost", "balance_by_size", "balance_by_time", "checkpointed_microbatches", "commit_forward",
     "convert_dropout", "get_schedule", "gpipe_schedule", "is_checkpointing", "is_recomputing", "layer_costs",
     "one_f_one_b_schedule", "register_schedule", "validate_schedule", "retain_freed_memory", "all_finite",
+    "seeded_init",
 ]

@@ -106,13 +106,14 @@ class DeferredBatchNorm(_BatchNorm):
         running statistics, so an optimizer built on the module keeps working.
         """
         if isinstance(module, _BatchNorm) and not isinstance(module, cls) and module.track_running_stats:
-            bn = cls(module.num_features, module.eps, module.momentum, module.affine)
+            with torch.device(module.running_mean.device):  # meta stays meta: nothing allocated
+                bn = cls(module.num_features, module.eps, module.momentum, module.affine)
             if module.affine:
                 bn.weight, bn.bias = module.weight, module.bias
-            bn.running_mean.copy_(module.running_mean)
-            bn.running_var.copy_(module.running_var)
-            bn.num_batches_tracked.copy_(module.num_batches_tracked)
-            bn.to(module.running_mean.device)
+            if not module.running_mean.is_meta:
+                bn.running_mean.copy_(module.running_mean)
+                bn.running_var.copy_(module.running_var)
+                bn.num_batches_tracked.copy_(module.num_batches_tracked)
             bn.train(module.training)
             return bn
         for name, child in list(module.named_children()):

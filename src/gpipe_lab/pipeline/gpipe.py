@@ -15,7 +15,7 @@ door cuts the module, places the stages on devices and opens a ``LocalChannel``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from gpipe_lab.pipeline.core import PipelineCore
 from gpipe_lab.pipeline.devices import resolve_devices
 from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.local import LocalChannel
+from gpipe_lab.pipeline.materialize import InitFn, build_module, place_layers
 from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.nonfinite import NONFINITE_POLICIES, NonFiniteError
 from gpipe_lab.pipeline.options import CHECKPOINT_MODES, PipelineOptions, merged_options
@@ -75,24 +76,32 @@ class GPipe(PipelineCore):
     ``track_memory``, ``retain_cpu_memory``, ``compile`` (``torch.compile`` each stage: ``True``
     or a dict of its keywords). See ``PipelineOptions`` for each.
 
+    ``module`` may be built on the ``meta`` device (or be a factory, called under
+    ``torch.device("meta")``): each stage's layers are then allocated on the stage's own
+    device and initialized there, by ``init_fn(layer_index, layer)`` or by
+    ``reset_parameters()`` under the seed ``seed + layer_index`` (``seeded_init`` gives an
+    unpipelined model the same weights); the whole model is never allocated in one place.
+
     Sequence-like: ``len(pipe)``, ``pipe[i]`` and iteration give the module's layers;
     ``partitions``, ``balance``, ``devices``, ``chunks``, ``checkpoint`` are read-only.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``.
+        TypeError: ``module`` is not an ``nn.Sequential`` (nor a factory returning one).
         OptionError: an option outside its allowed values (the message names the key).
-        ValueError: balance / partitions / devices inconsistent with the module, or
-            parameters shared across partitions. Messages name the values.
+        ValueError: balance / partitions / devices inconsistent with the module,
+            parameters shared across partitions, or a layer only partly on ``meta``.
+            Messages name the values.
     """
 
-    def __init__(self, module: nn.Sequential, balance: Sequence[int] | None = None,
+    def __init__(self, module: nn.Sequential | Callable[[], nn.Sequential], balance: Sequence[int] | None = None,
                  partitions: int | None = None, devices: Sequence[str | torch.device] | None = None,
                  chunks: int | None = None, checkpoint: str | None = None, schedule: str | None = None,
                  deferred_batch_norm: bool | None = None, cost: object = None, seed: int | None = None,
                  threads_per_stage: int | None = None, timeout: float | None = None,
                  nonfinite: str | None = None, track_memory: bool | None = None,
                  retain_cpu_memory: bool | None = None, virtual_stages: int | None = None,
-                 compile: bool | dict | None = None, options: PipelineOptions | None = None) -> None:
+                 compile: bool | dict | None = None, options: PipelineOptions | None = None,
+                 init_fn: InitFn | None = None) -> None:
         super().__init__()
         opts = merged_options(options, balance=None if balance is None else list(balance),
                               partitions=partitions, devices=None if devices is None else list(devices),
@@ -101,6 +110,8 @@ class GPipe(PipelineCore):
                               threads_per_stage=threads_per_stage, timeout=timeout, nonfinite=nonfinite,
                               track_memory=track_memory, retain_cpu_memory=retain_cpu_memory,
                               virtual_stages=virtual_stages, compile=compile).check()
+        if not isinstance(module, nn.Module) and callable(module):
+            module = build_module(module)
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe needs an nn.Sequential, got {type(module).__name__}")
         if len(module) == 0:
@@ -119,8 +130,8 @@ class GPipe(PipelineCore):
         self.module = module
         self._partitions = split_module(module, self._balance)
         chunk_devices = [self._devices[j % K] for j in range(len(self._partitions))]
-        for part, device in zip(self._partitions, chunk_devices):
-            part.to(device)
+        for j, (part, device) in enumerate(zip(self._partitions, chunk_devices)):
+            place_layers(part, sum(self._balance[:j]), device, self.seed, init_fn)
         cpu_stages = sum(d.type == "cpu" for d in self._devices)
         if cpu_stages and opts.retain_cpu_memory:
             retain_freed_memory()

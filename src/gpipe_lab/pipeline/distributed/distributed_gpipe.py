@@ -25,7 +25,6 @@ from gpipe_lab.pipeline.core import PipelineCore
 from gpipe_lab.pipeline.devices import move_target
 from gpipe_lab.pipeline.distributed.failure import AbortChannel
 from gpipe_lab.pipeline.distributed.grad_sync import BUCKET_BYTES, GradientSync
-from gpipe_lab.pipeline.distributed.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.distributed.p2p_channel import P2PChannel
 from gpipe_lab.pipeline.distributed.resolve import (
     bind_device,
@@ -37,6 +36,7 @@ from gpipe_lab.pipeline.distributed.resolve import (
 from gpipe_lab.pipeline.distributed.state import gather_full_state_dict, local_state_dict
 from gpipe_lab.pipeline.distributed.topology import build_topology, connect_links
 from gpipe_lab.pipeline.dropout import convert_dropout
+from gpipe_lab.pipeline.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import PipelineOptions, merged_options
 from gpipe_lab.pipeline.stage import StageRuntime

@@ -1,11 +1,13 @@
-"""Each rank builds only its own chunks' parameters.
+"""Each stage's parameters are created on its own device, never elsewhere.
 
-Three ways in:
+Used by both transports (``GPipe``: every stage on its device; ``DistributedGPipe``:
+only this rank's chunks). Three ways in:
 
 * a real ``nn.Sequential`` (e.g. built on CPU after ``torch.manual_seed``, the
-  same on every rank): the local layers move to the device, the others are
-  turned into ``meta`` tensors (freed). Init is identical to the unpipelined
-  model by construction; fine for tests and models that fit in host memory.
+  same on every rank): each stage's layers move to its device; in the distributed
+  transport the other ranks' layers are turned into ``meta`` tensors (freed). Init
+  is identical to the unpipelined model by construction; fine for models that fit
+  in host memory.
 * a module built on the ``meta`` device (``with torch.device("meta"): ...``):
   only the local layers are materialized (``to_empty``) and initialized, by
   ``init_fn(layer_index, layer)`` or by ``reset_parameters()`` under the seed
@@ -36,7 +38,7 @@ def build_module(module: nn.Module | Callable[[], nn.Module]) -> nn.Sequential:
         with torch.device("meta"):
             module = module()
     if not isinstance(module, nn.Sequential):
-        raise TypeError(f"DistributedGPipe needs an nn.Sequential (or a factory returning one), "
+        raise TypeError(f"the pipeline needs an nn.Sequential (or a factory returning one), "
                         f"got {type(module).__name__}")
     return module
 
@@ -72,6 +74,30 @@ def seeded_init(module: nn.Sequential, seed: int, init_fn: InitFn | None = None)
     return module
 
 
+def place_layers(part: nn.Sequential, first: int, device: torch.device, seed: int,
+                 init_fn: InitFn | None = None) -> None:
+    """Put the layers of one chunk (global indices ``first``, ...) on ``device``.
+
+    A real layer is moved; a layer on ``meta`` is allocated on ``device`` (``to_empty``)
+    and initialized by ``init_layer`` with its global index, so it is never allocated
+    anywhere else.
+
+    Raises:
+        ValueError: a layer is only partly on the meta device.
+    """
+    with torch.no_grad():
+        for i, layer in enumerate(part):
+            meta = [t.is_meta for t in list(layer.parameters()) + list(layer.buffers())]
+            if any(meta) and not all(meta):
+                raise ValueError(f"layer {first + i} is partly on the meta device; build it "
+                                 "entirely on meta (or entirely on a real device)")
+            if any(meta):
+                layer.to_empty(device=device)
+                init_layer(first + i, layer, seed, init_fn)
+            else:
+                layer.to(device)
+
+
 def local_chunks(module: nn.Sequential, balance: Sequence[int], chunk_ids: Sequence[int],
                  device: torch.device, seed: int, init_fn: InitFn | None = None,
                  release_others: bool = True) -> dict[int, tuple[int, nn.Sequential]]:
@@ -83,21 +109,12 @@ def local_chunks(module: nn.Sequential, balance: Sequence[int], chunk_ids: Seque
     layers = list(module)  # not children(): a layer listed twice must keep both places
     starts = [sum(balance[:j]) for j in range(len(balance))]
     local = {}
+    for j in chunk_ids:
+        first = starts[j]
+        part = nn.Sequential(*layers[first:first + balance[j]])
+        place_layers(part, first, device, seed, init_fn)
+        local[j] = (first, part)
     with torch.no_grad():
-        for j in chunk_ids:
-            first = starts[j]
-            part = nn.Sequential(*layers[first:first + balance[j]])
-            for i, layer in enumerate(part):
-                meta = [t.is_meta for t in list(layer.parameters()) + list(layer.buffers())]
-                if any(meta) and not all(meta):
-                    raise ValueError(f"layer {first + i} is partly on the meta device; build it "
-                                     "entirely on meta (or entirely on a real device)")
-                if any(meta):
-                    layer.to_empty(device=device)
-                    init_layer(first + i, layer, seed, init_fn)
-                else:
-                    layer.to(device)
-            local[j] = (first, part)
         if release_others:
             mine = {id(layer) for _, part in local.values() for layer in part}
             for layer in layers:
