@@ -39,7 +39,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         options: every pipeline setting (``PipelineOptions``: K or the balance, M, the
             re-materialization mode, the schedule, the transport, the non-finite policy, ...).
         partitions, balance, chunks, checkpoint, schedule, virtual_stages, transport,
-            deferred_batch_norm, cost, seed, threads_per_stage, timeout, nonfinite: the
+            deferred_batch_norm, cost, seed, threads_per_stage, timeout, nonfinite, compile: the
             ``PipelineOptions`` field of that name, over ``options`` when given (not ``None``).
             ``threads_per_stage`` sets the intra-op threads of each CPU stage: a thread of the
             local transport, or a rank's process of the distributed one.
@@ -73,7 +73,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
                  deferred_batch_norm: bool | None = None, cost: Any = None, seed: int | None = None,
                  stage_devices: Sequence[str] | None = None, threads_per_stage: int | None = None,
                  timeout: float | None = None, nonfinite: str | None = None,
-                 process_group_backend: str | None = None, **kwargs: Any) -> None:
+                 compile: bool | dict | None = None, process_group_backend: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if options is not None and not isinstance(options, PipelineOptions):
             raise TypeError(f"options must be a PipelineOptions, got {type(options).__name__}")
@@ -81,7 +81,8 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
                        chunks=chunks, checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual_stages,
                        transport=transport, deferred_batch_norm=deferred_batch_norm, cost=cost, seed=seed,
                        devices=[str(d) for d in stage_devices] if stage_devices is not None else None,
-                       threads_per_stage=threads_per_stage, timeout=timeout, nonfinite=nonfinite)
+                       threads_per_stage=threads_per_stage, timeout=timeout, nonfinite=nonfinite,
+                       compile=compile)
         given = {k: v for k, v in aliases.items() if v is not None}
         self.options = (options or PipelineOptions()).replace(**given).check()
         self._skip_pending = False
