@@ -124,3 +124,24 @@ def test_tiny_cnn_learns_synthetic_images(one_thread):
     accuracy = correct / len(dm.val_set)
     print(f"synthetic images: val accuracy {accuracy:.3f} after 60 steps, {time.perf_counter() - start:.1f} s")
     assert accuracy > 0.6
+
+
+def test_setup_draws_each_image_once_and_reads_are_identical(monkeypatch):
+    drawn = SyntheticImageDataModule(batch_size=8, num_train=24, num_val=8, image_size=8)
+    fresh = SyntheticImageDataModule(batch_size=8, num_train=24, num_val=8, image_size=8)
+    expected = {split: [getattr(fresh, split)[i] for i in range(len(getattr(fresh, split)))]
+                for split in ("train_set", "val_set")}
+    drawn.setup("fit")
+    calls = []
+    monkeypatch.setattr(SyntheticImageDataset, "render", lambda self, *a: calls.append(a))
+    for split, want in expected.items():
+        got = [getattr(drawn, split)[i] for i in range(len(want))]
+        for (x, y), (ex, ey) in zip(got, want):
+            assert torch.equal(x, ex) and torch.equal(y, ey)
+    assert calls == []  # reads after setup draw nothing
+
+
+def test_a_split_over_the_cache_limit_is_drawn_when_read():
+    data = SyntheticImageDataset(4, image_size=8)
+    assert not data.render_all(limit_bytes=4 * 3 * 8 * 8 * 4 - 1)
+    assert data.render_all(limit_bytes=4 * 3 * 8 * 8 * 4)

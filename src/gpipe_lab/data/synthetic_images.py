@@ -22,6 +22,8 @@ from torch.utils.data import Dataset
 from gpipe_lab.data.checks import check_fraction, check_positive_int
 
 NUM_SHAPES = 6
+#: ``render_all`` keeps a split's images only up to this many bytes (the default task: 24 MB).
+CACHE_LIMIT_BYTES = 256 << 20
 _MASK64 = (1 << 63) - 1
 
 
@@ -88,6 +90,17 @@ class SyntheticImageDataset(Dataset):
         self.prototypes = [self._prototype(self.class_offset + c) for c in range(self.num_classes)]
         coords = (torch.arange(self.image_size, dtype=torch.float32) + 0.5) / self.image_size * 2 - 1
         self._gy, self._gx = torch.meshgrid(coords, coords, indexing="ij")
+        self._images: torch.Tensor | None = None
+
+    def render_all(self, limit_bytes: int = CACHE_LIMIT_BYTES) -> bool:
+        """Draw every image once and keep them, so reading a batch costs no drawing.
+
+        Returns whether they were kept: not when the split needs more than ``limit_bytes``
+        (each image is then drawn when read, as without this call).
+        """
+        if self._images is None and self.num_samples * 3 * self.image_size**2 * 4 <= limit_bytes:
+            self._images = torch.stack([self.render(i % self.num_classes, i) for i in range(self.num_samples)])
+        return self._images is not None
 
     def _prototype(self, proto_id: int) -> dict[str, object]:
         g = torch.Generator().manual_seed(mix_seed(self.class_seed, proto_id, 7))
@@ -115,7 +128,8 @@ class SyntheticImageDataset(Dataset):
         if not 0 <= index < self.num_samples:
             raise IndexError(f"index {index} out of range for {self.num_samples} samples")
         label = index % self.num_classes
-        return self.render(label, index), torch.tensor(label, dtype=torch.long)
+        image = self._images[index] if self._images is not None else self.render(label, index)
+        return image, torch.tensor(label, dtype=torch.long)
 
     def render(self, label: int, index: int) -> torch.Tensor:
         """Draw sample ``index`` of class ``label`` (deterministic in both and in the seeds)."""
