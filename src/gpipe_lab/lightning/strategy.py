@@ -27,12 +27,12 @@ from gpipe_lab.lightning.pipeline_runner import PipelineRunnerMixin
 from gpipe_lab.lightning.scaling import active_scaler, agree_on_overflow, engine_nonfinite
 from gpipe_lab.pipeline import Timeline
 from gpipe_lab.pipeline.devices import normalize_device
-from gpipe_lab.pipeline.options import TRANSPORTS, PipelineOptions
+from gpipe_lab.pipeline.options import TRANSPORTS, OptionViews, PipelineOptions
 
 __all__ = ["TRANSPORTS", "GPipeStrategy"]
 
 
-class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
+class GPipeStrategy(OptionViews, PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
     """Pipeline-parallel training of a ``PipelineModule`` (registered as ``"gpipe"``).
 
     Args:
@@ -95,6 +95,7 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         self.last_batch_size: tuple[int, int] = (0, 0)
 
     # ------------------------------------------------------------------ options, read-only
+    # (chunks, checkpoint, schedule, virtual_stages, nonfinite, timeout: from OptionViews)
     @property
     def partitions(self) -> int | None:
         return self.options.partitions
@@ -104,28 +105,8 @@ class GPipeStrategy(PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
         return self.options.balance
 
     @property
-    def chunks(self) -> int:
-        return self.options.chunks
-
-    @property
-    def checkpoint(self) -> str:
-        return self.options.checkpoint
-
-    @property
-    def schedule(self) -> str:
-        return self.options.schedule
-
-    @property
     def transport(self) -> str:
         return self.options.transport
-
-    @property
-    def nonfinite(self) -> str:
-        return self.options.nonfinite
-
-    @property
-    def timeout(self) -> float:
-        return self.options.timeout
 
     @property
     def stage_devices(self) -> list[str] | None:

@@ -28,7 +28,7 @@ from gpipe_lab.pipeline.channel import Channel, StepFeed
 from gpipe_lab.pipeline.compiling import CompiledStage, compile_kwargs, split_backward_error
 from gpipe_lab.pipeline.microbatch import Value, join, unwrap
 from gpipe_lab.pipeline.nonfinite import NonFiniteError, describe_problem, verdict_vector
-from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.pipeline.options import OptionViews, PipelineOptions
 from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs
 from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
 from gpipe_lab.pipeline.timeline import Event, Timeline
@@ -36,7 +36,7 @@ from gpipe_lab.pipeline.timeline import Event, Timeline
 LossFn = Callable[[object, object], Tensor]
 
 
-class PipelineCore(nn.Module):
+class PipelineCore(OptionViews, nn.Module):
     """The step shared by every front door; a front door calls ``_start_core`` once built."""
 
     options: PipelineOptions
@@ -79,27 +79,6 @@ class PipelineCore(nn.Module):
     def num_stages(self) -> int:
         """K: pipeline ranks (each holds ``virtual_stages`` chunks)."""
         return self._num_ranks
-
-    @property
-    def virtual_stages(self) -> int:
-        return self.options.virtual_stages
-
-    @property
-    def chunks(self) -> int:
-        """M: micro-batches per mini-batch (fewer when a batch is smaller)."""
-        return self.options.chunks
-
-    @property
-    def checkpoint(self) -> str:
-        return self.options.checkpoint
-
-    @property
-    def schedule(self) -> str:
-        return self.options.schedule
-
-    @property
-    def nonfinite(self) -> str:
-        return self.options.nonfinite
 
     @property
     def timeout(self) -> float:

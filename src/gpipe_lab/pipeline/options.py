@@ -165,3 +165,19 @@ def option_names() -> list[str]:
 
 __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "TRANSPORTS", "OptionError", "PipelineOptions",
            "merged_options", "option_names"]
+
+
+def _view(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.options, name), doc=doc)
+
+
+class OptionViews:
+    """Read-only attributes over ``self.options``, shared by the engine core and the strategy."""
+
+    options: PipelineOptions
+    virtual_stages = _view("virtual_stages", "v: model chunks per pipeline rank.")
+    chunks = _view("chunks", "M: micro-batches per mini-batch (fewer when a batch is smaller).")
+    checkpoint = _view("checkpoint", "The re-materialization mode.")
+    schedule = _view("schedule", "The schedule's name.")
+    nonfinite = _view("nonfinite", "What a NaN/inf step does: raise, skip or ignore.")
+    timeout = _view("timeout", "Seconds a stage may wait for a neighbour.")
