@@ -1,5 +1,9 @@
 """Layers that fail on purpose: a raise in one micro-batch's forward/backward/recompute,
-an inf on one training step (for the non-finite policy)."""
+an inf on one training step (for the non-finite policy).
+
+Spawned distributed workers import this module, so it must not import Lightning (seconds
+per process): ``Faulty``, the only Lightning piece, is built on first access.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import torch
 from torch import nn
 
 from gpipe_lab.pipeline.context import current_generator, is_recomputing, microbatch_seed
-from helpers.strategy import TinyRegressor
 
 SEED = 11
 NUM_STAGES = 3
@@ -60,7 +63,6 @@ class Fault(nn.Module):
         return x
 
 
-
 BAD_STEP = 2
 
 
@@ -100,24 +102,37 @@ class InfGrad(torch.autograd.Function):
         return g * float("inf")
 
 
-class Faulty(TinyRegressor):
-    """TinyRegressor with ``InfAtStep`` after its second layer (stage 0 of K=2)."""
+def _faulty_class() -> type:
+    from helpers.strategy import TinyRegressor
 
-    def __init__(self, step: int = BAD_STEP, where: str = "forward", skip_batch: int | None = None) -> None:
-        super().__init__()
-        self.layers.insert(2, InfAtStep(step, where).attach(self))
-        self.skip_batch = skip_batch
-        self.optimizer_steps = 0
+    class Faulty(TinyRegressor):
+        """TinyRegressor with ``InfAtStep`` after its second layer (stage 0 of K=2)."""
 
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        return None if batch_idx == self.skip_batch else loss  # the reference: no step on that batch
+        def __init__(self, step: int = BAD_STEP, where: str = "forward", skip_batch: int | None = None) -> None:
+            super().__init__()
+            self.layers.insert(2, InfAtStep(step, where).attach(self))
+            self.skip_batch = skip_batch
+            self.optimizer_steps = 0
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        optimizer = super().configure_optimizers()
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return None if batch_idx == self.skip_batch else loss  # the reference: no step on that batch
 
-        def count(*_: object) -> None:
-            self.optimizer_steps += 1
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            optimizer = super().configure_optimizers()
 
-        optimizer.register_step_pre_hook(count)
-        return optimizer
+            def count(*_: object) -> None:
+                self.optimizer_steps += 1
+
+            optimizer.register_step_pre_hook(count)
+            return optimizer
+
+    Faulty.__qualname__ = "Faulty"  # pickles by reference as helpers.faults.Faulty
+    return Faulty
+
+
+def __getattr__(name: str) -> type:
+    if name == "Faulty":
+        globals()["Faulty"] = _faulty_class()
+        return globals()["Faulty"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
