@@ -102,6 +102,37 @@ class InfGrad(torch.autograd.Function):
         return g * float("inf")
 
 
+def nonfinite_worker(rank: int, world: int) -> dict:
+    """One rank of ``DistributedGPipe(nonfinite=...)`` on a loss, a gradient and a skipped
+    step with inf, each followed by a clean step (``run_local`` worker)."""
+    import torch.nn.functional as F
+
+    from gpipe_lab.pipeline import NonFiniteError
+    from gpipe_lab.pipeline.distributed import DistributedGPipe
+
+    out: dict = {}
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+    for case in ("loss", "grad", "skip"):
+        torch.manual_seed(0)
+        bad = InfAtStep(0, "backward" if case == "grad" else "forward")
+        bad.armed = lambda b=bad: b.training and b.step == 0  # type: ignore[method-assign]
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), bad, nn.Linear(6, 6))
+        pipe = DistributedGPipe(model, balance=[2, 2], chunks=2, seed=1, timeout=30,
+                                nonfinite="skip" if case == "skip" else "raise")
+        try:
+            pipe.train_step(x, y, F.mse_loss)
+            out[case] = ("ok", pipe.last_step_skipped, pipe.skipped_steps,
+                         all(p.grad is None for p in pipe.parameters()))
+        except NonFiniteError as exc:
+            out[case] = ("raised", str(exc))
+        bad.step = -1  # the next step is clean on every rank
+        pipe.zero_grad(set_to_none=True)  # what the optimizer's zero_grad does between steps
+        loss = pipe.train_step(x, y, F.mse_loss)
+        out[case + "_next"] = (bool(torch.isfinite(loss)), pipe.last_step_skipped, pipe.step_count)
+    return out
+
+
 def _faulty_class() -> type:
     from helpers.strategy import TinyRegressor
 

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpipe_lab.config import ConfigError, validate
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.pipeline import NonFiniteError
-from helpers.faults import BAD_STEP, Faulty, InfAtStep
+from helpers.faults import BAD_STEP, Faulty, InfAtStep, nonfinite_worker
 from helpers.strategy import TinyData, trainer
 
 
@@ -91,38 +90,12 @@ def test_config_key_is_validated_and_reaches_the_strategy(tmp_path: Path, monkey
 
 
 # ----------------------------------------------------------------------------- distributed engine
-def nonfinite_worker(rank: int, world: int) -> dict:
-    from gpipe_lab.pipeline.distributed import DistributedGPipe
-
-    out: dict = {}
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
-    for case in ("loss", "grad", "skip"):
-        torch.manual_seed(0)
-        bad = InfAtStep(0, "backward" if case == "grad" else "forward")
-        bad.armed = lambda b=bad: b.training and b.step == 0  # type: ignore[method-assign]
-        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), bad, nn.Linear(6, 6))
-        pipe = DistributedGPipe(model, balance=[2, 2], chunks=2, seed=1, timeout=30,
-                                nonfinite="skip" if case == "skip" else "raise")
-        try:
-            pipe.train_step(x, y, F.mse_loss)
-            out[case] = ("ok", pipe.last_step_skipped, pipe.skipped_steps,
-                         all(p.grad is None for p in pipe.parameters()))
-        except NonFiniteError as exc:
-            out[case] = ("raised", str(exc))
-        bad.step = -1  # the next step is clean on every rank
-        pipe.zero_grad(set_to_none=True)  # what the optimizer's zero_grad does between steps
-        loss = pipe.train_step(x, y, F.mse_loss)
-        out[case + "_next"] = (bool(torch.isfinite(loss)), pipe.last_step_skipped, pipe.step_count)
-    return out
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_distributed_ranks_agree_on_raise_and_skip() -> None:
     from gpipe_lab.pipeline.distributed.launch import run_local
 
-    results = run_local(nonfinite_worker, 2, timeout=100)
+    results = run_local(nonfinite_worker, 2, timeout=100)  # in helpers.faults: the workers skip Lightning
     for r in results:
         assert r.exitcode == 0, r.error
     for r in results:  # both ranks, whichever holds the culprit
