@@ -125,18 +125,19 @@ def test_transport_does_not_change_the_losses():
 
 
 # ----------------------------------------------------------------------------- soak
-# Fewer micro-batches than the local soak: a step's cost here is mostly per-message, and each
-# micro-batch is then larger, so a leak of saved activations grows RSS faster, not slower.
+# Fewer micro-batches than the local soak: a step's cost here is mostly per message, while the
+# batch (hence what a step saves, and what a leak would add per step) stays the same; a leaked
+# micro-batch is 4x larger, so leaks stay far above ALLOWED_GROWTH over the post-warm-up steps.
 SOAK_CHUNKS = 2
 
 
-def soak_worker(rank: int, world: int, steps: int, warmup: int) -> list[int]:
+def soak_worker(rank: int, world: int, steps: int, warmup: int, chunks: int) -> list[int]:
     import gc
 
     from helpers.soak import BATCH, rss_bytes, soak_model
 
     model = soak_model()
-    pipe = DistributedGPipe(model, partitions=world, chunks=SOAK_CHUNKS, seed=0, checkpoint="except_last",
+    pipe = DistributedGPipe(model, partitions=world, chunks=chunks, seed=0, checkpoint="except_last",
                             timeout=60)
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
@@ -159,7 +160,7 @@ def soak_worker(rank: int, world: int, steps: int, warmup: int) -> list[int]:
 def test_distributed_transport_200_steps_no_memory_growth():
     from helpers.soak import ALLOWED_GROWTH, STEPS, WARMUP, K
 
-    results = run_local(soak_worker, K, args=(STEPS, WARMUP), timeout=200)
+    results = run_local(soak_worker, K, args=(STEPS, WARMUP, SOAK_CHUNKS), timeout=200)
     for r in results:
         assert r.exitcode == 0, r.error
         samples = r.value
