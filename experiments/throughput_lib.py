@@ -243,9 +243,9 @@ def workload_of(block: Any, label: str | None = None) -> WorkloadSpec:
 def tiny_overrides(amoebanet_config: str, transformer_config: str) -> dict[str, list[str]]:
     """``--tiny`` overrides of a throughput table's two configs: toy networks, one timed step."""
     common = ["experiment.steps=1", "experiment.repeat=1", "++experiment.emulated_k=[1,2]",
-              "++experiment.emulated_forward_ms=40"]
-    return {amoebanet_config: ["model.num_layers=3", "model.num_filters=8", "data.batch_size=64",
-                             "data.num_train=640", *common],
+              "++experiment.emulated_forward_ms=8"]
+    return {amoebanet_config: ["model.num_layers=3", "model.num_filters=8",
+                             "data.batch_size=64", "data.num_train=640", *common],
             transformer_config: [
                 "model.d_model=32", "model.ffn_dim=64", "model.num_heads=2", "data.batch_size=32", "data.num_train=640",
                 "experiment.workload.sizes.num_layers=8", "experiment.workload.sizes.vocab_size=64",

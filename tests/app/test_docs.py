@@ -1,6 +1,8 @@
 """The README and docs work as written: every command of their ``bash`` blocks is listed here and
-either run (shrunk with small overrides appended, bounded by a timeout) or skipped with the
-reason it cannot run in a CPU test; the scheduling example's Python runs too.
+either run (shrunk with small overrides appended, bounded by a timeout), or named as run by
+another test (which must exist and pass the command's own overrides: checked here, so the
+same process is not started twice), or skipped with the reason it cannot run in a CPU test;
+the scheduling example's Python runs too.
 
 A new command in a ``bash`` block fails ``test_every_documented_command_is_run_or_skipped_here``
 until it is added to ``COMMANDS``.
@@ -25,7 +27,8 @@ DEMO = "--steps 1 --batch 16 --width 16 --hidden 32"
 SLURM = "#!/bin/bash"
 
 #: command (as written, comments and line breaks removed) -> ("run", appended arguments, setup
-#: command or "") or ("skip", why).
+#: command or ""), ("covered", "file::test" that runs it, the overrides that test must pass) or
+#: ("skip", why).
 COMMANDS: dict[str, tuple[str, ...]] = {
     'python -m pip install -e ".[dev]" && gpipe-train': ("skip", "the install is .ci/run's; gpipe-train runs below"),
     "python -m pytest -q": ("skip", "this test suite"),
@@ -35,14 +38,21 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m gpipe_lab.train "
     "pipeline.transport=distributed trainer=distributed pipeline.partitions=8 trainer.devices=8 trainer.num_nodes=2":
         ("skip", "needs two nodes of 8 processes"),
-    "gpipe-train": ("run", IMAGES, ""),
-    "gpipe-train model=transformer_tiny data=synthetic_translation": ("run", TEXT, ""),
-    "gpipe-train -m pipeline.partitions=1,2 pipeline.chunks=1,4,8": ("run", IMAGES + " data.batch_size=16", ""),
+    "gpipe-train": ("covered", "tests/app/test_train.py::test_default_app_logs_everything_to_offline_wandb", ""),
+    "gpipe-train model=transformer_tiny data=synthetic_translation":
+        ("covered", "tests/app/test_app_learning.py::test_tiny_transformer_reaches_bleu_20_on_the_synthetic_language_pair",
+         "model=transformer_tiny data=synthetic_translation"),
+    "gpipe-train -m pipeline.partitions=1,2 pipeline.chunks=1,4":
+        ("covered", "tests/app/test_train.py::test_multirun_sweep_is_one_wandb_group_with_a_summary_table",
+         "-m pipeline.partitions=1,2 pipeline.chunks=1,4"),
     "gpipe-train pipeline.schedule=zb-h1 pipeline.checkpoint=always trainer.max_steps=200 seed=1": ("run", IMAGES, ""),
-    "gpipe-train logger=csv": ("run", IMAGES.replace("logger=none", "logger=csv"), ""),
+    "gpipe-train logger=csv": ("covered", "tests/app/test_app_learning.py::test_default_app_is_well_above_chance",
+                               "logger=csv"),
     "gpipe-train ckpt_path=last trainer.max_steps=120":
-        ("run", "trainer.max_steps=2", f"gpipe-train {IMAGES} trainer.enable_checkpointing=true"),
-    "gpipe-train dry_run=true": ("run", "", ""),
+        ("covered", "tests/app/test_resume_traps.py::test_ckpt_path_last_continues_the_run_with_its_overrides_and_wandb_run",
+         "ckpt_path=last"),
+    "gpipe-train dry_run=true": ("covered", "tests/app/test_wheel.py::test_wheel_installed_in_a_fresh_venv_runs_from_"
+                                            "another_directory", "dry_run=true"),
     "gpipe-train pipeline.compile=true": ("skip", "tests/app/test_compile_app.py trains with pipeline.compile "
                                                   "(aot_eager: inductor's C++ build takes minutes on 2 cores)"),
     "gpipe-train pipeline.transport=distributed pipeline.partitions=2":
@@ -85,6 +95,22 @@ ALL = sorted({c for path in DOCS for c in documented_commands(path)})
 def test_every_documented_command_is_run_or_skipped_here():
     assert [c for c in ALL if c not in COMMANDS] == []
     assert [c for c in COMMANDS if c not in ALL] == []  # no stale entry either
+
+
+COVERED = sorted(c for c, how in COMMANDS.items() if how[0] == "covered")
+
+
+@pytest.mark.parametrize("command", COVERED)
+def test_a_covered_command_is_run_by_the_test_it_names(command):
+    """The named test exists and passes the command's overrides (as separate arguments)."""
+    _, where, overrides = COMMANDS[command]
+    path, name = where.split("::")
+    source = (ROOT / path).read_text()
+    body = re.search(rf"\ndef {name}\(.*?(?=\n(?:def |@|class )|\Z)", source, flags=re.S)
+    assert body is not None, f"{where}: no such test"
+    module_level = source[:body.start()]
+    for token in overrides.split():
+        assert f'"{token}"' in body.group(0) or f'"{token}"' in module_level, f"{where} does not pass {token}"
 
 
 def shell(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:

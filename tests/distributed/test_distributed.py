@@ -1,12 +1,14 @@
 """DistributedGPipe on spawned gloo processes: equal to the unpipelined module.
 
-Each test is one bounded launch (``run_local``) that loops over many
-configurations inside the workers; the workers return losses, gradients under
-the original parameter names, memory counts and timelines, and the test
-compares them with a single-process reference.
+One bounded launch (``run_local``) per world size, shared by the tests of the module
+(a launch costs seconds of imports): its workers loop over many configurations and
+return, per test, losses, gradients under the original parameter names, memory counts
+and timelines; each test compares its part with a single-process reference.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -59,6 +61,31 @@ def check(results: list, expected_loss: float, expected_grads: dict, key: int) -
         torch.testing.assert_close(g, expected_grads[name], atol=1e-5, rtol=1e-5)
 
 
+# ---------------------------------------------------------------- the shared launches
+def world2_worker(rank: int, world: int) -> dict:
+    return {"grid": grid_worker(rank, world), "split": split_worker(rank, world), "misc": misc_worker(rank, world)}
+
+
+def world4_worker(rank: int, world: int) -> dict:
+    return {"grid": grid_worker(rank, world), "dp": dp_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def world2() -> list:
+    return run_local(world2_worker, 2, timeout=200)
+
+
+@pytest.fixture(scope="module")
+def world4() -> list:
+    return run_local(world4_worker, 4, timeout=200)
+
+
+def part(results: list, key: str) -> list[SimpleNamespace]:
+    """Each rank's result, with only its worker's ``key`` part as the value."""
+    return [SimpleNamespace(rank=r.rank, exitcode=r.exitcode, error=r.error,
+                            value=r.value[key] if r.exitcode == 0 else None) for r in results]
+
+
 # ---------------------------------------------------------------- K=2 / K=4 grid
 GRID = [(M, s) for M in (1, 4, 8) for s in ("gpipe", "1f1b")]
 
@@ -76,8 +103,8 @@ def grid_worker(rank: int, world: int) -> list:
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_grid_equals_unpipelined(world: int) -> None:
-    results = run_local(grid_worker, world, timeout=200)
+def test_grid_equals_unpipelined(world: int, request: pytest.FixtureRequest) -> None:
+    results = part(request.getfixturevalue(f"world{world}"), "grid")
     expected_loss, expected_grads = reference(mlp(), *batch(16))
     for key, (M, schedule) in enumerate(GRID):
         check(results, expected_loss, expected_grads, key)
@@ -105,9 +132,9 @@ def split_worker(rank: int, world: int) -> list:
     return out
 
 
-def test_split_backward_schedules_equal_unpipelined() -> None:
+def test_split_backward_schedules_equal_unpipelined(world2: list) -> None:
     """zb-h1, zb-h2 and gpipe-bw (W batched over micro-batches) on 2 gloo ranks."""
-    results = run_local(split_worker, 2, timeout=200)
+    results = part(world2, "split")
     expected_loss, expected_grads = reference(mlp(), *batch(16))
     for key in range(len(SPLIT)):
         check(results, expected_loss, expected_grads, key)
@@ -126,8 +153,8 @@ def dp_worker(rank: int, world: int) -> list:
 
 
 @pytest.mark.slow
-def test_data_parallel_pipeline_equals_global_batch() -> None:
-    results = run_local(dp_worker, 4, timeout=200)
+def test_data_parallel_pipeline_equals_global_batch(world4: list) -> None:
+    results = part(world4, "dp")
     expected_loss, expected_grads = reference(mlp(), *batch(16))
     check(results, expected_loss, expected_grads, 0)
     assert [r.value[0][4] for r in results] == [(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)]
@@ -199,8 +226,8 @@ def misc_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_shapes_meta_eval_and_interleaved() -> None:
-    results = run_local(misc_worker, 2, timeout=200)
+def test_shapes_meta_eval_and_interleaved(world2: list) -> None:
+    results = part(world2, "misc")
     for r in results:
         assert r.exitcode == 0, r.error
     for step, (n, t) in enumerate(SHAPES):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -18,6 +19,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 # generous: a loaded machine must not turn a slow start into a timeout; raising and killed
 # ranks are named through the abort key and the peers' processes, long before it
 TIMEOUT = 30.0
+# the hung rank stays stuck until every peer has ended its step, then leaves with this code:
+# proof that the peers stopped on their own while it was still hung
+RELEASED = 7
+ENDED, RELEASE = "test/peers-ended", "test/release-the-hung-rank"
+
+
+def shared_store() -> dist.TCPStore:
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=60))
 
 
 class Trap(nn.Module):
@@ -26,6 +36,7 @@ class Trap(nn.Module):
     def __init__(self, mode: str, when: int = 2) -> None:
         super().__init__()
         self.mode, self.when, self.calls = mode, when, 0
+        self.store = shared_store() if mode == "hang" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.calls == self.when:
@@ -33,8 +44,9 @@ class Trap(nn.Module):
                 raise ValueError("boom")
             if self.mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            if self.mode == "hang":
-                threading.Event().wait(60)  # hangs: nothing ever sets it
+            if self.mode == "hang":  # hangs: the engine is never told; only the peers' ends release it
+                self.store.wait([RELEASE], timedelta(seconds=60))
+                os._exit(RELEASED)
         self.calls += 1
         return x
 
@@ -44,7 +56,11 @@ def failing_worker(rank: int, world: int, mode: str, trap_stage: int, timeout: f
     layers.insert(trap_stage + 1, Trap(mode))
     pipe = DistributedGPipe(nn.Sequential(*layers), balance=[1] * trap_stage + [2] + [1] * (world - trap_stage - 1),
                             chunks=4, checkpoint="never", timeout=timeout, seed=0)
-    pipe.train_step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss)
+    try:
+        pipe.train_step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss)
+    finally:
+        if mode == "hang" and shared_store().add(ENDED, 1) == world - 1:
+            shared_store().set(RELEASE, "1")
 
 
 def test_raising_rank_stops_every_rank() -> None:
@@ -69,7 +85,7 @@ def test_killed_rank_makes_others_fail_naming_it() -> None:
 @pytest.mark.slow
 def test_hung_rank_times_out_naming_it() -> None:
     results = run_local(failing_worker, 3, args=("hang", 1, 4.0), timeout=40)
-    assert results[1].ended is None  # still asleep: killed by the launcher at its deadline
+    assert results[1].exitcode == RELEASED and results[1].error is None  # still hung when both peers ended
     for r in (results[0], results[2]):
         assert r.exitcode == 1, r.error
         assert "rank 1" in r.error and "alive" in r.error, r.error

@@ -88,11 +88,17 @@ def train(pipe, params, steps: int) -> list[float]:
     return out
 
 
-def losses_worker(rank: int, world: int, build: str, chunks: int, checkpoint: str, steps: int) -> list[float]:
+def distributed_losses(world: int, build: str, chunks: int, checkpoint: str, steps: int) -> list[float]:
     model = {"dropout": dropout_model, "plain": plain_model}[build]()
     pipe = DistributedGPipe(model, balance=[3, 3, 3][:world] if world == 3 else [4, 5], chunks=chunks, seed=5,
                             checkpoint=checkpoint, timeout=60)
     return train(pipe, pipe.parameters(), steps)
+
+
+def losses_worker(rank: int, world: int, steps: int) -> dict[str, list[float]]:
+    """Both runs in one launch (a launch costs seconds of imports)."""
+    return {"dropout": distributed_losses(world, "dropout", 4, "never", steps),
+            "plain": distributed_losses(world, "plain", 8, "always", steps)}
 
 
 def local_losses(build, balance, chunks: int, checkpoint: str, steps: int) -> list[float]:
@@ -107,25 +113,32 @@ def local_losses(build, balance, chunks: int, checkpoint: str, steps: int) -> li
 def test_transport_does_not_change_the_losses():
     """Same seed, K and M: dropout masks are the same in threads and in processes (bitwise);
     without dropout, another M / checkpoint mode / transport agrees to 1e-5."""
-    steps = 20
-    dist_dropout = run_local(losses_worker, 2, args=("dropout", 4, "never", steps), timeout=150)
-    dist_plain = run_local(losses_worker, 2, args=("plain", 8, "always", steps), timeout=150)
-    for r in dist_dropout + dist_plain:
+    steps = 8
+    results = run_local(losses_worker, 2, args=(steps,), timeout=150)
+    for r in results:
         assert r.exitcode == 0, r.error
-    assert dist_dropout[0].value == dist_dropout[1].value  # every rank returns the shared loss
-    assert dist_dropout[0].value == local_losses(dropout_model, [4, 5], 4, "always", steps)
-    assert dist_plain[0].value == pytest.approx(local_losses(plain_model, [9], 2, "except_last", steps),
-                                                rel=1e-5, abs=1e-6)
+    dist_dropout, dist_plain = [r.value["dropout"] for r in results], [r.value["plain"] for r in results]
+    assert dist_dropout[0] == dist_dropout[1]  # every rank returns the shared loss
+    assert dist_dropout[0] == local_losses(dropout_model, [4, 5], 4, "always", steps)
+    assert dist_plain[0] == pytest.approx(local_losses(plain_model, [9], 2, "except_last", steps),
+                                          rel=1e-5, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------- soak
-def soak_worker(rank: int, world: int, steps: int, warmup: int) -> list[int]:
+# Fewer micro-batches than the local soak: a step's cost here is mostly per message, while the
+# batch (hence what a step saves, and what a leak would add per step) stays the same; a leaked
+# micro-batch is 4x larger, so leaks stay far above ALLOWED_GROWTH over the post-warm-up steps.
+SOAK_CHUNKS = 2
+
+
+def soak_worker(rank: int, world: int, steps: int, warmup: int, chunks: int) -> list[int]:
     import gc
 
-    from helpers.soak import BATCH, M, rss_bytes, soak_model
+    from helpers.soak import BATCH, rss_bytes, soak_model
 
     model = soak_model()
-    pipe = DistributedGPipe(model, partitions=world, chunks=M, seed=0, checkpoint="except_last", timeout=60)
+    pipe = DistributedGPipe(model, partitions=world, chunks=chunks, seed=0, checkpoint="except_last",
+                            timeout=60)
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
@@ -147,7 +160,7 @@ def soak_worker(rank: int, world: int, steps: int, warmup: int) -> list[int]:
 def test_distributed_transport_200_steps_no_memory_growth():
     from helpers.soak import ALLOWED_GROWTH, STEPS, WARMUP, K
 
-    results = run_local(soak_worker, K, args=(STEPS, WARMUP), timeout=200)
+    results = run_local(soak_worker, K, args=(STEPS, WARMUP, SOAK_CHUNKS), timeout=200)
     for r in results:
         assert r.exitcode == 0, r.error
         samples = r.value

@@ -119,7 +119,7 @@ def test_throughput_scripts_run_what_their_configs_say(script: str, tmp_path: Pa
     assert amoeba[0].sizes["num_filters"] == 16 and amoeba[0].sizes["num_layers"] == 3  # tiny, then ours
     assert transformer[0].sizes["num_layers"] == 8 and transformer[0].preset == "transformer_l"
     assert amoeba[3] == [1, 32] and amoeba[4] == 2
-    assert amoeba[6] == [1, 2] and amoeba[7] == 40.0  # --tiny's emulated devices
+    assert amoeba[6] == [1, 2] and amoeba[7] == 8.0  # --tiny's emulated devices
     text = (tmp_path / f"{script}.md").read_text()
     assert "3.48" in text if script == "table2_throughput" else "2.7" in text  # the paper's column
 

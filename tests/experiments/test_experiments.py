@@ -1,4 +1,10 @@
-"""Every experiment script runs end to end in --tiny mode and writes a table with the paper's column."""
+"""Every experiment script runs end to end in --tiny mode and writes a table with the paper's column;
+the deterministic ones (Table 1, the seeded trainability table) match their committed tiny
+references (``references/``) on their deterministic columns.
+
+Regenerate a reference after an intended change with
+``python -m experiments.<name> --tiny --out tests/experiments/references`` (keep only the .md).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from experiments.check_results import differences, tables
 from experiments.transfer import load_backbone, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
+REFERENCES = Path(__file__).with_name("references")
 
 # script -> (markdown file, strings from the paper that must appear in it)
 CASES = {
@@ -35,6 +43,7 @@ def run_script(script: str, out: Path, *extra: str) -> subprocess.CompletedProce
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_script_tiny_end_to_end(script, tmp_path):
     name, paper_values = CASES[script]
@@ -50,6 +59,10 @@ def test_script_tiny_end_to_end(script, tmp_path):
     if with_wandb:
         runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
         assert runs and runs[0].stat().st_size > 0
+    reference = REFERENCES / name
+    if reference.exists():  # a deterministic table: it regenerates to its committed tiny reference
+        assert tables(reference.read_text()), "the reference holds no table"
+        assert differences(text, reference.read_text(), Path(name).stem) == []
 
 
 def test_transfer_backbone_loading_swaps_only_the_classifier(tmp_path):

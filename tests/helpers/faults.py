@@ -1,5 +1,9 @@
 """Layers that fail on purpose: a raise in one micro-batch's forward/backward/recompute,
-an inf on one training step (for the non-finite policy)."""
+an inf on one training step (for the non-finite policy).
+
+Spawned distributed workers import this module, so it must not import Lightning (seconds
+per process): ``Faulty``, the only Lightning piece, is built on first access.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import torch
 from torch import nn
 
 from gpipe_lab.pipeline.context import current_generator, is_recomputing, microbatch_seed
-from helpers.strategy import TinyRegressor
 
 SEED = 11
 NUM_STAGES = 3
@@ -60,7 +63,6 @@ class Fault(nn.Module):
         return x
 
 
-
 BAD_STEP = 2
 
 
@@ -100,24 +102,68 @@ class InfGrad(torch.autograd.Function):
         return g * float("inf")
 
 
-class Faulty(TinyRegressor):
-    """TinyRegressor with ``InfAtStep`` after its second layer (stage 0 of K=2)."""
+def nonfinite_worker(rank: int, world: int) -> dict:
+    """One rank of ``DistributedGPipe(nonfinite=...)`` on a loss, a gradient and a skipped
+    step with inf, each followed by a clean step (``run_local`` worker)."""
+    import torch.nn.functional as F
 
-    def __init__(self, step: int = BAD_STEP, where: str = "forward", skip_batch: int | None = None) -> None:
-        super().__init__()
-        self.layers.insert(2, InfAtStep(step, where).attach(self))
-        self.skip_batch = skip_batch
-        self.optimizer_steps = 0
+    from gpipe_lab.pipeline import NonFiniteError
+    from gpipe_lab.pipeline.distributed import DistributedGPipe
 
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        return None if batch_idx == self.skip_batch else loss  # the reference: no step on that batch
+    out: dict = {}
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+    for case in ("loss", "grad", "skip"):
+        torch.manual_seed(0)
+        bad = InfAtStep(0, "backward" if case == "grad" else "forward")
+        bad.armed = lambda b=bad: b.training and b.step == 0  # type: ignore[method-assign]
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), bad, nn.Linear(6, 6))
+        pipe = DistributedGPipe(model, balance=[2, 2], chunks=2, seed=1, timeout=30,
+                                nonfinite="skip" if case == "skip" else "raise")
+        try:
+            pipe.train_step(x, y, F.mse_loss)
+            out[case] = ("ok", pipe.last_step_skipped, pipe.skipped_steps,
+                         all(p.grad is None for p in pipe.parameters()))
+        except NonFiniteError as exc:
+            out[case] = ("raised", str(exc))
+        bad.step = -1  # the next step is clean on every rank
+        pipe.zero_grad(set_to_none=True)  # what the optimizer's zero_grad does between steps
+        loss = pipe.train_step(x, y, F.mse_loss)
+        out[case + "_next"] = (bool(torch.isfinite(loss)), pipe.last_step_skipped, pipe.step_count)
+    return out
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        optimizer = super().configure_optimizers()
 
-        def count(*_: object) -> None:
-            self.optimizer_steps += 1
+def _faulty_class() -> type:
+    from helpers.strategy import TinyRegressor
 
-        optimizer.register_step_pre_hook(count)
-        return optimizer
+    class Faulty(TinyRegressor):
+        """TinyRegressor with ``InfAtStep`` after its second layer (stage 0 of K=2)."""
+
+        def __init__(self, step: int = BAD_STEP, where: str = "forward", skip_batch: int | None = None) -> None:
+            super().__init__()
+            self.layers.insert(2, InfAtStep(step, where).attach(self))
+            self.skip_batch = skip_batch
+            self.optimizer_steps = 0
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return None if batch_idx == self.skip_batch else loss  # the reference: no step on that batch
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            optimizer = super().configure_optimizers()
+
+            def count(*_: object) -> None:
+                self.optimizer_steps += 1
+
+            optimizer.register_step_pre_hook(count)
+            return optimizer
+
+    Faulty.__qualname__ = "Faulty"  # pickles by reference as helpers.faults.Faulty
+    return Faulty
+
+
+def __getattr__(name: str) -> type:
+    if name == "Faulty":
+        globals()["Faulty"] = _faulty_class()
+        return globals()["Faulty"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,9 @@
 CPU); losses equal the local transport's, clipping uses the global norm across stages, and
 the checkpoint written by two processes resumes in one process at another K; a metric computed
 from the outputs (last stage only) reaches global rank 0, where the loggers write. The layers
-are built in ``configure_model`` (on meta): each rank allocates only its own stage."""
+are built in ``configure_model`` (on meta): each rank allocates only its own stage. The same
+launched script then checks the non-finite policy on both ranks (``skip`` and ``raise``): one
+launch, since each costs seconds of Lightning imports per rank."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from gpipe_lab.lightning import GPipeStrategy
+from helpers.faults import Faulty
 from helpers.strategy import MetaRegressor, RecordMetric, TinyData, TinyRegressor, trainer
 
 SCRIPT = """
@@ -35,17 +38,40 @@ if t.global_rank == 0:
     json.dump({{"losses": m.losses, "val": float(t.callback_metrics["val/loss"]),
                "sampler": strategy.distributed_sampler_kwargs, "output_mean": record.values}},
               open({out!r}, "w"))
+
+from helpers.faults import Faulty
+out = {{}}
+m = Faulty()
+s = GPipeStrategy(partitions=2, chunks=4, transport="distributed", seed=0, timeout=60, nonfinite="skip")
+t = trainer(s, devices=2, max_steps=4, gradient_clip_val=0.05)  # clipping is a collective: skipped alike
+t.fit(m, TinyData())
+out["skip"] = [s.pipe.skipped_steps, m.optimizer_steps, m.losses, float(t.callback_metrics["train/skipped_steps"])]
+t = trainer(GPipeStrategy(partitions=2, chunks=4, transport="distributed", seed=0, timeout=60), devices=2,
+            max_steps=4)
+try:
+    t.fit(Faulty(where="backward"), TinyData())
+except Exception as exc:
+    out["raise"] = f"{{type(exc).__name__}}: {{exc}}"
+json.dump(out, open({nonfinite!r} + str(t.global_rank), "w"))
 """
 
 
-@pytest.mark.slow
-def test_distributed_transport_matches_local_and_resumes(tmp_path: Path) -> None:
-    ckpt, out = tmp_path / "dist.ckpt", tmp_path / "out.json"
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The script's directory after one run on two ranks (``dist.ckpt``, ``out.json*``, ``nonfinite.json*``)."""
+    tmp_path = tmp_path_factory.mktemp("distributed-strategy")
     script = tmp_path / "fit.py"
-    script.write_text(SCRIPT.format(tests=str(Path(__file__).parents[1]), ckpt=str(ckpt), out=str(out)))
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parents[1]), ckpt=str(tmp_path / "dist.ckpt"),
+                                    out=str(tmp_path / "out.json"), nonfinite=str(tmp_path / "nonfinite.json")))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
                           cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_distributed_transport_matches_local_and_resumes(launched: Path) -> None:
+    ckpt, out = launched / "dist.ckpt", launched / "out.json"
     result = json.loads(out.read_text())
     assert result["sampler"] == {"num_replicas": 1, "rank": 0}  # shard by replica, not by stage
     ranks = [json.loads(Path(f"{out}{r}").read_text()) for r in (0, 1)]
@@ -70,3 +96,21 @@ def test_distributed_transport_matches_local_and_resumes(tmp_path: Path) -> None
     trainer(GPipeStrategy(partitions=4, chunks=4, seed=0), max_epochs=2, gradient_clip_val=0.05).fit(
         resumed, TinyData(), ckpt_path=ckpt)
     assert resumed.losses == pytest.approx(full.losses[4:], abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_distributed_strategy_skips_and_raises_on_every_rank(launched: Path) -> None:
+    """``nonfinite="skip"`` skips the same step on both ranks (equal to the local transport);
+    ``"raise"`` raises the engine's error naming the step and the stage on both."""
+    local = Faulty()
+    trainer(GPipeStrategy(partitions=2, chunks=4, seed=0, nonfinite="skip"), max_steps=4,
+            gradient_clip_val=0.05).fit(local, TinyData())
+    for rank in (0, 1):
+        out = json.loads((launched / f"nonfinite.json{rank}").read_text())
+        skipped, steps, losses, logged = out["skip"]
+        assert (skipped, steps, logged) == (1, 3, 1.0), rank
+        good = [0, 1, 3]
+        assert [losses[i] for i in good] == pytest.approx([local.losses[i] for i in good], abs=1e-5), rank
+        assert out["raise"] == ("NonFiniteError: step 2: gradients of stage 0 are not finite "
+                                "(set nonfinite='skip' to skip such steps)"), rank

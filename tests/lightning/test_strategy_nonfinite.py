@@ -4,7 +4,8 @@
 A layer emits inf on a chosen training step: ``"raise"`` stops training with the
 engine's ``NonFiniteError`` naming the step (and, for gradients, the stage); ``"skip"``
 skips that mini-batch's optimizer step, so the run equals one that never stepped on
-that batch, and ``train/skipped_steps`` counts it.
+that batch, and ``train/skipped_steps`` counts it. (The Lightning distributed transport's
+case is in test_strategy_distributed.py, sharing that file's launch.)
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpipe_lab.config import ConfigError, validate
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.pipeline import NonFiniteError
-from helpers.faults import BAD_STEP, Faulty, InfAtStep
+from helpers.faults import BAD_STEP, Faulty, InfAtStep, nonfinite_worker
 from helpers.strategy import TinyData, trainer
 
 
@@ -91,38 +91,12 @@ def test_config_key_is_validated_and_reaches_the_strategy(tmp_path: Path, monkey
 
 
 # ----------------------------------------------------------------------------- distributed engine
-def nonfinite_worker(rank: int, world: int) -> dict:
-    from gpipe_lab.pipeline.distributed import DistributedGPipe
-
-    out: dict = {}
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
-    for case in ("loss", "grad", "skip"):
-        torch.manual_seed(0)
-        bad = InfAtStep(0, "backward" if case == "grad" else "forward")
-        bad.armed = lambda b=bad: b.training and b.step == 0  # type: ignore[method-assign]
-        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), bad, nn.Linear(6, 6))
-        pipe = DistributedGPipe(model, balance=[2, 2], chunks=2, seed=1, timeout=30,
-                                nonfinite="skip" if case == "skip" else "raise")
-        try:
-            pipe.train_step(x, y, F.mse_loss)
-            out[case] = ("ok", pipe.last_step_skipped, pipe.skipped_steps,
-                         all(p.grad is None for p in pipe.parameters()))
-        except NonFiniteError as exc:
-            out[case] = ("raised", str(exc))
-        bad.step = -1  # the next step is clean on every rank
-        pipe.zero_grad(set_to_none=True)  # what the optimizer's zero_grad does between steps
-        loss = pipe.train_step(x, y, F.mse_loss)
-        out[case + "_next"] = (bool(torch.isfinite(loss)), pipe.last_step_skipped, pipe.step_count)
-    return out
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_distributed_ranks_agree_on_raise_and_skip() -> None:
     from gpipe_lab.pipeline.distributed.launch import run_local
 
-    results = run_local(nonfinite_worker, 2, timeout=100)
+    results = run_local(nonfinite_worker, 2, timeout=100)  # in helpers.faults: the workers skip Lightning
     for r in results:
         assert r.exitcode == 0, r.error
     for r in results:  # both ranks, whichever holds the culprit
@@ -138,52 +112,3 @@ def test_distributed_ranks_agree_on_raise_and_skip() -> None:
         from gpipe_lab.pipeline.distributed import DistributedGPipe
 
         DistributedGPipe(nn.Sequential(nn.Linear(2, 2)), partitions=1, nonfinite="maybe")
-
-
-LIGHTNING_SCRIPT = """
-import json, sys
-sys.path.insert(0, {tests!r})
-from helpers.faults import Faulty
-from helpers.strategy import TinyData, trainer
-from gpipe_lab.lightning import GPipeStrategy
-out = {{}}
-m = Faulty()
-s = GPipeStrategy(partitions=2, chunks=4, transport="distributed", seed=0, timeout=60, nonfinite="skip")
-t = trainer(s, devices=2, max_steps=4, gradient_clip_val=0.05)  # clipping is a collective: skipped alike
-t.fit(m, TinyData())
-out["skip"] = [s.pipe.skipped_steps, m.optimizer_steps, m.losses, float(t.callback_metrics["train/skipped_steps"])]
-t = trainer(GPipeStrategy(partitions=2, chunks=4, transport="distributed", seed=0, timeout=60), devices=2,
-            max_steps=4)
-try:
-    t.fit(Faulty(where="backward"), TinyData())
-except Exception as exc:
-    out["raise"] = f"{{type(exc).__name__}}: {{exc}}"
-json.dump(out, open(f"out{{t.global_rank}}.json", "w"))
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.timeout(240)
-def test_distributed_strategy_skips_and_raises_on_every_rank(tmp_path: Path) -> None:
-    import json
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "fit.py"
-    script.write_text(LIGHTNING_SCRIPT.format(tests=str(Path(__file__).parents[1])))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200,
-                          cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    local = Faulty()
-    trainer(GPipeStrategy(partitions=2, chunks=4, seed=0, nonfinite="skip"), max_steps=4,
-            gradient_clip_val=0.05).fit(local, TinyData())
-    for rank in (0, 1):
-        out = json.loads((tmp_path / f"out{rank}.json").read_text())
-        skipped, steps, losses, logged = out["skip"]
-        assert (skipped, steps, logged) == (1, 3, 1.0), rank
-        good = [0, 1, 3]
-        assert [losses[i] for i in good] == pytest.approx([local.losses[i] for i in good], abs=1e-5), rank
-        assert out["raise"] == ("NonFiniteError: step 2: gradients of stage 0 are not finite "
-                                "(set nonfinite='skip' to skip such steps)"), rank
