@@ -137,9 +137,11 @@ class LocalChannel:
         errors: list[tuple[float, int, Action | None, BaseException]] = []
         main_threads = torch.get_num_threads()
         finished = [threading.Event() for _ in range(K)]
+        running = [threading.Event() for _ in range(K)]
         autocast = caller_autocast()
 
         def work(k: int) -> None:
+            running[k].set()
             try:
                 with ExitStack() as stack:
                     for device_type, dtype in autocast:  # autocast is per thread: carry the caller's
@@ -180,17 +182,21 @@ class LocalChannel:
         self.streams.begin(ranks)  # the optimizer updated the parameters on the caller's stream
         threads = [threading.Thread(target=work, args=(k,), name=f"gpipe-stage-{k}", daemon=True)
                    for k in range(K)]
+        launched: list[int] = []
         try:
-            for t in threads:
+            for k, t in enumerate(threads):
+                launched.append(k)
                 t.start()
             for t in threads:
                 t.join()
         except BaseException:  # e.g. Ctrl-C in the caller: stop the workers before re-raising
             box.fail()
-            # not t.join(): on Python < 3.12 an interrupted join() can mark a running thread stopped
-            for t, event in zip(threads, finished):
-                if t.ident is not None:
-                    event.wait()
+            # not t.join(): on Python < 3.12 an interrupted join() can mark a running thread stopped.
+            # A Ctrl-C inside t.start() can leave a launched thread not yet running: wait for it to
+            # begin (bounded: an interrupt before the OS thread was created means it never will).
+            for k in launched:
+                if running[k].wait(timeout=10.0):
+                    finished[k].wait()
             self._abort()
             raise
         finally:
