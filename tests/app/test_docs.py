@@ -31,7 +31,7 @@ SLURM = "#!/bin/bash"
 #: ("skip", why).
 COMMANDS: dict[str, tuple[str, ...]] = {
     'python -m pip install -e ".[dev]" && gpipe-train': ("skip", "the install is .ci/run's; gpipe-train runs below"),
-    "python -m pytest -q": ("skip", "this test suite"),
+    "python -m pytest -q -n auto": ("skip", "this test suite"),
     "torchrun --nproc-per-node 2 -m gpipe_lab.pipeline.distributed.demo": ("run", DEMO, ""),
     "torchrun --nproc-per-node 4 -m gpipe_lab.train pipeline.transport=distributed trainer=distributed "
     "pipeline.partitions=2 trainer.devices=4": ("run", IMAGES + " trainer.enable_checkpointing=false", ""),
