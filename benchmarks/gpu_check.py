@@ -22,8 +22,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: rerun as the module, with the repository root importable
+    import os
+
+    _root = str(Path(__file__).resolve().parent.parent)
+    _path = os.pathsep.join(filter(None, [_root, os.environ.get("PYTHONPATH")]))
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.gpu_check", *sys.argv[1:]],
+              {**os.environ, "PYTHONPATH": _path})
 
 import torch
 
