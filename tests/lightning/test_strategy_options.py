@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpipe_lab.lightning import GPipeStrategy
+from gpipe_lab.lightning import GPipeStrategy, PipelineModule
 from gpipe_lab.lightning.engine import PipelineEngine
+from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
 from helpers.strategy import TinyData, TinyRegressor, trainer
 
@@ -77,3 +78,27 @@ def test_interleaved_virtual_stages_train_like_unpipelined() -> None:
     trainer(GPipeStrategy(partitions=2, virtual_stages=2, chunks=4, schedule="interleaved-1f1b"),
             max_steps=2).fit(module, TinyData())
     assert module.losses == pytest.approx(reference.losses, abs=1e-5)
+
+
+class LossOnly(TinyRegressor):
+    """The base ``log_train`` (the loss only): nothing reads the step's outputs."""
+
+    log_train = PipelineModule.log_train  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(("module_type", "gathered"), [(TinyRegressor, True), (LossOnly, False)])
+def test_outputs_are_gathered_only_for_a_log_train_that_reads_them(module_type: type, gathered: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[bool] = []
+    original = GPipe.train_step
+
+    def recording(self: GPipe, *args: object, **kwargs: object) -> object:
+        asked.append(bool(kwargs.get("return_outputs")))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPipe, "train_step", recording)
+    module = module_type()
+    t = trainer(GPipeStrategy(partitions=2, chunks=2), max_steps=2)
+    t.fit(module, TinyData())
+    assert asked == [gathered, gathered]
+    assert "train/loss" in t.callback_metrics  # the real loss is logged either way

@@ -162,8 +162,12 @@ class PipelineRunnerMixin:
         # The batch index numbers the step's random generators, so a resumed run draws the
         # dropout masks the uninterrupted run drew.
         step = max(0, module.trainer.fit_loop.total_batch_idx)
-        loss, outputs = pipe.train_step(inputs, targets, loss_fn, module.loss_normalizer,
-                                        return_outputs=True, step=step)
+        # the whole batch's outputs are gathered only for a log_train that can read them
+        # (a Transformer's logits: megabytes copied per step for nothing otherwise)
+        wants_outputs = type(module).log_train is not PipelineModule.log_train
+        result = pipe.train_step(inputs, targets, loss_fn, module.loss_normalizer,
+                                 return_outputs=wants_outputs, step=step)
+        loss, outputs = result if wants_outputs else (result, None)
         loss = loss.detach().float()
         if scaler is not None:
             loss = unscale_loss(loss, scaler)
