@@ -27,6 +27,7 @@ from gpipe_lab.lightning.pipeline_runner import PipelineRunnerMixin
 from gpipe_lab.lightning.scaling import active_scaler, agree_on_overflow, engine_nonfinite
 from gpipe_lab.pipeline import Timeline
 from gpipe_lab.pipeline.devices import normalize_device
+from gpipe_lab.pipeline.materialize import is_meta, reset_module
 from gpipe_lab.pipeline.options import TRANSPORTS, OptionViews, PipelineOptions
 
 __all__ = ["TRANSPORTS", "GPipeStrategy"]
@@ -243,8 +244,7 @@ class GPipeStrategy(OptionViews, PipelineRunnerMixin, DistributedMixin, Parallel
         for handle in self._precision_hooks:
             handle.remove()
         self._precision_hooks = []
-        holds_meta = isinstance(module, nn.Module) and any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-        if self.is_distributed or holds_meta:  # layers left on meta (other stages'): no module.cpu()
+        if self.is_distributed or (isinstance(module, nn.Module) and is_meta(module)):  # layers left on meta (other stages'): no module.cpu()
             self.precision_plugin.teardown()
             assert self.accelerator is not None
             self.accelerator.teardown()
@@ -267,13 +267,12 @@ def place_outside(root: nn.Module, inner: nn.Module, device: torch.device) -> No
     for name, m in root.named_modules():
         own = [t for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)) if id(t) not in inside]
         if any(t.is_meta for t in own):
-            if not any(callable(getattr(m, h, None)) for h in ("reset_parameters", "reset_running_stats")):
-                raise ValueError(f"module {name or type(root).__name__!r} ({type(m).__name__}) was built on "
-                                 "the meta device outside the pipelined layers and has no reset_parameters() "
-                                 "to initialize it: build it in __init__ (on the host), not in configure_model")
             with torch.no_grad():
                 m.to_empty(device=device, recurse=False)
-                _reset_own(m)
+                if not reset_module(m):
+                    raise ValueError(f"module {name or type(root).__name__!r} ({type(m).__name__}) was built on "
+                                     "the meta device outside the pipelined layers and has no reset_parameters() "
+                                     "to initialize it: build it in __init__ (on the host), not in configure_model")
     for m in root.modules():
         for p in m.parameters(recurse=False):
             if id(p) not in inside and p.device != device:
@@ -281,14 +280,6 @@ def place_outside(root: nn.Module, inner: nn.Module, device: torch.device) -> No
         for name, b in list(m.named_buffers(recurse=False)):
             if id(b) not in inside and b.device != device:
                 setattr(m, name, b.to(device))
-
-
-def _reset_own(module: nn.Module) -> None:
-    """Reset a module's own tensors only (its children are reset on their own)."""
-    for hook in ("reset_parameters", "reset_running_stats"):
-        if callable(getattr(module, hook, None)):
-            getattr(module, hook)()
-            return
 
 
 StrategyRegistry.register("gpipe", GPipeStrategy, description="GPipe pipeline parallelism",

@@ -47,13 +47,19 @@ def is_meta(layer: nn.Module) -> bool:
     return any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers()))
 
 
+def reset_module(module: nn.Module) -> bool:
+    """Call ``module``'s own ``reset_parameters`` (or ``reset_running_stats``); False if it has none."""
+    for hook in ("reset_parameters", "reset_running_stats"):
+        if callable(getattr(module, hook, None)):
+            getattr(module, hook)()
+            return True
+    return False
+
+
 def reset_layer(layer: nn.Module) -> None:
-    """Call ``reset_parameters`` (or ``reset_running_stats``) on every submodule that has one."""
+    """``reset_module`` on every submodule of ``layer`` (itself included)."""
     for m in layer.modules():
-        if hasattr(m, "reset_parameters") and callable(m.reset_parameters):
-            m.reset_parameters()
-        elif hasattr(m, "reset_running_stats") and callable(m.reset_running_stats):
-            m.reset_running_stats()
+        reset_module(m)
 
 
 def init_layer(index: int, layer: nn.Module, seed: int, init_fn: InitFn | None) -> None:
