@@ -31,7 +31,7 @@ def shared_store() -> dist.TCPStore:
 
 
 class Trap(nn.Module):
-    """Identity, except on forward call ``when`` (= micro-batch 2 of the first step)."""
+    """Identity, except on forward call ``when`` (2 = micro-batch 2 of the first step)."""
 
     def __init__(self, mode: str, when: int = 2) -> None:
         super().__init__()
@@ -51,13 +51,17 @@ class Trap(nn.Module):
         return x
 
 
-def failing_worker(rank: int, world: int, mode: str, trap_stage: int, timeout: float = TIMEOUT) -> None:
+def failing_worker(rank: int, world: int, mode: str, trap_stage: int, timeout: float = TIMEOUT,
+                   clean_steps: int = 0) -> None:
+    """Run ``clean_steps`` good steps, then one whose micro-batch 2 trips the trap on ``trap_stage``."""
+    chunks = 4
     layers = [nn.Linear(4, 4) for _ in range(world)]
-    layers.insert(trap_stage + 1, Trap(mode))
+    layers.insert(trap_stage + 1, Trap(mode, when=clean_steps * chunks + 2))
     pipe = DistributedGPipe(nn.Sequential(*layers), balance=[1] * trap_stage + [2] + [1] * (world - trap_stage - 1),
-                            chunks=4, checkpoint="never", timeout=timeout, seed=0)
+                            chunks=chunks, checkpoint="never", timeout=timeout, seed=0)
     try:
-        pipe.train_step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss)
+        for _ in range(clean_steps + 1):
+            pipe.train_step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss)
     finally:
         if mode == "hang" and shared_store().add(ENDED, 1) == world - 1:
             shared_store().set(RELEASE, "1")
@@ -84,7 +88,9 @@ def test_killed_rank_makes_others_fail_naming_it() -> None:
 
 @pytest.mark.slow
 def test_hung_rank_times_out_naming_it() -> None:
-    results = run_local(failing_worker, 3, args=("hang", 1, 4.0), timeout=40)
+    # a short timeout, so the step that hangs comes after a clean one: ranks that start late on a
+    # loaded machine must not be taken for the hung one
+    results = run_local(failing_worker, 3, args=("hang", 1, 5.0, 1), timeout=50)
     assert results[1].exitcode == RELEASED and results[1].error is None  # still hung when both peers ended
     for r in (results[0], results[2]):
         assert r.exitcode == 1, r.error
