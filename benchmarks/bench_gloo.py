@@ -5,7 +5,9 @@ workload (same seed: same weights, same batch) and the same balance. A step is
 timed on rank 0 between two barriers; the median over repeats is kept. The
 cases of one (workload, M, checkpoint), every framework and schedule, are
 built together and their steps alternate (order flipped every round), so that
-the ratio ours/torch is not skewed by the machine's drift. Both frameworks run with the same allocator setting
+the ratio ours/torch is not skewed by the machine's drift. The unpipelined baseline (the
+whole module on rank 0, one thread) runs in the same rounds, so each row's speed-up
+divides a baseline timed beside it. Both frameworks run with the same allocator setting
 (``prepare_process``).
 
 torch.distributed.pipelining runs ``ScheduleGPipe`` / ``Schedule1F1B`` without
@@ -81,10 +83,26 @@ def _torch(case: GlooCase, sizes_name: str, rank: int) -> tuple[Callable[[], Non
     return step, dict
 
 
+def _baseline(workload: str, sizes_name: str, rank: int) -> Callable[[], None]:
+    """The unpipelined step on rank 0 (forward + loss + backward, full batch); other ranks idle."""
+    work = make_workload(workload, SIZES[sizes_name])
+
+    def step() -> None:
+        if rank == 0:
+            work.loss_fn(work.module(work.inputs), work.targets).backward()
+            work.module.zero_grad(set_to_none=True)
+
+    return step
+
+
 def _run_group(group: Sequence[GlooCase], sizes_name: str, rank: int) -> list[dict]:
-    """Time the cases of one (workload, M, checkpoint) side by side: steps alternate, order flipped each round."""
+    """Time the cases of one (workload, M, checkpoint) and the baseline side by side.
+
+    Steps alternate, order flipped each round.
+    """
     sizes = SIZES[sizes_name]
     made = [(case, *(_ours if case.framework == "ours" else _torch)(case, sizes_name, rank)) for case in group]
+    base = _baseline(group[0].workload, sizes_name, rank)
 
     def across_ranks(step: Callable[[], None]) -> Callable[[], None]:
         def timed() -> None:  # ends when the slowest rank has finished its step
@@ -92,9 +110,12 @@ def _run_group(group: Sequence[GlooCase], sizes_name: str, rank: int) -> list[di
             dist.barrier()
         return timed
 
-    timings = time_rounds({str(j): across_ranks(step) for j, (_, step, _) in enumerate(made)},
+    steps = {str(j): across_ranks(step) for j, (_, step, _) in enumerate(made)}
+    timings = time_rounds({**steps, "baseline": across_ranks(base)},
                           max(1, sizes.gloo_repeats or sizes.repeats), sizes.warmup, between=dist.barrier)
-    return [{**case.__dict__, "step": timings[str(j)].summary(), **report(), "error": None}
+    baseline = timings["baseline"].median
+    return [{**case.__dict__, "step": timings[str(j)].summary(), "baseline_s": baseline,
+             "speedup": baseline / timings[str(j)].median, **report(), "error": None}
             for j, (case, _, report) in enumerate(made)]
 
 

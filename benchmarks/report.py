@@ -41,15 +41,14 @@ def plot_throughput(results: dict, path: Path) -> None:
                 label="ideal KM/(M+K-1)")
         ax.plot([r["M"] for r in never], [r["baseline_s"] / r["ideal_step_s"] for r in never], "k:+",
                 label="ideal, micro-batch corrected")
-        # a gloo step has no baseline of its own rounds: each is divided by the local row's at the same M
-        base = {r["M"]: r["baseline_s"] for r in never}
+        # every gloo row carries the baseline timed in its own rounds
         for fw, schedule, style in (("ours", "gpipe", "s-"), ("ours", "gpipe-bw", "v-"), ("torch", "gpipe", "d-")):
-            gl = sorted((r["chunks"], base[r["chunks"]] / r["step"]["median"]) for r in results.get("gloo", [])
+            gl = sorted((r["chunks"], r["speedup"]) for r in results.get("gloo", [])
                         if (r["workload"], r["framework"], r["schedule"], r["checkpoint"]) == (name, fw, schedule, "never")
-                        and not r.get("error") and r["chunks"] in base)
+                        and not r.get("error") and r.get("speedup"))
             if gl:
                 label = (f"ours {schedule}, distributed (gloo)" if fw == "ours" else "torch ScheduleGPipe (gloo)")
-                ax.plot([m for m, _ in gl], [v for _, v in gl], style, label=label + ", / local baseline at M")
+                ax.plot([m for m, _ in gl], [v for _, v in gl], style, label=label)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{name} (K=2)")
         ax.set_xlabel("micro-batches M")
@@ -120,10 +119,12 @@ def _gloo_section(results: dict) -> list[str]:
     if not results.get("gloo"):
         return out + ["Not run (CUDA device, or `--no-distributed`).", ""]
     rows = [[r["workload"], r["framework"], r["schedule"], r["chunks"], r["checkpoint"],
-             r["step"]["median"] if not r.get("error") else None, r.get("bubble"), (r.get("error") or "")[:80]]
+             r["step"]["median"] if not r.get("error") else None, r.get("baseline_s"), r.get("speedup"),
+             r.get("bubble"), (r.get("error") or "")[:80]]
             for r in results["gloo"]]
-    return out + _table(["workload", "framework", "schedule", "M", "checkpoint", "step s (median)", "bubble",
-                         "error"], rows)
+    return out + _table(["workload", "framework", "schedule", "M", "checkpoint", "step s (median)",
+                         "baseline s (same rounds)", "speed-up", "bubble", "error"], rows) + [
+        "The baseline is the whole module on rank 0 (one thread), timed in the same alternating rounds.", ""]
 
 
 def _memory_section(results: dict) -> list[str]:

@@ -109,6 +109,9 @@ def test_gloo_cases_run():
     for r in rows:
         assert r["error"] is None, r["error"]
         assert r["step"]["median"] > 0
+        # the baseline is timed in the group's own rounds: one value for the group, each row divided by it
+        assert r["baseline_s"] == rows[0]["baseline_s"] > 0
+        assert r["speedup"] == pytest.approx(r["baseline_s"] / r["step"]["median"])
 
 
 def test_rerender_from_json(smoke, tmp_path):
