@@ -10,8 +10,14 @@ loading, hooks, logging, the optimizer step). Lightning's loop cannot be called 
 step, so this uses the callback rather than ``gpipe_lab.bench.time_rounds``; the two paths
 still alternate every round. Ratio = raw step / product step (target >= 0.95).
 
+With ``--transport distributed`` both paths run one process per stage over gloo: Lightning
+launches the K processes (``pipeline.transport=distributed``, as ``gpipe-train`` does), and
+the raw path is ``DistributedGPipe`` on the same process group, built once the group exists
+and driven by hand in the same callback; rank 0 prints the result.
+
     python -m benchmarks.bench_product_path --model transformer            # the Table-2 analogue
     python -m benchmarks.bench_product_path --model amoebanet --quick      # 6 (4) layers, mini-batch 32
+    python -m benchmarks.bench_product_path --model transformer --quick --transport distributed
 """
 
 from __future__ import annotations
@@ -38,12 +44,16 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 class Alternate(pl.Callback):
     """Runs ``raw_step(batch)`` at each batch start; keeps both paths' step times."""
 
-    def __init__(self, raw_step: Any, warmup: int) -> None:
-        self.raw_step, self.warmup = raw_step, warmup
+    def __init__(self, raw_step: Any, warmup: int, build: Any = None) -> None:
+        self.raw_step, self.warmup, self.build = raw_step, warmup, build
         self.product: list[float] = []
         self.raw: list[float] = []
         self._start: float | None = None
         self._raw_s = 0.0
+
+    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+        if self.build is not None:  # the raw engine needs the process group Lightning has just made
+            self.build()
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -56,7 +66,7 @@ class Alternate(pl.Callback):
         self._raw_s = time.perf_counter() - now
 
 
-def compose_config(model: str, quick: bool, compiled: bool, steps: int) -> Any:
+def compose_config(model: str, quick: bool, compiled: bool, steps: int, transport: str = "local") -> Any:
     """The ``experiment=paper_table2_<model>`` config (smaller with ``quick``)."""
     overrides = [f"experiment=paper_table2_{model}", f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
                  "trainer.enable_progress_bar=false", "logger=csv", f"data.num_train={256 * steps}"]
@@ -65,38 +75,53 @@ def compose_config(model: str, quick: bool, compiled: bool, steps: int) -> Any:
         overrides += [f"model.num_layers={layers}", "data.batch_size=32", f"data.num_train={32 * steps}"]
     if compiled:
         overrides.append("pipeline.compile=true")
+    if transport != "local":
+        overrides.append(f"pipeline.transport={transport}")
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="train", overrides=overrides)
 
 
-def run_product_path(model: str, quick: bool, compiled: bool, repeats: int, warmup: int = 2) -> dict[str, Any]:
-    """Median step seconds of both paths and their ratio (raw / product)."""
-    cfg = compose_config(model, quick, compiled, warmup + repeats + 1)
+def run_product_path(model: str, quick: bool, compiled: bool, repeats: int, warmup: int = 2,
+                     transport: str = "local") -> dict[str, Any] | None:
+    """Median step seconds of both paths and their ratio (raw / product); ``None`` on ranks > 0."""
+    cfg = compose_config(model, quick, compiled, warmup + repeats + 1, transport)
     data = build_datamodule(cfg)
     module, twin = build_module(cfg, data), build_module(cfg, data)
     twin.load_state_dict(module.state_dict())
     options = engine_options(cfg, validate_pipeline(cfg), module)  # as gpipe-train makes them
-    pipe = GPipe(twin.configure_layers(), options=options)
-    optimizer = twin.configure_optimizers()
-    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    optimizer = optimizer[0] if isinstance(optimizer, (list, tuple)) else optimizer
+    engine: list[Any] = []
+    optimizers: list[Any] = []
+
+    def build() -> None:
+        if transport == "local":
+            pipe: Any = GPipe(twin.configure_layers(), options=options)
+        else:
+            from gpipe_lab.pipeline.distributed import DistributedGPipe
+
+            pipe = DistributedGPipe(twin.configure_layers(), options=options)
+        optimizer = twin.configure_optimizers()  # over this rank's stage's parameters
+        optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+        engine[:], optimizers[:] = [pipe], [optimizer[0] if isinstance(optimizer, (list, tuple)) else optimizer]
 
     def raw_step(batch: Any) -> None:
         inputs, targets = twin.split_batch(batch)
-        optimizer.zero_grad(set_to_none=True)
-        pipe.train_step(inputs, targets, twin.loss_fn, twin.loss_normalizer)
-        optimizer.step()
+        optimizers[0].zero_grad(set_to_none=True)
+        engine[0].train_step(inputs, targets, twin.loss_fn, twin.loss_normalizer)
+        optimizers[0].step()
 
-    timer = Alternate(raw_step, warmup)
+    timer = Alternate(raw_step, warmup, build)
     strategy = GPipeStrategy(options=options)
+    devices = 1 if transport == "local" else options.num_stages
     with tempfile.TemporaryDirectory() as logs:
-        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=cfg.trainer.max_steps,
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=cfg.trainer.max_steps,
                              limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
                              enable_checkpointing=False, logger=pl.loggers.CSVLogger(logs),
                              log_every_n_steps=1, callbacks=[timer])
         trainer.fit(module, datamodule=data)
+    if trainer.global_rank != 0:
+        return None
     product, raw = statistics.median(timer.product), statistics.median(timer.raw)
-    return {"model": model, "K": options.num_stages, "M": options.chunks, "compile": compiled,
+    return {"model": model, "K": options.num_stages, "M": options.chunks, "compile": compiled, "transport": transport,
             "product_step_s": product, "raw_step_s": raw, "ratio": raw / product, "rounds": len(timer.product),
             "product_rounds_s": timer.product, "raw_rounds_s": timer.raw}
 
@@ -106,9 +131,13 @@ def main() -> None:
     parser.add_argument("--model", choices=["transformer", "amoebanet"], default="transformer")
     parser.add_argument("--quick", action="store_true", help="6-layer AmoebaNet / 4-layer Transformer at mini-batch 32")
     parser.add_argument("--compile", action="store_true", help="both paths with compiled stages")
+    parser.add_argument("--transport", choices=["local", "distributed"], default="local",
+                        help="distributed: one process per stage over gloo, launched by Lightning")
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
-    print(json.dumps(run_product_path(args.model, args.quick, args.compile, args.repeats)))
+    result = run_product_path(args.model, args.quick, args.compile, args.repeats, transport=args.transport)
+    if result is not None:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

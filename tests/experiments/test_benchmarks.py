@@ -8,6 +8,10 @@ stage 0, the closed-form MLP model) are checked exactly.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from benchmarks import bench_common as common
@@ -120,3 +124,22 @@ def test_rerender_from_json(smoke, tmp_path):
     again = json.loads((tmp_path / "benchmarks.json").read_text())
     assert again["targets"] == res["targets"]
     assert (tmp_path / "benchmarks.md").read_text().startswith("# GPipe Lab benchmarks")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_product_path_row_on_the_distributed_transport(tmp_path):
+    """Lightning launches the two stage processes; rank 0 alone prints both paths' step times."""
+    root = Path(__file__).parents[2]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_product_path", "--model", "transformer",
+                           "--quick", "--transport", "distributed", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=240, cwd=root,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout[-3000:]  # one result: rank 1 prints none
+    row = json.loads(lines[0])
+    assert (row["transport"], row["K"], row["M"], row["rounds"]) == ("distributed", 2, 4, 1)
+    assert row["product_step_s"] > 0 and row["raw_step_s"] > 0
+    assert row["ratio"] == pytest.approx(row["raw_step_s"] / row["product_step_s"])
