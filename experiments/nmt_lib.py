@@ -112,8 +112,11 @@ def evaluate(model: torch.nn.Module, data: SyntheticTranslationDataModule, max_b
 def train_translation(steps: int, seed: int = 0, lr: float = 1e-3, warmup: int = 0,
                       tokens_per_batch: int | None = None, batch_size: int | None = 32, num_train: int = 4000,
                       num_val: int = 128, partitions: int = 2, chunks: int = 2, eval_batches: int = 4,
-                      **model: object) -> RunResult:
+                      precision: str = "32-true", **model: object) -> RunResult:
     """Train ``transformer_tiny`` with ``model`` overrides for ``steps`` optimizer steps (Adam, betas 0.9/0.98).
+
+    ``precision`` is Lightning's (``"bf16-mixed"``: the stages run under bfloat16 autocast, as
+    the paper trained).
 
     Non-finite losses or gradients skip the update (counted in ``nonfinite_steps``).
 
@@ -139,7 +142,8 @@ def train_translation(steps: int, seed: int = 0, lr: float = 1e-3, warmup: int =
     recorder = StepRecorder(result, peak)
     strategy = GPipeStrategy(partitions=partitions, chunks=chunks, seed=seed, threads_per_stage=1,
                              nonfinite="skip")
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, max_epochs=-1,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=steps,
+                         max_epochs=-1,
                          limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder])
     start = time.perf_counter()

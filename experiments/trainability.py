@@ -34,6 +34,7 @@ from experiments.nmt_lib import diverged, spikes, train_translation
 EXPERIMENT = "paper_trainability"
 #: ``--tiny``: a 2 + 2-layer model, one seed, 4 steps.
 TINY = {EXPERIMENT: ["model.num_layers=2", "model.d_model=16", "model.ffn_dim=32", "trainer.max_steps=4",
+                     "optimizer.lr=0.003",
                      "experiment.seeds=[0]", "data.num_train=800", "data.num_val=32", "experiment.eval_batches=1"]}
 SIZE_KEYS = ("num_layers", "d_model", "ffn_dim", "num_heads")
 

@@ -3,6 +3,7 @@
     python -m experiments.trainability_search                      # the grid below, 40 CPU-minute budget
     python -m experiments.trainability_search --budget-min 5 --out /tmp/search
     python -m experiments.trainability_search --first 5 --budget-min 20   # the settings after the fifth
+    python -m experiments.trainability_search --first 7 --out results      # the last: the committed search
 
 Trains the baseline (no FFN init scaling, no logit clip) with 3 seeds at each
 setting of ``GRID`` in order, one thread per run, until a setting diverges in at
@@ -35,6 +36,7 @@ GRID: list[dict] = [
     {"num_layers": 32, "d_model": 16, "ffn_dim": 64, "num_heads": 2, "pre_norm": False, "lr": 0.05, "steps": 60},
     {"num_layers": 12, "d_model": 32, "ffn_dim": 128, "num_heads": 2, "pre_norm": True, "lr": 0.1, "steps": 40},
     {"num_layers": 12, "d_model": 32, "ffn_dim": 128, "num_heads": 2, "pre_norm": True, "lr": 0.3, "steps": 40},
+    {"num_layers": 12, "d_model": 32, "ffn_dim": 128, "num_heads": 2, "pre_norm": True, "lr": 0.5, "steps": 60},
 ]
 SEEDS = (0, 1, 2)
 #: ``--tiny``: one small setting, two steps per seed.
