@@ -10,11 +10,15 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from gpipe_lab.bench import Workload, WorkloadSpec, mlp, tiny_linear
 from gpipe_lab.pipeline import retain_freed_memory
+
+#: The repository's root (for the commit a result was measured at).
+ROOT = Path(__file__).resolve().parents[1]
 
 #: our schedules beyond torch's ScheduleGPipe / Schedule1F1B, measured beside them on the MLP:
 #: split backward, weight gradients batched (gpipe-bw) or moved into the bubble (zb-h1, zb-h2)
@@ -119,3 +123,18 @@ def sync(device: str) -> None:
     """Wait for queued GPU work (no-op on CPU)."""
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def git_commit() -> str:
+    """The repository's HEAD commit (short), ``+dirty`` when tracked files differ from it; ``unknown``
+    outside a git checkout."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, check=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_common import git_commit
 from gpipe_lab.bench import mlp, time_rounds
 from gpipe_lab.pipeline import GPipe, Timeline, get_schedule
 from gpipe_lab.planner import costs_from_timeline, durations_from_timeline, predict_step
@@ -103,7 +104,7 @@ def main() -> None:
             print(f"{m:>3} {r['schedule']:>8} {r['step_ms']:9.1f} {r['predicted_ms']:9.1f} "
                   f"{r['prediction_error']:+7.1%} {r['replayed_over_measured']:7.3f} {r['measured_bubble']:7.1%} "
                   f"{r['speedup_vs_1f1b']:7.3f}x")
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__, "machine": platform.machine(), "cpus": torch.get_num_threads(),
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_commit(), "torch": torch.__version__, "machine": platform.machine(), "cpus": torch.get_num_threads(),
             "model": "8 x (Linear 512-2048, GELU, Linear 2048-512)", "batch": 1024, "K": 2,
             "checkpoint": "never", "steps": args.steps, "warmup": args.warmup}
     (args.out / "schedules.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -160,7 +160,7 @@ def write_report(results: dict, out: Path, memory_m: int | None) -> None:
         pictures.append("memory.png")
     meta = results["meta"]
     lines = ["# GPipe Lab benchmarks", "",
-             f"- date: {meta['date']}", f"- command: `{meta['command']}` (mode {meta['mode']})",
+             f"- date: {meta['date']}, commit `{meta.get('commit', 'unknown')}`", f"- command: `{meta['command']}` (mode {meta['mode']})",
              f"- machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, torch "
              f"{meta['machine']['torch']}, device {meta['machine']['device']}",
              f"- load average before / after: {meta['load_before']} / {meta['load_after']} "

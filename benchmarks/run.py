@@ -28,7 +28,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_common import SIZES, Sizes, load_average, machine_info, make_workload, prepare_process
+from benchmarks.bench_common import (
+    SIZES,
+    Sizes,
+    git_commit,
+    load_average,
+    machine_info,
+    make_workload,
+    prepare_process,
+)
 from benchmarks.bench_gloo import GlooCase, run_gloo
 from benchmarks.bench_local import run_workload
 from benchmarks.bench_memory import run_memory
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda: no CUDA device here")
     start = time.perf_counter()
     retained = prepare_process()
-    results: dict = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+    results: dict = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),
                               "command": "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None
                                                                                    else argv),
                               "mode": sizes.name, "machine": machine_info(args.device),

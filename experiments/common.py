@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from benchmarks.bench_common import git_commit
 from omegaconf import DictConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,21 +128,6 @@ def configs(args: argparse.Namespace, defaults: Sequence[str], tiny: dict[str, S
                          f"{', '.join(names)} (add a key with +key=value)")
     return {n: compose_experiment(n, [*first.get(n, ()), *(o for o in overrides if has(c, o))])
             if overrides else c for n, c in base.items()}
-
-
-def git_commit() -> str:
-    """The repository's HEAD commit (short), ``+dirty`` when tracked files differ from it; ``unknown``
-    outside a git checkout."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, check=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def provenance(argv: Sequence[str] | None = None) -> str:
