@@ -126,14 +126,15 @@ def sync(device: str) -> None:
 
 
 def git_commit() -> str:
-    """The repository's HEAD commit (short), ``+dirty`` when tracked files differ from it; ``unknown``
-    outside a git checkout."""
+    """The repository's HEAD commit (short), ``+dirty`` when tracked files outside ``results/`` differ
+    from it (regenerating results must not mark the next result dirty); ``unknown`` outside a git checkout."""
     import subprocess
 
     try:
         head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                               text=True, check=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":(exclude)results"],
                                capture_output=True, text=True, check=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
