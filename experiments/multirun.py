@@ -97,7 +97,7 @@ def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
                      "simulated_s": None, "measured_sps": sps, "simulated_sps": None,
                      "measured_bubble": s.get("bubble_measured"), "bubble_theory": s.get("bubble_theory"),
                      "final_train_loss": s.get("final_train_loss"), "steps": s.get("steps"),
-                     "job": str(run.path)})
+                     "compile": bool(run.get("pipeline.compile", False)), "job": str(run.path)})
     return rows
 
 

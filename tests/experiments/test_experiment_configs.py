@@ -226,3 +226,20 @@ def test_collectors_build_the_paper_tables_from_job_folders(script: str, jobs: l
     for line in expected:
         assert line in text, f"{line!r} not in {script}.md:\n{text}"
     assert f"Collected from {len(jobs)} gpipe-train job(s)" in text
+
+
+def test_table2_collector_states_the_pipelining_gain_of_each_model(tmp_path: Path, scripts: object,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled = ["pipeline.compile=true"]
+    for num, (overrides, summary) in enumerate([(compiled, {"K": 1, "M": 1, "samples_per_s": 10.0}),
+                                                (compiled, {"K": 2, "M": 1, "samples_per_s": 12.0}),
+                                                (compiled, {"K": 2, "M": 4, "samples_per_s": 15.0}),
+                                                (compiled, {"K": 2, "M": 32, "samples_per_s": 5.0})]):
+        fake_job(tmp_path / "sweep", num, "paper_table2_transformer", overrides, **summary)
+    fake_job(tmp_path / "sweep", 4, "paper_table2_amoebanet", [], K=2, M=4)  # no K=1 job: no sentence
+    run_main(scripts("table2_throughput"), monkeypatch, "--from-multirun", str(tmp_path / "sweep"),
+             "--out", str(tmp_path / "out"))
+    text = (tmp_path / "out" / "table2_throughput.md").read_text()
+    assert ("- Transformer-48 analogue (compiled stages): K=2 at its fastest M (M=4, 15.0 samples/s) is 1.50x "
+            "the unpipelined job (K=1, M=1, 10.0 samples/s).") in text
+    assert "AmoebaNet-D(18, 256) analogue (" not in text
