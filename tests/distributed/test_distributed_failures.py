@@ -88,9 +88,9 @@ def test_killed_rank_makes_others_fail_naming_it() -> None:
 
 @pytest.mark.slow
 def test_hung_rank_times_out_naming_it() -> None:
-    # a short timeout, so the step that hangs comes after a clean one: ranks that start late on a
-    # loaded machine must not be taken for the hung one
-    results = run_local(failing_worker, 3, args=("hang", 1, 5.0, 1), timeout=50)
+    # the step that hangs comes after a clean one, and the timeout is shorter than TIMEOUT but not
+    # short: a rank descheduled for seconds on a loaded machine must not be taken for the hung one
+    results = run_local(failing_worker, 3, args=("hang", 1, 15.0, 1), timeout=80)
     assert results[1].exitcode == RELEASED and results[1].error is None  # still hung when both peers ended
     for r in (results[0], results[2]):
         assert r.exitcode == 1, r.error
