@@ -172,9 +172,6 @@ def write_report(results: dict, out: Path, memory_m: int | None) -> None:
                      for t in results["targets"]])
     if results.get("notes"):
         lines += ["## What limits the missed targets", ""] + [f"- {n}" for n in results["notes"]] + [""]
-    notes_file = Path(__file__).with_name("profile_notes.md")
-    if notes_file.exists():
-        lines += [notes_file.read_text(encoding="utf-8"), ""]
     lines += [f"![{p}](benchmarks/{p})" for p in pictures] + [""]
     lines += _local_section(results)
     ov = results.get("overhead")
