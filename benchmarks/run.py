@@ -5,6 +5,11 @@ Run from the repository root:
     python -m benchmarks.run            # full grid (for the committed results: a quiet machine)
     python -m benchmarks.run --quick    # the targets' configurations only (< 3 min, quiet 2 cores)
     python -m benchmarks.run --smoke --out /tmp/b   # tiny sizes, 1 repeat: a structure check
+    python -m benchmarks.run --quick --compile      # also the compile row (minutes of Inductor)
+
+``--quick`` and the full grid also time ``gpipe-train``'s step against the raw engine's
+(``bench_product_path``; ``--no-product`` skips it); ``--compile`` adds eager against
+compiled stages (``bench_compile``) at the mode's sizes.
 
 Writes ``benchmarks.md``, ``benchmarks.json`` and ``benchmarks/*.png`` under
 ``--out`` (default ``results/``), and prints PASS / MISS per target.
@@ -28,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_app import run_compile_rows, run_product_rows
 from benchmarks.bench_common import (
     SIZES,
     Sizes,
@@ -72,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="stage devices")
     parser.add_argument("--no-distributed", action="store_true", help="skip the gloo runs")
     parser.add_argument("--models", default=None, help="comma-separated subset of mlp,transformer,amoebanet")
+    parser.add_argument("--no-product", action="store_true", help="skip gpipe-train vs the raw engine")
+    parser.add_argument("--compile", action="store_true", help="also eager vs compiled stages (slow)")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="re-evaluate targets and re-render the report of an earlier run's JSON")
     args = parser.parse_args(argv)
@@ -109,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" and not args.no_distributed and sizes.distributed:
         print("[gloo] 2 processes ...", flush=True)
         results["gloo"] = run_gloo(gloo_cases(sizes), sizes.name, timeout=3600 if sizes.name == "full" else 900)
+    if sizes.name != "smoke" and not args.no_product and args.device == "cpu":
+        results["product"] = run_product_rows(sizes.name == "quick", repeats=6 if sizes.name == "quick" else 8)
+    if args.compile:
+        results["compile"] = run_compile_rows(sizes.name != "full", (4,) if sizes.name != "full" else (4, 32),
+                                              repeats=5)
     results["meta"]["load_after"] = load_average()
     results["meta"]["duration_s"] = time.perf_counter() - start
     return finish(results, args.out)

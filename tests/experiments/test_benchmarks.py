@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmarks import bench_app, bench_gloo, bench_memory, report, run, targets
 from benchmarks import bench_common as common
-from benchmarks import bench_gloo, bench_memory, run, targets
 
 TARGET_KEYS = {"name", "value", "unit", "goal", "status"}
 
@@ -143,3 +143,44 @@ def test_product_path_row_on_the_distributed_transport(tmp_path):
     assert (row["transport"], row["K"], row["M"], row["rounds"]) == ("distributed", 2, 4, 1)
     assert row["product_step_s"] > 0 and row["raw_step_s"] > 0
     assert row["ratio"] == pytest.approx(row["raw_step_s"] / row["product_step_s"])
+
+
+def test_app_rows_keep_each_rows_command_and_a_failures_error(monkeypatch):
+    row = {"model": "transformer", "transport": "local", "K": 2, "M": 4, "product_step_s": 0.2,
+           "raw_step_s": 0.19, "ratio": 0.95, "rounds": 6}
+
+    def fake_run(args, timeout):
+        if args[args.index("--transport") + 1] == "distributed":
+            return "", "exit 1: ['RuntimeError: gloo']"
+        return "log line\n" + json.dumps({**row, "model": args[args.index("--model") + 1]}) + "\n", None
+
+    monkeypatch.setattr(bench_app, "_run", fake_run)
+    rows = bench_app.run_product_rows(quick=True, repeats=6)
+    assert [(r["model"], r["transport"]) for r in rows] == list(bench_app.PRODUCT_CASES)
+    assert rows[0]["ratio"] == 0.95 and "--quick" in rows[0]["command"] and "error" not in rows[0]
+    assert rows[2]["error"] == "exit 1: ['RuntimeError: gloo']" and "--transport distributed" in rows[2]["command"]
+
+
+def test_app_rows_are_reported_and_judged(smoke, tmp_path):
+    _, res = smoke
+    res = {**res, "product": [
+        {"model": "transformer", "transport": "local", "K": 2, "M": 4, "product_step_s": 0.2, "raw_step_s": 0.196,
+         "ratio": 0.98, "rounds": 6, "command": "python -m benchmarks.bench_product_path --model transformer"},
+        {"model": "amoebanet", "transport": "local", "K": 2, "M": 4, "product_step_s": 0.3, "raw_step_s": 0.24,
+         "ratio": 0.8, "rounds": 6, "command": "python -m benchmarks.bench_product_path --model amoebanet"},
+        {"model": "transformer", "transport": "distributed", "error": "timed out after 9 s", "command": "x"}],
+        "compile": [{"model": "transformer", "K": 2, "M": 4, "eager_step_s": 0.4, "compiled_step_s": 0.3,
+                     "speedup": 4 / 3, "compile_s": 147.0, "command": "python -m benchmarks.bench_compile"}]}
+    status = {t["name"]: t["status"] for t in targets.evaluate(res)}
+    assert status["gpipe-train / raw engine, transformer K=2 M=4 (local transport)"] == "PASS"
+    assert status["gpipe-train / raw engine, amoebanet K=2 M=4 (local transport)"] == "MISS"
+    assert status["gpipe-train / raw engine, transformer K=2 M=4 (distributed transport)"] == "N/A"
+    report.write_report({**res, "targets": targets.evaluate(res)}, tmp_path, None)
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert "## Product path" in md and "`python -m benchmarks.bench_product_path --model amoebanet`" in md
+    assert "timed out after 9 s" in md and "## Compiled stages" in md and "| 147.000 |" in md
+
+
+def test_a_row_process_that_fails_gives_its_exit_and_last_error_line():
+    out, error = bench_app._run(["benchmarks.no_such_benchmark"], timeout=120)
+    assert error is not None and error.startswith("exit 1") and "No module named" in error, error
