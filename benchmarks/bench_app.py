@@ -9,6 +9,8 @@ and the rest still run.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,16 +22,22 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCT_CASES = (("transformer", "local"), ("amoebanet", "local"), ("transformer", "distributed"))
 
 
-def _run(args: list[str], timeout: float) -> tuple[str, str | None]:
-    """(stdout, error or None) of ``python -m <args>`` from the repository root."""
+def _run(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[str, str | None]:
+    """(stdout, error or None) of ``python -m <args>`` from the repository root, with ``env`` added
+    to the environment; on timeout the whole process group goes (Lightning's rank processes,
+    Inductor's compile workers)."""
+    proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
     try:
-        proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "", f"timed out after {timeout:.0f} s"
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return out, f"timed out after {timeout:.0f} s"  # what it printed so far still counts
     if proc.returncode != 0:
-        return proc.stdout, f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] or ['']}"
-    return proc.stdout, None
+        return out, f"exit {proc.returncode}: {err.strip().splitlines()[-1:] or ['']}"
+    return out, None
 
 
 def command_of(args: list[str]) -> str:
@@ -52,16 +60,19 @@ def run_product_rows(quick: bool, repeats: int, timeout: float = 1800) -> list[d
 
 
 def run_compile_rows(quick: bool, chunks: tuple[int, ...], repeats: int,
-                     timeout: float = 7200) -> list[dict[str, Any]]:
-    """Eager vs compiled step and compile seconds per (analogue, M) (``bench_compile``)."""
+                     timeout: float = 1800) -> list[dict[str, Any]]:
+    """Eager vs compiled step and compile seconds per (analogue, M) (``bench_compile``), each model
+    with an empty Inductor cache; a model whose process fails or times out keeps the rows it
+    printed and one row with its error."""
     rows = []
     for model in ("transformer", "amoebanet"):
-        with tempfile.TemporaryDirectory() as tmp:
-            args = ["benchmarks.bench_compile", "--models", model, "--chunks", *map(str, chunks),
-                    "--repeats", str(repeats)] + (["--quick"] if quick else [])
-            print(f"[compile] {model} M={list(chunks)} ...", flush=True)
-            _, error = _run([*args, "--out", str(Path(tmp) / "rows.json")], timeout)
-            found = json.loads((Path(tmp) / "rows.json").read_text()) if error is None else []
-        rows += [{**r, "command": command_of(args)} for r in found] or [
-            {"model": model, "error": error or "no rows", "command": command_of(args)}]
+        args = ["benchmarks.bench_compile", "--models", model, "--chunks", *map(str, chunks),
+                "--repeats", str(repeats)] + (["--quick"] if quick else [])
+        print(f"[compile] {model} M={list(chunks)} ...", flush=True)
+        with tempfile.TemporaryDirectory() as cache:  # a cold compile: no kernels from an earlier run
+            out, error = _run(args, timeout, env={"TORCHINDUCTOR_CACHE_DIR": cache})
+        found = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        rows += [{**r, "command": command_of(args)} for r in found]
+        if error is not None or not found:
+            rows.append({"model": model, "error": error or "no rows", "command": command_of(args)})
     return rows

@@ -184,3 +184,34 @@ def test_app_rows_are_reported_and_judged(smoke, tmp_path):
 def test_a_row_process_that_fails_gives_its_exit_and_last_error_line():
     out, error = bench_app._run(["benchmarks.no_such_benchmark"], timeout=120)
     assert error is not None and error.startswith("exit 1") and "No module named" in error, error
+
+
+def test_a_compile_row_that_times_out_keeps_what_it_measured(monkeypatch):
+    measured = {"model": "amoebanet", "K": 2, "M": 4, "eager_step_s": 0.2, "compiled_step_s": 0.1, "speedup": 2.0,
+                "compile_s": 90.0}
+    answers = {"transformer": ("", "exit 1: ['InductorError']"),
+               "amoebanet": ("compiling\n" + json.dumps(measured) + "\n", "timed out after 60 s")}
+    caches = []
+
+    def fake_run(args, timeout, env=None):
+        caches.append(env["TORCHINDUCTOR_CACHE_DIR"])
+        return answers[args[args.index("--models") + 1]]
+
+    monkeypatch.setattr(bench_app, "_run", fake_run)
+    rows = bench_app.run_compile_rows(quick=False, chunks=(4, 32), repeats=5, timeout=60)
+    assert len(set(caches)) == 2  # each model compiles from an empty cache of its own
+    assert [(r["model"], r.get("M"), r.get("error")) for r in rows] == [
+        ("transformer", None, "exit 1: ['InductorError']"), ("amoebanet", 4, None),
+        ("amoebanet", None, "timed out after 60 s")]
+    assert all("--chunks 4 32" in r["command"] for r in rows)
+
+
+def test_a_row_process_past_its_timeout_is_ended_with_its_children():
+    # the row process starts a child that would outlive it, prints the child's pid, then blocks
+    block = ("import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+             "print(child.pid, flush=True); child.wait()")
+    out, error = bench_app._run(["timeit", "-n", "1", "-r", "1", block], timeout=8)
+    assert error == "timed out after 8 s"
+    pid = int(out.split()[0])
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().split(") ")[1].startswith("Z"), "the row's child still runs"
