@@ -72,8 +72,8 @@ def diagnose(results: dict) -> list[str]:
     if ov and "scheduling overhead per action" in missed:
         notes.append(f"Scheduling: {ov['overhead_per_action_us']:.0f} us per action beyond plain compute; an "
                      f"action lasts {ov['inside_action_us']:.0f} us as timed by its stage (compute, hooks, "
-                     "generator, autograd call); the rest is thread hand-over and GIL contention between the "
-                     "two stage threads (see the profile notes).")
+                     "generator, autograd call); the rest is spent outside the timed actions (hand-over between "
+                     "the two stage threads, waits for the GIL).")
     for name in missed:
         if "saved-activation peak" in name:
             model = results["memory"]["mlp"]["model"]
