@@ -246,3 +246,65 @@ def test_random_replay_can_be_turned_off_for_models_that_draw_nothing() -> None:
     assert not all(torch.allclose(g, h) for g, h in unreplayed)
     for g, h in zip(grads(modules(), "never"), grads(modules(), "always")):
         torch.testing.assert_close(h, g, atol=1e-6, rtol=0)
+
+
+class SometimesNoisy(nn.Module):
+    """Draws noise only for rows whose first value is positive (a data-dependent draw), and
+    records, per call, (recomputing, drew, the replay mode was on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[bool, bool, bool]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        from gpipe_lab.pipeline.context import is_recomputing
+
+        draws = bool(x[0, 0] > 0)
+        self.calls.append((is_recomputing(), draws, _get_current_dispatch_mode() is not None))
+        return x + 0.1 * torch.randn_like(x) if draws else x * 2.0
+
+
+def test_a_forward_that_drew_nothing_is_replayed_without_the_mode() -> None:
+    """The per-op replay mode is skipped in the recompute of a micro-batch that drew nothing,
+    kept for one that drew; gradients still equal the never-checkpointed pipeline's."""
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(2)).abs()
+    x[2:4, 0] *= -1  # micro-batch 1 of 4 draws nothing
+    x[6:8, 0] *= -1  # nor does micro-batch 3
+    y = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
+
+    def run(checkpoint: str) -> tuple[SometimesNoisy, list[Tensor]]:
+        torch.manual_seed(0)
+        noisy = SometimesNoisy()
+        net = nn.Sequential(noisy, nn.Linear(8, WIDTH), nn.Linear(WIDTH, 4))
+        pipe = GPipe(net, balance=[2, 1], chunks=4, checkpoint=checkpoint, seed=7, retain_cpu_memory=False)
+        pipe.train_step(x, y, F.mse_loss)
+        return noisy, [p.grad.clone() for p in net.parameters()]
+
+    _, expected = run("never")
+    noisy, grads = run("always")
+    for g, h in zip(expected, grads):
+        torch.testing.assert_close(h, g, atol=1e-6, rtol=0)
+    first = [(drew, mode) for recomputing, drew, mode in noisy.calls if not recomputing]
+    replays = [(drew, mode) for recomputing, drew, mode in noisy.calls if recomputing]
+    assert first == [(True, True), (False, True), (True, True), (False, True)]  # always under the mode
+    assert sorted(replays) == [(False, False), (False, False), (True, True), (True, True)]
+
+
+def test_only_ops_that_draw_are_counted() -> None:
+    """A dropout of probability 0 (the attention kernels of a model without dropout) draws
+    nothing, so its forward's replay can skip the mode; a real dropout is counted."""
+    x = torch.randn(2, 4, 6, 8)
+    with microbatch_context(torch.Generator().manual_seed(0)) as mode:
+        F.scaled_dot_product_attention(x, x, x, dropout_p=0.0)
+        F.dropout(x, 0.0)
+        torch.ops.aten.native_dropout(x, 0.3, False)
+    assert mode is not None and mode.draws == 0
+    with microbatch_context(torch.Generator().manual_seed(0)) as mode:
+        F.scaled_dot_product_attention(x, x, x, dropout_p=0.2)
+        F.dropout(x, 0.3)
+    assert mode is not None and mode.draws >= 2
+    with microbatch_context(torch.Generator().manual_seed(0), replay=False) as mode:
+        F.dropout(x, 0.3)
+    assert mode is None

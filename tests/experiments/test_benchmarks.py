@@ -215,3 +215,14 @@ def test_a_row_process_past_its_timeout_is_ended_with_its_children():
     pid = int(out.split()[0])
     stat = Path(f"/proc/{pid}/stat")
     assert not stat.exists() or stat.read_text().split(") ")[1].startswith("Z"), "the row's child still runs"
+
+
+@pytest.mark.parametrize("probe", sorted(p.stem for p in (Path(common.__file__).parent / "probes").glob("*.py")
+                                         if p.stem != "__init__"))
+def test_each_probe_imports_and_documents_its_command(probe):
+    """Probes are run by hand: at least they import against today's code and say how to run them."""
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.probes.{probe}")
+    assert f"python -m benchmarks.probes.{probe}" in (module.__doc__ or "")
+    assert callable(getattr(module, "main", None))

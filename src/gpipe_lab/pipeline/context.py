@@ -44,17 +44,19 @@ def is_recomputing() -> bool:
 @contextmanager
 def microbatch_context(
     generator: torch.Generator | None, recomputing: bool = False, replay: bool = True
-) -> Iterator[None]:
+) -> Iterator[RandomReplay | None]:
     """Run a stage's forward with its own generator (and the recompute flag).
 
     With a generator and ``replay``, every random op inside draws from it (see
     ``RandomReplay``, which raises ``UnreplayableRandomError`` for a draw it cannot
-    repeat); without ``replay`` only layers that read ``current_generator()`` do.
+    repeat) and the context yields the mode (its ``draws`` count what was drawn);
+    without ``replay`` only layers that read ``current_generator()`` do, and it yields None.
     """
     previous = (getattr(_state, "generator", None), getattr(_state, "recomputing", False))
     _state.generator, _state.recomputing = generator, recomputing
     try:
-        with RandomReplay(generator) if generator is not None and replay else nullcontext():
-            yield
+        mode = RandomReplay(generator) if generator is not None and replay else None
+        with mode if mode is not None else nullcontext():
+            yield mode
     finally:
         _state.generator, _state.recomputing = previous

@@ -21,7 +21,9 @@ every aten op below autograd and:
 
 Non-random ops pass straight through (one dictionary lookup). The draws are a
 function of (seed, step, stage, micro-batch) and of the op order inside the
-forward only, so two runs with the same seed are bitwise equal.
+forward only, so two runs with the same seed are bitwise equal. ``draws``
+counts the ops that drew (a dropout of probability 0 draws nothing), so a
+caller can tell a forward that drew nothing.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def _with_generator(func: Any) -> Handler:
     positional = not arguments[index].kwarg_only
 
     def handler(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> Any:
+        mode.draws += 1
         gen = mode.generator_for(_device_of(args, kwargs))
         if positional and len(args) > index:
             args = args[:index] + (gen,) + args[index + 1:]
@@ -102,6 +105,7 @@ def _with_generator(func: Any) -> Handler:
 def _redirect(target: Any) -> Handler:
     """Call the ``.generator`` overload instead of the one without a generator."""
     def handler(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> Any:
+        mode.draws += 1
         return target(*args, **kwargs, generator=mode.generator_for(_device_of(args, kwargs)))
 
     return handler
@@ -114,6 +118,7 @@ def _native_dropout(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> An
         return f(*args, **kwargs)
     if p >= 1.0:
         return x * 0.0, torch.zeros_like(x, dtype=torch.bool)
+    mode.draws += 1
     keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=mode.generator_for(x.device)).bool()
     return torch.where(keep, x, x.new_zeros(())) * (1.0 / (1.0 - p)), keep
 
@@ -147,6 +152,7 @@ def _reseeded_default(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> 
         raise UnreplayableRandomError(
             f"layer {_current_layer()} draws random numbers with {f} on {device}, whose default "
             "generator the pipeline cannot reseed; use checkpoint='never' for this model")
+    mode.draws += 1
     with _default_generator_lock:
         state = default.get_state()
         default.manual_seed(mode.next_seed())
@@ -187,6 +193,7 @@ class RandomReplay(TorchDispatchMode):
         self.seed = generator.initial_seed()
         self.generators = {_key(generator.device): generator}
         self.calls = 0
+        self.draws = 0  # random numbers drawn so far (0: this forward drew nothing)
 
     def generator_for(self, device: torch.device) -> torch.Generator:
         key = _key(device)

@@ -71,6 +71,9 @@ class _Saved:
     split: SplitPlan | None = None
     own_input_grads: bool = True  # False: the first stage's input only marks where its graph ends
     full_w: bool = False  # W is the whole backward (the input belongs to the caller's graph)
+    # the forward drew no random number: its replay, on the same inputs, draws none either,
+    # so it runs without the per-op replay mode (which costs a Python call per op)
+    drew_nothing: bool = False
 
     def clear(self) -> None:
         """Drop the graph. With memory tracking the graph holds the pack hook, whose closure holds
@@ -176,7 +179,8 @@ class StageRuntime:
         hooks = (torch.autograd.graph.saved_tensors_hooks(pack, _unpack) if self.track_memory
                  else nullcontext())
         # every micro-batch gets its generator: any layer may draw from current_generator()
-        with microbatch_context(self._generator(mb), recomputing, self.replay_random), hooks, \
+        replay = self.replay_random and not (recomputing and saved.drew_nothing)
+        with microbatch_context(self._generator(mb), recomputing, replay) as mode, hooks, \
                 checkpointing(mb in self.plan.checkpointed):
             x = unwrap(inputs, was_tensor)
             # the module is read at each call: a front end may wrap it (autocast) after construction
@@ -193,9 +197,11 @@ class StageRuntime:
                     self.losses[mb] = scaled.detach()
                     if self.keep_outputs:
                         self.outputs[mb] = (tuple(t.detach() for t in outputs), out_is_tensor)
-                return (scaled,), True
-        if self.is_last and self.keep_outputs and not recomputing:
-            self.outputs[mb] = (tuple(t.detach() for t in outputs), out_is_tensor)
+                outputs, out_is_tensor = (scaled,), True
+            elif self.is_last and self.keep_outputs and not recomputing:
+                self.outputs[mb] = (tuple(t.detach() for t in outputs), out_is_tensor)
+        if mode is not None and not recomputing:
+            saved.drew_nothing = mode.draws == 0
         return outputs, out_is_tensor
 
     # ---------------------------------------------------------------- actions
