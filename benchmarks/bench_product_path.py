@@ -50,6 +50,7 @@ class Alternate(pl.Callback):
         self.raw: list[float] = []
         self._start: float | None = None
         self._raw_s = 0.0
+        self._batches = 0  # over epochs: Lightning's batch_idx restarts at each one
 
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
         if self.build is not None:  # the raw engine needs the process group Lightning has just made
@@ -58,9 +59,10 @@ class Alternate(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         now = time.perf_counter()
-        if self._start is not None and batch_idx > self.warmup:
+        if self._start is not None and self._batches > self.warmup:
             self.product.append(now - self._start - self._raw_s)
             self.raw.append(self._raw_s)
+        self._batches += 1
         self._start = now
         self.raw_step(batch)
         self._raw_s = time.perf_counter() - now
@@ -69,16 +71,19 @@ class Alternate(pl.Callback):
 def compose_config(model: str, quick: bool, compiled: bool, steps: int, transport: str = "local") -> Any:
     """The ``experiment=paper_table2_<model>`` config (smaller with ``quick``)."""
     overrides = [f"experiment=paper_table2_{model}", f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
-                 "trainer.enable_progress_bar=false", "logger=csv", f"data.num_train={256 * steps}"]
+                 "trainer.enable_progress_bar=false", "logger=csv"]
     if quick:
         layers = 6 if model == "amoebanet" else 4  # AmoebaNet's layers come in threes
-        overrides += [f"model.num_layers={layers}", "data.batch_size=32", f"data.num_train={32 * steps}"]
+        overrides += [f"model.num_layers={layers}", "data.batch_size=32"]
     if compiled:
         overrides.append("pipeline.compile=true")
     if transport != "local":
         overrides.append(f"pipeline.transport={transport}")
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(config_name="train", overrides=overrides)
+        cfg = compose(config_name="train", overrides=overrides)
+    # one epoch holds every step, so no epoch boundary falls inside the timed rounds
+    cfg.data.num_train = cfg.data.batch_size * steps
+    return cfg
 
 
 def run_product_path(model: str, quick: bool, compiled: bool, repeats: int, warmup: int = 2,

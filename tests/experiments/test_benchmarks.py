@@ -228,3 +228,26 @@ def test_each_probe_imports_and_documents_its_command(probe):
     module = importlib.import_module(f"benchmarks.probes.{probe}")
     assert f"python -m benchmarks.probes.{probe}" in (module.__doc__ or "")
     assert callable(getattr(module, "main", None))
+
+
+@pytest.mark.parametrize("model", ["amoebanet", "transformer"])
+@pytest.mark.parametrize("quick", [False, True])
+def test_product_path_config_holds_every_step_in_one_epoch(model, quick):
+    """At the configs' own mini-batch (the Transformer's is 1024) the timed rounds never cross an
+    epoch boundary."""
+    from benchmarks.bench_product_path import compose_config
+
+    cfg = compose_config(model, quick, compiled=False, steps=9)
+    assert cfg.trainer.max_steps == 9
+    assert cfg.data.num_train // cfg.data.batch_size >= 9
+
+
+def test_product_path_timer_counts_rounds_across_epochs():
+    from benchmarks.bench_product_path import Alternate
+
+    calls = []
+    timer = Alternate(calls.append, warmup=2)
+    for batch_idx in (0, 1, 0, 1, 0, 1):  # three epochs of two batches
+        timer.on_train_batch_start(None, None, batch_idx, batch_idx)
+    assert len(calls) == 6
+    assert len(timer.product) == len(timer.raw) == 3  # rounds after the 2 warm-up batches
