@@ -39,12 +39,12 @@ import torch
 from experiments.common import configs, log_wandb, md_table, parser, provenance, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.throughput_lib import (
-    cost_model_of,
+    SIMULATOR_TEXT,
     engine_overhead,
     error,
     hop_seconds,
-    layer_times,
     measure_step,
+    timed_cost_model,
     workload_of,
 )
 from gpipe_lab.bench import WorkloadSpec, time_call
@@ -74,8 +74,9 @@ def update_seconds(model: torch.nn.Module) -> float:
 
 
 def workload_cost(work: WorkloadSpec, chunks: list[int], repeat: int, overhead: float) -> CostModel:
-    """The simulator's cost model of ``work``, fitted once from per-layer times at every M's micro-batch."""
-    return cost_model_of({work.batch // m: layer_times(work, work.batch // m, repeat) for m in chunks}, overhead, 0.0)
+    """The simulator's cost model of ``work``, fitted once from per-layer times at every M's micro-batch
+    (alone and beside a second stage)."""
+    return timed_cost_model(work, [work.batch // m for m in chunks], repeat, overhead, 0.0)
 
 
 def breakdown(work: WorkloadSpec, chunks: int, steps: int, cost: CostModel, out: Path, k: int = 2,
@@ -156,7 +157,8 @@ def main() -> None:
         text = (f"Shares of the total stage-time (K x wall) from the engine's measured timeline on {e.partitions} "
                 "CPU stages (one thread each), checkpoint `except_last`, FLOPs balance; models = Table 2's CPU "
                 "analogues. Wall-clock figures: the load average at generation time is in the provenance line; "
-                f"rerun on a quiet machine before quoting. Settings: `conf/experiment/{EXPERIMENT}.yaml`.")
+                f"rerun on a quiet machine before quoting. {SIMULATOR_TEXT} "
+                f"Settings: `conf/experiment/{EXPERIMENT}.yaml`.")
         overhead = engine_overhead()
         for label, block in e.workloads.items():
             work = workload_of(block, str(label))

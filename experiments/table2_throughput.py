@@ -36,7 +36,13 @@ from pathlib import Path
 
 from experiments.common import log_wandb, md_table, provenance, throughput_rows_from_command_line, write
 from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
-from experiments.throughput_lib import emulation_settings, run_grid, tiny_overrides, workload_of
+from experiments.throughput_lib import (
+    SIMULATOR_TEXT,
+    emulation_settings,
+    run_grid,
+    tiny_overrides,
+    workload_of,
+)
 
 PAPER = {  # (model, M) -> K=2, K=4, K=8
     ("amoeba", 1): (1, 1.13, 1.38), ("amoeba", 4): (1.07, 1.26, 1.72), ("amoeba", 32): (1.21, 1.84, 3.48),
@@ -153,9 +159,7 @@ def measured_table(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], li
             "checkpoint `except_last`. *Measured*: CPU stages with one thread each (wall-clock: rerun on a "
             "quiet machine before quoting). *Emulated*: the real engine on emulated devices, layers that sleep "
             f"their share of the per-layer FLOPs (mini-batch forward {emulated_ms:g} ms, backward 2x). "
-            "*Simulated*: the planner's simulator with a cost model fitted once from per-layer CPU times at "
-            "every micro-batch size (fixed + per-sample), the engine's per-action overhead and the measured "
-            f"hand-over. Settings: {', '.join(f'`conf/experiment/{n}.yaml`' for n in cfgs)}.")
+            f"{SIMULATOR_TEXT} Settings: {', '.join(f'`conf/experiment/{n}.yaml`' for n in cfgs)}.")
     text += ("\n\nEmulated and simulated cells more than 5% apart:\n\n" + "\n".join(notes)) if notes else \
         "\n\nEvery emulated cell is within 5% of the simulated one."
     return rows, header or [], table, text

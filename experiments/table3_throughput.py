@@ -29,7 +29,13 @@ from pathlib import Path
 
 from experiments.common import log_wandb, md_table, provenance, throughput_rows_from_command_line, write
 from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
-from experiments.throughput_lib import emulation_settings, run_grid, tiny_overrides, workload_of
+from experiments.throughput_lib import (
+    SIMULATOR_TEXT,
+    emulation_settings,
+    run_grid,
+    tiny_overrides,
+    workload_of,
+)
 
 PAPER = {"amoeba": (1, 1.7, 2.7), "transformer": (1, 1.8, 3.3)}
 NAMES = {"amoeba": "AmoebaNet-D(18, 128)", "transformer": "Transformer-24"}
@@ -112,10 +118,8 @@ def measured(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], list[str
             "`except_last`. *Measured*: K=2 on two CPU stages, one thread each, tensors handed over in shared "
             "memory (no PCI-E link: the paper's point that only boundary activations cross devices is checked "
             "by the measured hand-over delay). *Emulated*: the real engine on emulated devices whose layers sleep "
-            f"their share of the per-layer FLOPs (mini-batch forward {emulated_ms:g} ms). *Simulated*: the "
-            "planner's simulator with the cost model fitted once from per-layer CPU times (fixed + per-sample, "
-            "two micro-batch sizes), the engine's per-action overhead and the measured hand-over. Settings: "
-            f"{', '.join(f'`conf/experiment/{n}.yaml`' for n in cfgs)}.\n\n"
+            f"their share of the per-layer FLOPs (mini-batch forward {emulated_ms:g} ms). {SIMULATOR_TEXT} "
+            f"Settings: {', '.join(f'`conf/experiment/{n}.yaml`' for n in cfgs)}.\n\n"
             + md_table(header, table) + "\n\n![speed-up vs K](table3_throughput.png)\n\n"
             "## Simulator against measurement (measured: fitted CPU costs; emulated: exact costs)\n\n"
             + md_table(["model", "K", "M", "kind", "balance", "step s", "simulated s/step", "error",

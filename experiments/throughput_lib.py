@@ -2,27 +2,33 @@
 
 ``measure_step`` runs ``GPipe`` (one thread per stage) for a few steps, timed by
 ``gpipe_lab.bench``'s timer, and keeps the median step time and the timeline of
-the median step; given an ``EmulatedSpec`` its stages sleep instead of computing. ``layer_times`` times every layer's forward (with and without
-autograd) and backward on one micro-batch with one thread, the way a stage runs
-it; each figure is one slice of a single chained pass (a layer's input is the
-previous layer's output, its backward needs that pass's graph), so the clock is
-read around each call instead of through the shared timer. ``run_grid`` fits the
-planner's ``CostModel`` (fixed + per-sample per layer, engine overhead per action,
-hand-over per hop) from those once and predicts every cell of a grid with it.
+the median step; given an ``EmulatedSpec`` its stages sleep instead of computing.
+``run_grid`` fits the planner's ``CostModel`` (fixed + per-sample per layer, alone
+and beside a second busy stage, from ``layer_timing.layer_times``; engine overhead
+per action; hand-over per hop) once and predicts every cell of a grid with it.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 
+from experiments.layer_timing import layer_times
 from gpipe_lab.bench import EmulatedSpec, Timing, WorkloadSpec, time_call
 from gpipe_lab.pipeline import GPipe, Timeline
 from gpipe_lab.planner.cost_model import CostModel, LinearCost
 from gpipe_lab.planner.simulator import costs_from_timeline
+
+#: How the simulated cells are made, for the tables' descriptions (one text for every table).
+SIMULATOR_TEXT = (
+    "*Simulated*: the planner's simulator with a cost model fitted once per workload: every layer's "
+    "forward (inside the random-replay hop, as a stage runs it), replayed forward and backward timed at "
+    "each micro-batch size, one thread, fitted as fixed + per-sample (least relative error); timed once "
+    "alone and once beside a second thread running the same pass, and each action of a multi-stage step "
+    "costs between the two by the share of it another stage computes (`planner/contention.py`); plus "
+    "the engine's per-action overhead and the measured hand-over.")
 
 
 def gpu_devices(partitions: int) -> list[str] | None:
@@ -59,53 +65,6 @@ def measure_step(work: WorkloadSpec, partitions: int, chunks: int, steps: int = 
     return seconds, timeline, list(pipe.balance)
 
 
-def _as_tuple(value: object) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
-
-
-def layer_times(work: WorkloadSpec, micro_batch: int, repeat: int = 3) -> dict[str, list[float]]:
-    """Per-layer median seconds on one micro-batch, one thread: ``forward_grad``,
-    ``forward_nograd`` and ``backward`` (the loss is part of the last layer)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        built = work.build()
-        model, x, y, loss_fn = built.module, built.inputs, built.targets, built.loss_fn
-        x = tuple(t[:micro_batch] for t in x) if isinstance(x, tuple) else x[:micro_batch]
-        y = y[:micro_batch]
-        n = len(model)
-        samples: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in
-                                                 ("forward_grad", "forward_nograd", "backward")}
-        for _ in range(repeat + 1):
-            value, saved = x, []
-            for i, layer in enumerate(model):
-                ins = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _as_tuple(value))
-                arg = ins if isinstance(value, tuple) else ins[0]
-                start = time.perf_counter()
-                with torch.no_grad():
-                    layer(arg)
-                samples["forward_nograd"][i].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                out = layer(arg)
-                if i == n - 1:
-                    out = loss_fn(out, y)
-                samples["forward_grad"][i].append(time.perf_counter() - start)
-                saved.append((ins, out))
-                value = out
-            grads: tuple = (None,)
-            for i in reversed(range(n)):
-                ins, out = saved[i]
-                pairs = [(o, g) for o, g in zip(_as_tuple(out), grads) if o.requires_grad]
-                start = time.perf_counter()
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                samples["backward"][i].append(time.perf_counter() - start)
-                grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in ins)
-            model.zero_grad(set_to_none=True)
-        return {k: [statistics.median(s[1:]) for s in v] for k, v in samples.items()}
-    finally:
-        torch.set_num_threads(threads)
-
-
 def proportional(times: dict[str, list[float]], samples: int) -> dict[int, dict[str, list[float]]]:
     """One size's per-layer times as two points of a cost with no fixed part (for a single-M grid)."""
     return {samples: times, 2 * samples: {k: [2 * t for t in v] for k, v in times.items()}}
@@ -126,12 +85,27 @@ def engine_overhead(steps: int = 3) -> float:
     return statistics.median(durations)
 
 
-def cost_model_of(times_by_size: dict[int, dict[str, list[float]]], overhead: float, hop: float) -> CostModel:
-    """The simulator's cost model from per-layer times at each micro-batch size (one size: proportional)."""
-    if len(times_by_size) == 1:
-        (samples, times), = times_by_size.items()
-        times_by_size = proportional(times, samples)
-    return CostModel.fit(times_by_size, overhead, hop)
+def cost_model_of(times_by_size: dict[int, dict[str, list[float]]], overhead: float, hop: float,
+                  contended_by_size: dict[int, dict[str, list[float]]] | None = None) -> CostModel:
+    """The simulator's cost model from per-layer times at each micro-batch size, alone and (optionally)
+    contended (one size: proportional)."""
+    def two_sizes(by_size: dict[int, dict[str, list[float]]]) -> dict[int, dict[str, list[float]]]:
+        if len(by_size) == 1:
+            (samples, times), = by_size.items()
+            return proportional(times, samples)
+        return by_size
+
+    return CostModel.fit(two_sizes(times_by_size), overhead, hop,
+                         None if contended_by_size is None else two_sizes(contended_by_size))
+
+
+def timed_cost_model(work: WorkloadSpec, sizes: list[int], repeat: int, overhead: float, hop: float,
+                     contended: bool = True) -> CostModel:
+    """Time ``work``'s layers at each micro-batch size (alone, and beside a second stage when
+    ``contended``) and fit the simulator's cost model from them."""
+    alone = {s: layer_times(work, s, repeat) for s in sizes}
+    beside = {s: layer_times(work, s, repeat, contended=True) for s in sizes} if contended else None
+    return cost_model_of(alone, overhead, hop, beside)
 
 
 def emulated_cost_model(emu: EmulatedSpec) -> CostModel:
@@ -162,7 +136,8 @@ def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], 
     forward taking ``emulated_ms``) and simulate (every K) each M.
 
     Timed once, simulated many: per-layer times at every micro-batch size of the grid (and at 8x the
-    micro-batch when the grid has one M: fixed + per-sample needs two sizes), the engine's
+    micro-batch when the grid has one M: fixed + per-sample needs two sizes), alone and beside a
+    second stage (when the grid has K >= 2), the engine's
     per-action overhead and the median hand-over of the measured K >= 2 steps are measured once; the
     cost model fitted from them predicts every cell. With ``gpu`` every K this machine has GPUs for is
     measured on ``cuda:0..K-1``.
@@ -173,7 +148,7 @@ def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], 
     model = work.model()
     emulated_k = list(emulated_k or [])
     fit_chunks = set(chunks) if len(set(chunks)) > 1 else {*chunks, max(1, min(chunks) // 8)}
-    times = {work.batch // m: layer_times(work, work.batch // m, repeat) for m in sorted(fit_chunks)}
+    sizes = [work.batch // m for m in sorted(fit_chunks)]
     real: dict[tuple[int, int], tuple[float, Timeline, list[int]]] = {}
     for m in chunks:
         for k in sorted(set(measured_k) | set(simulated_k)):
@@ -181,7 +156,9 @@ def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], 
             if k in measured_k or devices:
                 real[(k, m)] = measure_step(work, k, m, steps, devices=devices)
     hops = [hop_seconds(tl) for (k, _), (_, tl, _) in real.items() if k > 1]
-    cost = cost_model_of(times, engine_overhead(), statistics.median(hops) if hops else 0.0)
+    all_k = set(measured_k) | set(simulated_k)
+    cost = timed_cost_model(work, sizes, repeat, engine_overhead(), statistics.median(hops) if hops else 0.0,
+                            contended=max(all_k, default=1) > 1)
     emu = EmulatedSpec(work, emulated_ms) if emulated_k else None
     rows = []
     for m in chunks:

@@ -61,3 +61,12 @@ def test_bad_inputs_are_named() -> None:
         CostModel({"backward": []})
     with pytest.raises(ValueError, match="unknown kind"):
         model.stage_seconds("W", [4], 1)
+
+
+def test_fit_weighs_every_size_by_its_relative_error():
+    # not a line: an absolute least-squares fit goes through the large size and is off by 60%
+    # (below zero, clipped) at 8 samples, the size small micro-batches are priced at
+    sizes, seconds = [8, 64, 256], [0.010, 0.040, 0.200]
+    fit = fit_linear(sizes, seconds)
+    assert all(abs(fit.at(n) / s - 1) < 0.16 for n, s in zip(sizes, seconds))
+    assert abs(fit.at(8) / 0.010 - 1) < 0.05

@@ -6,8 +6,13 @@ dominates small micro-batches on CPU. Here each layer's forward (with and withou
 autograd) and backward is ``fixed + per_sample x n``, least-squares fitted from
 times measured at two or more micro-batch sizes; a stage's action is the sum over
 its layers plus ``action_overhead`` (the engine's own bookkeeping per action),
-and every boundary crossing adds ``handover``. Once fitted, the model predicts any
-(balance, M) without timing again: two predictions of the same setting are equal.
+and every boundary crossing adds ``handover``. A replayed forward may have its own
+``recompute`` times (a stage replays without the random-replay hop when the forward
+drew nothing); without them it costs ``forward_grad``. Given ``contended`` fits too
+(the same layers timed while a second stage runs), each action of a multi-stage step
+costs between the two by how much it overlaps other stages' work
+(``planner.contention``). Once fitted, the model predicts any (balance, M) without
+timing again: two predictions of the same setting are equal.
 
     model = CostModel.fit({8: times_at_8, 32: times_at_32}, action_overhead=2e-4, handover=1e-4)
     model.predict([4, 4], chunks=4, batch=32).step_time
@@ -20,10 +25,13 @@ from dataclasses import dataclass
 
 from gpipe_lab.pipeline.gpipe import checkpointed_microbatches
 from gpipe_lab.pipeline.schedule import get_schedule
+from gpipe_lab.planner.contention import predict_contended
 from gpipe_lab.planner.simulator import Prediction, StageCosts, predict_step
 
-#: The per-layer times a cost model is fitted from (``experiments.throughput_lib.layer_times``'s keys).
+#: The per-layer times a cost model is fitted from (``experiments.layer_timing.layer_times``'s keys).
 KINDS = ("forward_grad", "forward_nograd", "backward")
+#: An optional kind: a checkpointed micro-batch's replayed forward (``forward_grad`` when absent).
+RECOMPUTE = "recompute"
 
 
 @dataclass(frozen=True)
@@ -38,8 +46,16 @@ class LinearCost:
         return max(0.0, self.fixed + self.per_sample * samples)
 
 
+#: Per-layer costs of each kind.
+Layers = Mapping[str, Sequence[LinearCost]]
+
+
 def fit_linear(sizes: Sequence[float], seconds: Sequence[float]) -> LinearCost:
-    """Least-squares ``fixed + per_sample x n`` through (size, seconds) points, both terms kept >= 0.
+    """``fixed + per_sample x n`` through (size, seconds) points, both terms kept >= 0.
+
+    The fit minimizes the squared *relative* error: in absolute seconds the largest
+    micro-batch would outweigh the rest, and the fixed cost that dominates the smallest
+    ones (the sizes the fit is for) would be lost in its noise.
 
     Raises:
         ValueError: lists of different lengths, or fewer than two distinct sizes.
@@ -48,37 +64,50 @@ def fit_linear(sizes: Sequence[float], seconds: Sequence[float]) -> LinearCost:
         raise ValueError(f"{len(sizes)} sizes but {len(seconds)} times")
     if len(set(sizes)) < 2:
         raise ValueError(f"a fixed + per-sample fit needs >= 2 distinct micro-batch sizes, got {sorted(set(sizes))}")
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(seconds) / n
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx
+    floor = max(max(seconds), 1e-30) * 1e-6  # a zero time gets a large weight, not an infinite one
+    weights = [1.0 / max(y, floor) ** 2 for y in seconds]
+    total = sum(weights)
+    mx = sum(w * x for w, x in zip(weights, sizes)) / total
+    my = sum(w * y for w, y in zip(weights, seconds)) / total
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(weights, sizes))
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(weights, sizes, seconds)) / sxx
     fixed = my - slope * mx
     if slope < 0:  # noise on a layer too cheap to grow with n: a constant
-        return LinearCost(my, 0.0)
+        return LinearCost(sum(seconds) / len(seconds), 0.0)
     if fixed < 0:  # noise on a purely proportional layer: through the origin
-        return LinearCost(0.0, sum(x * y for x, y in zip(sizes, seconds)) / sum(x * x for x in sizes))
+        return LinearCost(0.0, sum(w * x * y for w, x, y in zip(weights, sizes, seconds))
+                          / sum(w * x * x for w, x in zip(weights, sizes)))
     return LinearCost(fixed, slope)
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-layer linear costs of each kind in ``KINDS``, plus engine overhead per action and hand-over per hop.
+    """Per-layer linear costs of each kind in ``KINDS`` (and optionally ``RECOMPUTE``), plus engine
+    overhead per action and hand-over per hop; ``contended`` holds the same kinds timed beside a
+    second busy stage (None: stages do not slow each other).
 
     Raises:
-        ValueError: a missing kind, kinds with different layer counts, or a negative overhead / hand-over.
+        ValueError: a missing kind, kinds with different layer counts (in either table), or a negative
+            overhead / hand-over.
     """
 
-    layers: Mapping[str, Sequence[LinearCost]]
+    layers: Layers
     action_overhead: float = 0.0
     handover: float = 0.0
+    contended: Layers | None = None
 
     def __post_init__(self) -> None:
-        missing = [k for k in KINDS if k not in self.layers]
-        if missing:
-            raise ValueError(f"cost model lacks {missing}; needs {list(KINDS)}")
-        counts = {k: len(self.layers[k]) for k in KINDS}
-        if len(set(counts.values())) != 1:
-            raise ValueError(f"kinds cover different layer counts: {counts}")
+        for name, table in (("layers", self.layers), ("contended", self.contended)):
+            if table is None:
+                continue
+            missing = [k for k in KINDS if k not in table]
+            if missing:
+                raise ValueError(f"cost model lacks {missing} in {name}; needs {list(KINDS)}")
+            counts = {k: len(v) for k, v in table.items()}
+            if len(set(counts.values())) != 1 or len(table[KINDS[0]]) != len(self.layers[KINDS[0]]):
+                raise ValueError(f"kinds cover different layer counts: {counts} ({name})")
+        if self.contended is not None and (RECOMPUTE in self.layers) != (RECOMPUTE in self.contended):
+            raise ValueError(f"{RECOMPUTE!r} is in one of layers / contended but not the other")
         if self.action_overhead < 0 or self.handover < 0:
             raise ValueError(f"action_overhead and handover must be >= 0, got {self.action_overhead}, "
                              f"{self.handover}")
@@ -89,57 +118,58 @@ class CostModel:
 
     @classmethod
     def fit(cls, times_by_size: Mapping[int, Mapping[str, Sequence[float]]], action_overhead: float = 0.0,
-            handover: float = 0.0) -> CostModel:
-        """Fit every layer's kinds from ``{micro-batch size: {kind: per-layer seconds}}``.
+            handover: float = 0.0, contended_by_size: Mapping[int, Mapping[str, Sequence[float]]] | None = None,
+            ) -> CostModel:
+        """Fit every layer's kinds from ``{micro-batch size: {kind: per-layer seconds}}`` (and the
+        contended table from ``contended_by_size``, the same shape).
 
         Raises:
             ValueError: fewer than two sizes, a size missing a kind, or different layer counts.
         """
-        sizes = sorted(times_by_size)
-        if len(sizes) < 2:
-            raise ValueError(f"need per-layer times at >= 2 micro-batch sizes to fit fixed + per-sample, got {sizes}")
-        layers = {}
-        for kind in KINDS:
-            if any(kind not in times_by_size[s] for s in sizes):
-                raise ValueError(f"per-layer {kind!r} times missing at some of the sizes {sizes}")
-            columns = list(zip(*(times_by_size[s][kind] for s in sizes), strict=True))
-            layers[kind] = [fit_linear(sizes, list(col)) for col in columns]
-        return cls(layers, action_overhead, handover)
+        contended = None if contended_by_size is None else _fit_table(contended_by_size)
+        return cls(_fit_table(times_by_size), action_overhead, handover, contended)
 
-    def stage_seconds(self, kind: str, balance: Sequence[int], samples: float) -> list[float]:
-        """Seconds of one ``kind`` action of each stage on ``samples`` samples (engine overhead included).
+    def stage_seconds(self, kind: str, balance: Sequence[int], samples: float, contended: bool = False,
+                      ) -> list[float]:
+        """Seconds of one ``kind`` action of each stage on ``samples`` samples (engine overhead included),
+        alone or (``contended``) beside another busy stage.
 
         Raises:
             ValueError: an unknown kind, or a balance that does not cover the layers.
         """
-        if kind not in KINDS:
-            raise ValueError(f"unknown kind {kind!r}; allowed: {list(KINDS)}")
+        table = self.contended if contended and self.contended is not None else self.layers
+        if kind == RECOMPUTE and kind not in table:
+            kind = "forward_grad"
+        if kind not in KINDS and kind != RECOMPUTE:
+            raise ValueError(f"unknown kind {kind!r}; allowed: {[*KINDS, RECOMPUTE]}")
         if sum(balance) != self.num_layers:
             raise ValueError(f"balance {list(balance)} covers {sum(balance)} layers, the model has {self.num_layers}")
         out, start = [], 0
         for count in balance:
-            out.append(self.action_overhead + sum(c.at(samples) for c in self.layers[kind][start:start + count]))
+            out.append(self.action_overhead + sum(c.at(samples) for c in table[kind][start:start + count]))
             start += count
         return out
 
     def durations(self, balance: Sequence[int], chunks: int, batch: int, checkpoint: str = "except_last",
-                  ) -> dict[tuple[int, str, int], float]:
+                  contended: bool = False) -> dict[tuple[int, str, int], float]:
         """Seconds of every GPipe action ``(stage, kind, micro-batch)``: a checkpointed micro-batch's
         forward runs without autograd and is replayed (R) with it; the others keep their graph.
+        ``contended``: each action's cost beside another busy stage.
 
         Raises:
             ValueError: a bad balance or checkpoint mode.
         """
         samples = batch / chunks
         replayed = checkpointed_microbatches(checkpoint, chunks)
-        grad, nograd, back = (self.stage_seconds(k, balance, samples) for k in KINDS)
+        grad, nograd, back, again = (self.stage_seconds(k, balance, samples, contended)
+                                     for k in (*KINDS, RECOMPUTE))
         out = {}
         for k in range(len(balance)):
             for i in range(chunks):
                 out[(k, "F", i)] = nograd[k] if i in replayed else grad[k]
                 out[(k, "B", i)] = back[k]
                 if i in replayed:
-                    out[(k, "R", i)] = grad[k]
+                    out[(k, "R", i)] = again[k]
         return out
 
     def predict(self, balance: Sequence[int], chunks: int, batch: int, schedule: str = "gpipe",
@@ -154,5 +184,23 @@ class CostModel:
         grad, back = self.stage_seconds("forward_grad", balance, samples), self.stage_seconds("backward", balance,
                                                                                              samples)
         costs = StageCosts(grad, back, [0.0] * k, grad, [self.handover] * max(k - 1, 0))
-        return predict_step(get_schedule(schedule, k, chunks), costs, checkpointed_microbatches(checkpoint, chunks),
-                            self.durations(balance, chunks, batch, checkpoint))
+        plan, replayed = get_schedule(schedule, k, chunks), checkpointed_microbatches(checkpoint, chunks)
+        alone = self.durations(balance, chunks, batch, checkpoint)
+        if self.contended is None or k < 2:
+            return predict_step(plan, costs, replayed, alone)
+        return predict_contended(plan, costs, alone, self.durations(balance, chunks, batch, checkpoint, True),
+                                 replayed)
+
+
+def _fit_table(times_by_size: Mapping[int, Mapping[str, Sequence[float]]]) -> dict[str, list[LinearCost]]:
+    sizes = sorted(times_by_size)
+    if len(sizes) < 2:
+        raise ValueError(f"need per-layer times at >= 2 micro-batch sizes to fit fixed + per-sample, got {sizes}")
+    kinds = [*KINDS, *([RECOMPUTE] if all(RECOMPUTE in times_by_size[s] for s in sizes) else [])]
+    layers = {}
+    for kind in kinds:
+        if any(kind not in times_by_size[s] for s in sizes):
+            raise ValueError(f"per-layer {kind!r} times missing at some of the sizes {sizes}")
+        columns = list(zip(*(times_by_size[s][kind] for s in sizes), strict=True))
+        layers[kind] = [fit_linear(sizes, list(col)) for col in columns]
+    return layers

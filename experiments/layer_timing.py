@@ -1,0 +1,130 @@
+"""Per-layer times for the simulator, taken the way a CPU stage runs its layers: alone or beside a second stage.
+
+A stage runs each forward inside its micro-batch's random-replay context (a
+``TorchDispatchMode`` that routes every random op to the micro-batch's
+generator), with one intra-op thread; it replays a checkpointed forward without
+that hop when the forward drew nothing. ``layer_times`` times every layer that
+way: ``forward_grad`` and ``forward_nograd`` inside the context, ``recompute``
+(with autograd, inside the context only if the layer drew) and ``backward``.
+Each figure is one slice of a single chained pass (a layer's input is the
+previous layer's output, its backward needs that pass's graph), so the clock is
+read around each call.
+
+Stages of one process share the interpreter lock and the memory bandwidth.
+``contended=True`` runs the same timed pass on two threads at once, each on its
+own copy of the network, kept in step by a barrier at every forward and backward
+phase (a GPipe step pairs forwards with forwards and backwards with backwards);
+the figures are the mean of the two threads'.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from contextlib import nullcontext
+
+import torch
+
+from gpipe_lab.bench import WorkloadSpec
+from gpipe_lab.pipeline.context import microbatch_context
+
+#: Seconds a timing thread waits for its twin at a phase boundary before giving up.
+BARRIER_TIMEOUT_S = 600.0
+KINDS = ("forward_grad", "forward_nograd", "recompute", "backward")
+
+
+def _as_tuple(value: object) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def layer_times(work: WorkloadSpec, micro_batch: int, repeat: int = 3, contended: bool = False,
+                ) -> dict[str, list[float]]:
+    """Per-layer median seconds of each kind in ``KINDS`` on one ``micro_batch``-sample micro-batch,
+    one intra-op thread, alone or (``contended``) beside a second thread running the same pass.
+
+    Raises:
+        ValueError: ``repeat`` < 1 or ``micro_batch`` < 1.
+        RuntimeError: a timing thread failed (its error is chained) or did not reach a phase boundary
+            within ``BARRIER_TIMEOUT_S``.
+    """
+    if repeat < 1 or micro_batch < 1:
+        raise ValueError(f"repeat and micro_batch must be >= 1, got repeat={repeat}, micro_batch={micro_batch}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if not contended:
+            return _timed_pass(work, micro_batch, repeat, None)
+        barrier = threading.Barrier(2, timeout=BARRIER_TIMEOUT_S)
+        results: list[dict[str, list[float]] | BaseException | None] = [None, None]
+
+        def run(i: int) -> None:
+            try:
+                results[i] = _timed_pass(work, micro_batch, repeat, barrier)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                results[i] = exc
+                barrier.abort()
+
+        twins = [threading.Thread(target=run, args=(i,), name=f"layer-timing-{i}", daemon=True) for i in range(2)]
+        for t in twins:
+            t.start()
+        for t in twins:
+            t.join()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise RuntimeError(f"contended layer timing failed: {r}") from r
+        a, b = results
+        assert isinstance(a, dict) and isinstance(b, dict)
+        return {k: [(x + y) / 2 for x, y in zip(a[k], b[k])] for k in a}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed_pass(work: WorkloadSpec, micro_batch: int, repeat: int, barrier: threading.Barrier | None,
+                ) -> dict[str, list[float]]:
+    built = work.build()
+    model, x, y, loss_fn = built.module, built.inputs, built.targets, built.loss_fn
+    x = tuple(t[:micro_batch] for t in x) if isinstance(x, tuple) else x[:micro_batch]
+    y = y[:micro_batch]
+    n = len(model)
+    samples: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in KINDS}
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(repeat + 1):  # the first pass warms up
+        if barrier is not None:
+            barrier.wait()
+        value, saved = x, []
+        for i, layer in enumerate(model):
+            ins = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _as_tuple(value))
+            arg = ins if isinstance(value, tuple) else ins[0]
+            start = time.perf_counter()
+            with torch.no_grad(), microbatch_context(generator):
+                layer(arg)
+            samples["forward_nograd"][i].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            with microbatch_context(generator) as mode:
+                out = layer(arg)
+                if i == n - 1:
+                    out = loss_fn(out, y)
+            samples["forward_grad"][i].append(time.perf_counter() - start)
+            drew = mode is not None and mode.draws > 0
+            start = time.perf_counter()
+            with microbatch_context(generator) if drew else nullcontext():
+                again = layer(arg)
+                if i == n - 1:
+                    again = loss_fn(again, y)
+            samples["recompute"][i].append(time.perf_counter() - start)
+            del again
+            saved.append((ins, out))
+            value = out
+        if barrier is not None:
+            barrier.wait()
+        grads: tuple = (None,)
+        for i in reversed(range(n)):
+            ins, out = saved[i]
+            pairs = [(o, g) for o, g in zip(_as_tuple(out), grads) if o.requires_grad]
+            start = time.perf_counter()
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            samples["backward"][i].append(time.perf_counter() - start)
+            grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in ins)
+        model.zero_grad(set_to_none=True)
+    return {k: [statistics.median(s[1:]) for s in v] for k, v in samples.items()}
