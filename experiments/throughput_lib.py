@@ -10,6 +10,7 @@ per action; hand-over per hop) once and predicts every cell of a grid with it.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from typing import Any
 
@@ -165,8 +166,10 @@ def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], 
         for k in sorted(set(measured_k) | set(simulated_k) | set(emulated_k)):
             measured, timeline, balance = real.get((k, m), (None, None, work.balance(model, k)))
             pred = cost.predict(balance, m, work.batch)
+            alone = uncontended(cost).predict(balance, m, work.batch).step_time
             row = {"workload": work.name, "K": k, "M": m, "batch": work.batch, "balance": balance,
                    "measured_s": measured, "simulated_s": pred.step_time, "hop_s": cost.handover,
+                   "simulated_alone_s": alone, "sim_alone_error": error(alone, measured),
                    "overhead_s": cost.action_overhead, "sim_error": error(pred.step_time, measured),
                    "measured_sps": None if measured is None else work.batch / measured,
                    "simulated_sps": work.batch / pred.step_time,
@@ -178,6 +181,33 @@ def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], 
                 row.update(emulated_cell(emu, k, m, steps))
             rows.append(row)
     return rows
+
+
+def uncontended(cost: CostModel) -> CostModel:
+    """``cost`` with stages that never slow each other (its alone times only)."""
+    return dataclasses.replace(cost, contended=None)
+
+
+def simulator_findings(rows: list[dict], error_key: str = "sim_error", alone_key: str | None = "sim_alone_error",
+                       label: str = "measured cells") -> str:
+    """Sentences computed from ``rows``: in how many the simulator is within 10% of the measured step,
+    per K, with and (``alone_key``) without the contention term."""
+    lines = []
+    for multi in (False, True):
+        cells = [r for r in rows if r.get(error_key) is not None and (r["K"] > 1) == multi]
+        if not cells:
+            continue
+        within = sum(abs(r[error_key]) <= 0.10 for r in cells)
+        worst = max(cells, key=lambda r: abs(r[error_key]))
+        line = (f"- Simulator within 10% of the {label} at {'K >= 2' if multi else 'K = 1'} in {within} of "
+                f"{len(cells)} (largest error {worst[error_key]:+.1%}, {worst['workload']} K={worst['K']} "
+                f"M={worst['M']})")
+        plain = [r[alone_key] for r in cells if alone_key and r.get(alone_key) is not None]
+        if multi and plain and len(plain) == len(cells):
+            line += (f"; without the contention term, within 10% in {sum(abs(e) <= 0.10 for e in plain)} of "
+                     f"{len(cells)} (largest error {max(plain, key=abs):+.1%})")
+        lines.append(line + ".")
+    return "\n".join(lines)
 
 
 def emulated_cell(emu: EmulatedSpec, partitions: int, chunks: int, steps: int) -> dict[str, float | None]:
