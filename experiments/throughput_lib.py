@@ -26,7 +26,7 @@ from gpipe_lab.planner.simulator import costs_from_timeline
 SIMULATOR_TEXT = (
     "*Simulated*: the planner's simulator with a cost model fitted once per workload: every layer's "
     "forward (inside the random-replay hop, as a stage runs it), replayed forward and backward timed at "
-    "each micro-batch size, one thread, fitted as fixed + per-sample (least relative error); timed once "
+    "each micro-batch size, one thread, fitted as fixed + per-sample between neighbouring sizes; timed once "
     "alone and once beside a second thread running the same pass, and each action of a multi-stage step "
     "costs between the two by the share of it another stage computes (`planner/contention.py`); plus "
     "the engine's per-action overhead and the measured hand-over.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe_lab.planner.cost_model import CostModel, LinearCost, fit_linear
+from gpipe_lab.planner.cost_model import CostModel, LinearCost, fit_linear, fit_piecewise
 
 
 def times(size: int, layers: int = 4) -> dict[str, list[float]]:
@@ -70,3 +70,19 @@ def test_fit_weighs_every_size_by_its_relative_error():
     fit = fit_linear(sizes, seconds)
     assert all(abs(fit.at(n) / s - 1) < 0.16 for n, s in zip(sizes, seconds))
     assert abs(fit.at(8) / 0.010 - 1) < 0.05
+
+
+def test_a_fit_over_three_sizes_reproduces_each_measured_size():
+    # a layer whose per-sample cost grows with the micro-batch (caches): no single line fits
+    curve = {8: 0.010, 64: 0.040, 256: 0.200}
+    piece = fit_piecewise(list(curve), list(curve.values()))
+    assert all(piece.at(n) == pytest.approx(s) for n, s in curve.items())
+    assert piece.at(32) == pytest.approx(0.010 + (0.040 - 0.010) * 24 / 56)  # between 8 and 64
+    assert piece.at(512) == pytest.approx(0.200 + 256 * (0.200 - 0.040) / 192)  # the last interval extended
+    assert piece.at(1) > 0
+    model = CostModel.fit({n: {k: [s] for k in ("forward_grad", "forward_nograd", "backward")}
+                           for n, s in curve.items()})
+    for n, s in curve.items():
+        assert model.stage_seconds("backward", [1], n) == [pytest.approx(s)]
+    with pytest.raises(ValueError, match="2 distinct"):
+        fit_piecewise([4, 4], [1.0, 2.0])

@@ -3,8 +3,9 @@
 Scaling one micro-batch size's per-layer time linearly with the micro-batch
 misses the fixed cost of every call (dispatch, kernel launch, Python), which
 dominates small micro-batches on CPU. Here each layer's forward (with and without
-autograd) and backward is ``fixed + per_sample x n``, least-squares fitted from
-times measured at two or more micro-batch sizes; a stage's action is the sum over
+autograd) and backward is ``fixed + per_sample x n``, fitted from times measured at
+two or more micro-batch sizes (on each interval between neighbouring sizes, so every
+measured size is reproduced: ``PiecewiseCost``); a stage's action is the sum over
 its layers plus ``action_overhead`` (the engine's own bookkeeping per action),
 and every boundary crossing adds ``handover``. A replayed forward may have its own
 ``recompute`` times (a stage replays without the random-replay hop when the forward
@@ -20,6 +21,7 @@ timing again: two predictions of the same setting are equal.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -46,8 +48,26 @@ class LinearCost:
         return max(0.0, self.fixed + self.per_sample * samples)
 
 
+@dataclass(frozen=True)
+class PiecewiseCost:
+    """Seconds for ``n`` samples, ``fixed + per_sample x n`` on each interval between neighbouring
+    measured sizes (the end intervals extended), so that every measured size is reproduced.
+
+    A single line through three or more sizes cannot follow a layer whose per-sample cost
+    changes with the micro-batch (caches, kernel choice); the grids this model predicts are
+    made of the sizes it was timed at.
+    """
+
+    sizes: tuple[float, ...]
+    pieces: tuple[LinearCost, ...]
+
+    def at(self, samples: float) -> float:
+        """Seconds on ``samples`` samples."""
+        return self.pieces[bisect.bisect_left(self.sizes, samples, 1, len(self.sizes) - 1) - 1].at(samples)
+
+
 #: Per-layer costs of each kind.
-Layers = Mapping[str, Sequence[LinearCost]]
+Layers = Mapping[str, Sequence[LinearCost | PiecewiseCost]]
 
 
 def fit_linear(sizes: Sequence[float], seconds: Sequence[float]) -> LinearCost:
@@ -78,6 +98,26 @@ def fit_linear(sizes: Sequence[float], seconds: Sequence[float]) -> LinearCost:
         return LinearCost(0.0, sum(w * x * y for w, x, y in zip(weights, sizes, seconds))
                           / sum(w * x * x for w, x in zip(weights, sizes)))
     return LinearCost(fixed, slope)
+
+
+def fit_piecewise(sizes: Sequence[float], seconds: Sequence[float]) -> PiecewiseCost:
+    """The line through each pair of neighbouring (size, seconds) points (repeated sizes averaged first).
+
+    Raises:
+        ValueError: lists of different lengths, or fewer than two distinct sizes.
+    """
+    if len(sizes) != len(seconds):
+        raise ValueError(f"{len(sizes)} sizes but {len(seconds)} times")
+    by_size: dict[float, list[float]] = {}
+    for x, y in zip(sizes, seconds):
+        by_size.setdefault(x, []).append(y)
+    xs = sorted(by_size)
+    if len(xs) < 2:
+        raise ValueError(f"a fixed + per-sample fit needs >= 2 distinct micro-batch sizes, got {xs}")
+    ys = [sum(by_size[x]) / len(by_size[x]) for x in xs]
+    slopes = [(ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) for i in range(len(xs) - 1)]
+    # each line goes through its two points; its terms may be negative there (``at`` never is)
+    return PiecewiseCost(tuple(xs), tuple(LinearCost(ys[i] - m * xs[i], m) for i, m in enumerate(slopes)))
 
 
 @dataclass(frozen=True)
@@ -121,7 +161,7 @@ class CostModel:
             handover: float = 0.0, contended_by_size: Mapping[int, Mapping[str, Sequence[float]]] | None = None,
             ) -> CostModel:
         """Fit every layer's kinds from ``{micro-batch size: {kind: per-layer seconds}}`` (and the
-        contended table from ``contended_by_size``, the same shape).
+        contended table from ``contended_by_size``, the same shape), piecewise (``fit_piecewise``).
 
         Raises:
             ValueError: fewer than two sizes, a size missing a kind, or different layer counts.
@@ -192,7 +232,7 @@ class CostModel:
                                  replayed)
 
 
-def _fit_table(times_by_size: Mapping[int, Mapping[str, Sequence[float]]]) -> dict[str, list[LinearCost]]:
+def _fit_table(times_by_size: Mapping[int, Mapping[str, Sequence[float]]]) -> dict[str, list[PiecewiseCost]]:
     sizes = sorted(times_by_size)
     if len(sizes) < 2:
         raise ValueError(f"need per-layer times at >= 2 micro-batch sizes to fit fixed + per-sample, got {sizes}")
@@ -202,5 +242,5 @@ def _fit_table(times_by_size: Mapping[int, Mapping[str, Sequence[float]]]) -> di
         if any(kind not in times_by_size[s] for s in sizes):
             raise ValueError(f"per-layer {kind!r} times missing at some of the sizes {sizes}")
         columns = list(zip(*(times_by_size[s][kind] for s in sizes), strict=True))
-        layers[kind] = [fit_linear(sizes, list(col)) for col in columns]
+        layers[kind] = [fit_piecewise(sizes, list(col)) for col in columns]
     return layers
