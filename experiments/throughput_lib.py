@@ -150,20 +150,20 @@ def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], 
     emulated_k = list(emulated_k or [])
     fit_chunks = set(chunks) if len(set(chunks)) > 1 else {*chunks, max(1, min(chunks) // 8)}
     sizes = [work.batch // m for m in sorted(fit_chunks)]
+    all_k = set(measured_k) | set(simulated_k)
     real: dict[tuple[int, int], tuple[float, Timeline, list[int]]] = {}
     for m in chunks:
-        for k in sorted(set(measured_k) | set(simulated_k)):
+        for k in sorted(all_k):
             devices = gpu_devices(k) if gpu else None
             if k in measured_k or devices:
                 real[(k, m)] = measure_step(work, k, m, steps, devices=devices)
     hops = [hop_seconds(tl) for (k, _), (_, tl, _) in real.items() if k > 1]
-    all_k = set(measured_k) | set(simulated_k)
     cost = timed_cost_model(work, sizes, repeat, engine_overhead(), statistics.median(hops) if hops else 0.0,
                             contended=max(all_k, default=1) > 1)
     emu = EmulatedSpec(work, emulated_ms) if emulated_k else None
     rows = []
     for m in chunks:
-        for k in sorted(set(measured_k) | set(simulated_k) | set(emulated_k)):
+        for k in sorted(all_k | set(emulated_k)):
             measured, timeline, balance = real.get((k, m), (None, None, work.balance(model, k)))
             pred = cost.predict(balance, m, work.batch)
             alone = uncontended(cost).predict(balance, m, work.batch).step_time
