@@ -1,6 +1,6 @@
 """Probe: why per-layer times alone under-predict a pipelined CPU step, and what the contended timing sees.
 
-For the Table 2 AmoebaNet analogue (18 cells, 32 filters, mini-batch 256) at K=2,
+For the Table 2 AmoebaNet analogue (``conf/experiment/paper_table2_amoebanet.yaml``) at K=2,
 M=32 (8-image micro-batches), prints stage 0's per-layer sums, as the simulator's
 cost model takes them (``experiments.layer_timing.layer_times``): alone and
 beside a second thread running the same pass. Beside them, the median F, R and B
@@ -16,22 +16,16 @@ from __future__ import annotations
 import statistics
 import sys
 
+from experiments.common import compose_experiment
 from experiments.layer_timing import layer_times
-from experiments.throughput_lib import measure_step
-
-from gpipe_lab.bench import WorkloadSpec
-
-AMOEBA = WorkloadSpec("amoeba", "amoebanet_d", {"num_layers": 18, "num_filters": 32, "image_size": 32,
-                                                "num_classes": 10}, 256)
-TRANSFORMER = WorkloadSpec("transformer", "transformer_l", {"num_layers": 48, "d_model": 128, "ffn_dim": 512,
-                                                            "num_heads": 4, "vocab_size": 512, "seq_len": 32,
-                                                            "dropout": 0.0}, 256)
+from experiments.throughput_lib import measure_step, workload_of
 
 
 def main() -> None:
     """Print the table (milliseconds per action of stage 0)."""
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    work = TRANSFORMER if "--transformer" in sys.argv else AMOEBA
+    name = "paper_table2_transformer" if "--transformer" in sys.argv else "paper_table2_amoebanet"
+    work = workload_of(compose_experiment(name).experiment)  # Table 2's workload, as its config defines it
     chunks = int(args[0]) if args else 32
     micro = work.batch // chunks
     _, step2, balance = measure_step(work, 2, chunks, steps=3)
