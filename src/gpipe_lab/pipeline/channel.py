@@ -66,6 +66,8 @@ class Endpoint(Protocol):
     timeout: float
     #: intra-op threads of a CPU rank's thread (``None``: the process's setting)
     threads_per_rank: int | None
+    #: per hosted stage, the most micro-batches it held at once in the last step (the executor's count)
+    peak_live: dict[int, int]
 
     def prepare(self, schedule: Schedule) -> Any:
         """Whatever the endpoint derives once per schedule (the core caches it)."""

@@ -75,8 +75,6 @@ class Executor:
         self.endpoint = endpoint
         self.runtimes = dict(runtimes)
         self.num_stages = next(iter(self.runtimes.values())).num_stages
-        #: per hosted stage: the most micro-batches it held at once in the last step
-        self.peak_live: dict[int, int] = {}
 
     def run(self, schedule: Schedule, prepared: object, feed: StepFeed, sync_gradients: bool) -> None:
         """Execute the hosted ranks' lists of ``schedule``.
@@ -89,7 +87,7 @@ class Executor:
         """
         step = _Step(schedule, feed, sync_gradients, self.num_stages)
         ranks = [(k, self._device(schedule, k)) for k in self.endpoint.ranks]
-        self.peak_live = {s: 0 for s in self.runtimes}
+        self.endpoint.peak_live = {s: 0 for s in self.runtimes}
         self.endpoint.open(prepared, step.mailbox, ranks)
         try:
             self._run_threads(step, ranks)
@@ -163,7 +161,8 @@ class Executor:
                 raise Stopped
             runtime = self.runtimes[action.stage]
             run_action(action, runtime, receive, self.endpoint, step.feed, self.num_stages)
-            self.peak_live[action.stage] = max(self.peak_live[action.stage], len(runtime._saved))
+            peak = self.endpoint.peak_live
+            peak[action.stage] = max(peak[action.stage], len(runtime._saved))
             if step.sync_gradients and last_backward.get(action.stage) == i:
                 self.endpoint.stage_done(runtime)
             step.done[k] = action

@@ -37,6 +37,7 @@ class LocalChannel:
         self.timeout = timeout
         self.streams: Streams = streams_for([r.device for r in runtimes.values()])
         self._mailbox = Mailbox()
+        self.peak_live: dict[int, int] = {}
 
     def prepare(self, schedule: Schedule) -> Any:
         return None

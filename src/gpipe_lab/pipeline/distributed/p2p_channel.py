@@ -55,6 +55,7 @@ class P2PChannel:
         self.ranks = [topo.stage_index]
         self.num_virtual = topo.num_stages * topo.virtual_stages
         self._mailbox = Mailbox()
+        self.peak_live: dict[int, int] = {}
         self._seq: dict[LinkKey, int] = {}
         self._pending: Pending = []
 
