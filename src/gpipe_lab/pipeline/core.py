@@ -6,15 +6,15 @@ step: its micro-batching (min(chunks, batch) micro-batches), the loss weights, t
 schedule (cached per micro-batch count), running the hosted ranks' action lists
 through the one executor (``executor.Executor``), the non-finite policy with its
 deferred-BatchNorm commit, and the timeline. ``pipe(x)``'s differentiable path
-(``autograd_forward``) runs through ``forward_half`` / ``backward_half``, so it gets
-the same policy as ``train_step``.
+(``autograd_forward``) runs through the public ``forward_half`` / ``backward_half``
+(``half_steps``), so it gets the same policy as ``train_step``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,10 +26,11 @@ from gpipe_lab.pipeline.batching import (
     make_feed,
     microbatch_count,
 )
-from gpipe_lab.pipeline.channel import Endpoint, StepFeed, Values
+from gpipe_lab.pipeline.channel import Endpoint, StepFeed
 from gpipe_lab.pipeline.compiling import CompiledStage, compile_kwargs, split_backward_error
 from gpipe_lab.pipeline.executor import Executor, step_timeline
-from gpipe_lab.pipeline.microbatch import Value, join, split, unwrap
+from gpipe_lab.pipeline.half_steps import HalfSteps
+from gpipe_lab.pipeline.microbatch import Value, join, unwrap
 from gpipe_lab.pipeline.options import OptionViews, PipelineOptions
 from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs
 from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
@@ -39,18 +40,7 @@ from gpipe_lab.pipeline.timeline import Timeline
 LossFn = Callable[[object, object], Tensor]
 
 
-class HalfStep(NamedTuple):
-    """A ``pipe(x)`` step whose forward half ran (``PipelineCore.forward_half``)."""
-
-    outputs: Value
-    output_was_tensor: bool
-    plan: StepPlan
-    leaves: list[tuple[Tensor, ...]]  # each micro-batch's inputs, as leaves on the first stage's device
-    sizes: list[int]  # each micro-batch's output batch size
-    generation: int
-
-
-class PipelineCore(StepPolicy, OptionViews, nn.Module):
+class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
     """The step shared by every front door; a front door calls ``_start_core`` once built."""
 
     options: PipelineOptions
@@ -210,47 +200,6 @@ class PipelineCore(StepPolicy, OptionViews, nn.Module):
             self._commit_batch_norm()
         self.step_count += 1
         return (total, outputs) if return_outputs else total  # type: ignore[return-value]
-
-    def forward_half(self, inputs: tuple[Tensor, ...], was_tensor: bool) -> HalfStep:
-        """``pipe(x)``'s forward: fill-drain's forward half with graphs kept (or re-materialized
-        later, per ``checkpoint``); deferred BatchNorm statistics are committed here, as
-        ``nn.BatchNorm``'s move in the forward. Finish it with ``backward_half``.
-
-        Raises:
-            TypeError, ValueError: inputs that are not tensors or cannot be split.
-            Exception: whatever a layer raised, with its stage and micro-batch in the message.
-        """
-        M = self._num_microbatches(inputs, None)
-        plan = StepPlan(self.step_count, M, checkpointed_microbatches(self.options.checkpoint, M))
-        first = self.runtimes[0].device
-        # each micro-batch's input is a leaf of its own, so stage 0 hands back its gradient
-        leaves = [tuple(t.detach().to(first).requires_grad_(t.requires_grad) for t in mb)
-                  for mb in split(inputs, M, "inputs")]
-        with torch.enable_grad():
-            _, outputs = self._execute(StepFeed(leaves, was_tensor), plan, "forward", keep_outputs=True)
-        self._commit_batch_norm()
-        last = self._last
-        assert last is not None and outputs is not None  # a local pipeline holds its last stage
-        sizes = [last.outputs[i][0][0].shape[0] for i in range(M)]
-        return HalfStep(outputs, last.outputs[0][1], plan, leaves, sizes, self.generation)
-
-    def backward_half(self, half: HalfStep, output_grads: Sequence[Values]) -> None:
-        """The backward half of ``half`` from the gradient of each micro-batch's outputs: fills the
-        parameters' gradients and the ``.grad`` of ``half.leaves``; then the non-finite policy, as
-        after ``train_step``.
-
-        Raises:
-            RuntimeError: another step began after ``half``'s forward.
-            NonFiniteError: a NaN/inf gradient under ``nonfinite="raise"``.
-            Exception: whatever a layer raised, with its stage and micro-batch in the message.
-        """
-        if self.generation != half.generation:
-            raise RuntimeError("the pipeline ran another step (pipe(x) or train_step) before this output's "
-                               "backward; back-propagate each pipe(x) output before the next call")
-        feed = StepFeed(None, False, output_grads=output_grads)
-        self._execute(feed, half.plan, "backward", keep_outputs=False, fresh=False)
-        self._judge(None)
-        self.step_count += 1
 
     def forward_only(self, inputs: Value | None) -> Value | None:
         """The pipelined output without building a graph (on the rank holding the last stage).
