@@ -33,7 +33,8 @@ def annotate(exc: BaseException, stage: int, action: Action | None) -> BaseExcep
 
 
 class PipelineTimeoutError(TimeoutError):
-    """A stage waited too long; the message holds every stage's schedule position."""
+    """A wait for a neighbour lasted longer than the timeout (a limit per wait, not per step);
+    the message holds every stage's schedule position."""
 
     def __init__(self, timeout: float, done: Sequence[Action | None],
                  waiting: Sequence[Action | None]) -> None:
@@ -41,7 +42,8 @@ class PipelineTimeoutError(TimeoutError):
             f"  stage {k}: last completed {done[k] or 'nothing'}, waiting on {waiting[k] or 'nothing (finished)'}"
             for k in range(len(done))
         ]
-        super().__init__(f"pipeline step exceeded its timeout of {timeout:g} s; schedule state:\n"
+        super().__init__(f"a stage waited for a neighbour longer than the timeout of {timeout:g} s; "
+                         "schedule state:\n"
                          + "\n".join(lines))
         self.done = list(done)
         self.waiting = list(waiting)
