@@ -126,3 +126,34 @@ def test_a_stage_back_propagates_on_its_own_thread_with_autograd_multithreading_
     assert seen[0] == {("gpipe-stage-0", False)}
     assert seen[2] == {("gpipe-stage-1", False)}
     assert torch._C._is_multithreading_enabled()  # the caller's own setting is untouched
+
+
+class Hold(nn.Module):
+    """Holds its stage on the first forward until ``release`` (bounded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.release.wait(30)
+        return x
+
+
+def test_the_callers_wait_is_bounded_when_no_stage_progresses() -> None:
+    """K=1 has no neighbour to time out: a stage stuck in one computation for a whole timeout
+    (as a backward that can never be scheduled would be) still reaches the caller as an error."""
+    hold = Hold()
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), hold), balance=[2], chunks=2, timeout=300.0)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    pipe.timeout = 0.3
+    try:
+        with pytest.raises(PipelineTimeoutError, match="no stage progressed longer than the timeout of 0.3 s"):
+            pipe.train_step(x, y, F.mse_loss)
+    finally:
+        hold.release.set()
+    for t in stage_threads():
+        t.join(30)
+    assert not stage_threads()
+    pipe.timeout = 30.0
+    assert torch.isfinite(pipe.train_step(x, y, F.mse_loss))

@@ -12,6 +12,8 @@ Both transports run a step here (``channel.Endpoint`` is all that differs):
 * a stage back-propagates on its own thread: autograd multithreading is off
   there, so the engine never queues a stage's CUDA nodes to the device worker
   thread, which in ``pipe(x).backward()`` is the caller waiting for this thread;
+* the caller's wait for the threads is bounded too: a whole timeout in which no
+  rank ended an action or a wait raises ``PipelineTimeoutError``;
 * failure is handled here alone: the first exception stops the mailbox (every
   waiting rank wakes), all threads end, runtimes drop what the step left, and
   the endpoint turns the exception into the error raised (annotated, and
@@ -28,6 +30,7 @@ from contextlib import ExitStack
 import torch
 
 from gpipe_lab.pipeline.channel import Endpoint, RankDevices, StepFeed, Values, run_action
+from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.mailbox import Mailbox, Stopped, Undelivered, WaitTimeout
 from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule, expected_messages
 from gpipe_lab.pipeline.stage import StageRuntime
@@ -54,6 +57,7 @@ class _Step:
         for actions in schedule:
             self.senders.update(expected_messages(actions, K, num_stages))
         self.failures: list[Failure] = []
+        self.progress = 0  # actions and waits ended, by every rank: the caller's sign of life
         self.running = [threading.Event() for _ in range(K)]
         self.finished = [threading.Event() for _ in range(K)]
         self.autocast = caller_autocast()
@@ -115,7 +119,7 @@ class Executor:
                 threading.Thread(target=self._rank_thread, args=(step, k, device), name=f"gpipe-stage-{k}",
                                  daemon=True).start()
             for k in launched:
-                step.finished[k].wait()
+                self._wait_for(step, k)
         except BaseException:  # e.g. Ctrl-C in the caller: stop the threads before re-raising
             step.mailbox.stop()
             # A Ctrl-C inside Thread.start() can leave a launched thread not yet running: wait for it
@@ -123,10 +127,24 @@ class Executor:
             # A running one stops at its next action or wait; its compute cannot be interrupted.
             for k in launched:
                 if step.running[k].wait(timeout=10.0):
-                    step.finished[k].wait()
+                    step.finished[k].wait(self.endpoint.timeout)
             raise
         finally:
             torch.set_num_threads(main_threads)
+
+    def _wait_for(self, step: _Step, k: int) -> None:
+        """Wait for rank ``k``'s thread to end while some rank progresses.
+
+        Raises:
+            PipelineTimeoutError: no rank finished an action or a wait for a whole timeout (a
+                computation longer than the timeout, or a backward that can never be scheduled).
+        """
+        seen = step.progress
+        while not step.finished[k].wait(self.endpoint.timeout):
+            if step.progress == seen:
+                raise PipelineTimeoutError(self.endpoint.timeout, list(step.done), list(step.current),
+                                           "no stage progressed")
+            seen = step.progress
 
     def _rank_thread(self, step: _Step, k: int, device: torch.device) -> None:
         step.running[k].set()
@@ -167,6 +185,7 @@ class Executor:
                 self.endpoint.stage_done(runtime)
             step.done[k] = action
             step.current[k] = actions[i + 1] if i + 1 < len(actions) else None
+            step.progress += 1
 
     def _receive(self, step: _Step, k: int, key: MessageKey, action: Action) -> tuple[Values, bool]:
         """Wait (bounded) for ``key``; the time blocked is a ``wait`` event of the stage."""
@@ -180,6 +199,7 @@ class Executor:
         except Undelivered as lost:
             raise self.endpoint.undelivered(key, action, lost.peer, lost.cause) from None
         runtime.events.append(Event(action.stage, "wait", action.microbatch, start, time.perf_counter()))
+        step.progress += 1
         return self.endpoint.receive(item, runtime)
 
     def _abort(self, ranks: RankDevices) -> None:
