@@ -16,8 +16,6 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
-
 
 class NonFiniteError(FloatingPointError):
     """The loss or a stage's gradients are NaN or infinite (policy ``nonfinite="raise"``)."""

@@ -136,36 +136,43 @@ class PipelineOptions:
         return int(self.partitions or 1)
 
     def replace(self, **changes: Any) -> PipelineOptions:
-        """A copy with ``changes`` applied (unknown names raise ``OptionError``)."""
+        """A copy with ``changes`` applied; a sequence given for ``balance`` or ``devices`` is
+        stored as a list (devices as strings, e.g. ``"cuda:1"``).
+
+        Raises:
+            OptionError: a name that is not a field, naming the allowed ones.
+        """
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
         if unknown:
             raise OptionError(f"{unknown[0]}: unknown pipeline option; allowed: "
                               f"{', '.join(f.name for f in fields(self))}")
+        for key, convert in (("balance", lambda x: x), ("devices", str)):
+            value = changes.get(key)
+            if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+                changes[key] = [convert(x) for x in value]
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def merged_options(options: PipelineOptions | None, **given: Any) -> PipelineOptions:
-    """``options`` (default ``PipelineOptions()``) with every keyword that is not ``None`` applied.
+def merged_options(options: PipelineOptions | None, overrides: dict[str, Any]) -> PipelineOptions:
+    """``options`` (default ``PipelineOptions()``) with the keyword ``overrides`` applied.
+
+    The one place where the front doors' convenience keywords meet the options: a keyword
+    is a field name, its value replaces that field (``None`` included).
 
     Raises:
-        OptionError: ``options`` is not a ``PipelineOptions``, or an unknown keyword.
+        OptionError: ``options`` is not a ``PipelineOptions``, or a keyword is not a field.
     """
     if options is not None and not isinstance(options, PipelineOptions):
         raise OptionError(f"options: must be a PipelineOptions, got {type(options).__name__}")
     base = options if options is not None else PipelineOptions()
-    return base.replace(**{k: v for k, v in given.items() if v is not None})
-
-
-def option_names() -> list[str]:
-    """The ``pipeline.*`` keys, in declaration order."""
-    return [f.name for f in fields(PipelineOptions)]
+    return base.replace(**overrides)
 
 
 __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "TRANSPORTS", "OptionError", "PipelineOptions",
-           "merged_options", "option_names"]
+           "merged_options"]
 
 
 def _view(name: str, doc: str) -> property:
