@@ -8,10 +8,15 @@ engine, ``pipeline.chunks`` for the app (``check(prefix="pipeline.")``).
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
+
+import torch
+
+from gpipe_lab.pipeline.schedules import SCHEDULES
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
@@ -81,8 +86,6 @@ class PipelineOptions:
         Raises:
             OptionError: naming ``prefix + key``, the value and what is allowed.
         """
-        from gpipe_lab.pipeline.schedules import SCHEDULES
-
         def fail(key: str, what: str) -> None:
             raise OptionError(f"{prefix}{key}: {what}, got {getattr(self, key)!r}")
 
@@ -119,7 +122,6 @@ class PipelineOptions:
                 or not (self.timeout > 0 and math.isfinite(self.timeout)):
             fail("timeout", "must be a finite number of seconds > 0")
         if self.compile is not False and self.compile is not True:
-            from gpipe_lab.pipeline.compiling import compile_kwargs
             try:
                 compile_kwargs(self.compile)
             except ValueError as error:
@@ -156,6 +158,27 @@ class PipelineOptions:
         return asdict(self)
 
 
+def compile_kwargs(value: object, key: str = "compile") -> dict[str, Any] | None:
+    """``torch.compile``'s keyword arguments for a ``compile`` option; ``None``: do not compile.
+
+    Raises:
+        ValueError: ``value`` is not a bool or a mapping of ``torch.compile`` keywords
+            (the message names ``key``, the value and the allowed keywords).
+    """
+    if value is False or value is None:
+        return None
+    if value is True:
+        return {}
+    allowed = [p for p in inspect.signature(torch.compile).parameters if p != "model"]
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key}: must be true, false or a dict of torch.compile keywords "
+                         f"({', '.join(allowed)}), got {value!r}")
+    unknown = sorted(str(k) for k in value if k not in allowed)
+    if unknown:
+        raise ValueError(f"{key}: {unknown[0]!r} is not a torch.compile keyword; allowed: {', '.join(allowed)}")
+    return dict(value)
+
+
 def merged_options(options: PipelineOptions | None, overrides: dict[str, Any]) -> PipelineOptions:
     """``options`` (default ``PipelineOptions()``) with the keyword ``overrides`` applied.
 
@@ -172,7 +195,7 @@ def merged_options(options: PipelineOptions | None, overrides: dict[str, Any]) -
 
 
 __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "TRANSPORTS", "OptionError", "PipelineOptions",
-           "merged_options"]
+           "compile_kwargs", "merged_options"]
 
 
 def _view(name: str, doc: str) -> property:
