@@ -38,6 +38,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 
 from gpipe_lab.lightning.init_from import load_initial_weights
 
@@ -120,7 +121,7 @@ class ResumableCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ Ctrl-C
     def _install_handler(self, trainer: pl.Trainer) -> None:
         self.interrupt_requested = self._stop_pending = False
-        if (not self.handle_sigint or trainer.world_size != 1 or getattr(trainer.strategy, "is_distributed", False)
+        if (not self.handle_sigint or trainer.world_size != 1 or isinstance(trainer.strategy, DDPStrategy)
                 or threading.current_thread() is not threading.main_thread()):
             return
         self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
