@@ -23,8 +23,9 @@ from torch import Tensor, nn
 from gpipe_lab.lightning.engine import PipelineEngine, build_distributed_engine
 from gpipe_lab.lightning.metric_sharing import log_train_shared
 from gpipe_lab.lightning.pipeline_module import PipelineModule
+from gpipe_lab.lightning.placement import place_outside
 from gpipe_lab.lightning.scaling import agreeing_precision
-from gpipe_lab.lightning.strategy import GPipeStrategy, place_outside
+from gpipe_lab.lightning.strategy import GPipeStrategy
 from gpipe_lab.pipeline.distributed.resolve import nccl_failure_settings
 from gpipe_lab.pipeline.options import PipelineOptions
 

@@ -6,8 +6,8 @@ scale off, and ``update`` runs every step. So the engine's own non-finite
 policy is switched off while a scaler is active (``engine_nonfinite``), and in
 distributed runs each rank's inf verdict is summed over every rank before the
 step (``agreeing_precision``: torch's ``ShardedGradScaler``), so all stages skip
-together and their scales stay equal. Reading the scale for the logged loss would wait for the device, so the
-loss is unscaled by a device tensor (``unscale_loss``).
+together and their scales stay equal. Reading the scale for the logged loss would
+wait for the device, so the loss is unscaled by a device tensor (``unscale_loss``).
 """
 
 from __future__ import annotations
