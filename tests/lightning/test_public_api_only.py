@@ -38,6 +38,7 @@ def _code(line: str) -> str:
     return line.split("  #")[0].strip()
 
 
+@cache
 def _sources() -> list[tuple[str, ast.Module, list[str]]]:
     return [(str(p.relative_to(SRC)), ast.parse(p.read_text()), p.read_text().splitlines())
             for p in sorted(SRC.rglob("*.py"))]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -132,10 +132,12 @@ NON_DEFAULT = dict(partitions=2, balance=[2, 2, 2, 3], chunks=2, checkpoint="nev
                    compile={"backend": "eager"}, track_memory=False, retain_cpu_memory=False)
 
 
+@pytest.mark.xfail(strict=True, reason="lightning/engine.py drops random_replay (issue 26 section 1, its rewrite)")
 def test_every_option_given_to_the_strategy_reaches_the_engine() -> None:
     assert set(NON_DEFAULT) | {"transport"} == {f.name for f in fields(PipelineOptions)}, "a new option: add it"
     defaults = PipelineOptions()
     assert all(getattr(defaults, k) != v for k, v in NON_DEFAULT.items())
     strategy = GPipeStrategy(PipelineOptions(**NON_DEFAULT))
     trainer(strategy, max_steps=1).fit(TinyRegressor(), TinyData())
-    assert strategy.pipe.options == strategy.options
+    reached = strategy.pipe.options
+    assert replace(reached, devices=[str(d) for d in reached.devices]) == strategy.options
