@@ -13,7 +13,7 @@ the last stage reach every rank, and checkpoints hold every stage's weights and 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from gpipe_lab.lightning.strategy import GPipeStrategy
 from gpipe_lab.pipeline.distributed.resolve import nccl_failure_settings
 from gpipe_lab.pipeline.options import PipelineOptions
 
+if TYPE_CHECKING:
+    from gpipe_lab.pipeline.distributed import DistributedGPipe
+
 
 class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distributed"):
     """``GPipeStrategy`` with ``transport="distributed"`` (see ``GPipeStrategy`` for the arguments)."""
@@ -42,6 +45,12 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
         """This rank's stage of ``layers`` (a collective)."""
         return build_distributed_engine(layers, options, self.root_device, self.data_parallel_size,
                                         self._module().init_layer)
+
+    @property
+    def engine(self) -> DistributedGPipe:
+        """The engine as its own type (built in ``setup``)."""
+        assert self.pipe is not None, "the engine is built in setup()"
+        return cast("DistributedGPipe", self.pipe)
 
     def prepare_precision(self) -> None:
         self.precision_plugin = agreeing_precision(self.precision_plugin)
@@ -57,7 +66,7 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
     @property
     def data_parallel_rank(self) -> int:
         if self.pipe is not None:
-            return int(self.pipe.dp_rank)  # type: ignore[attr-defined]
+            return int(self.engine.dp_rank)
         return self.global_rank // self.num_stages
 
     @property
@@ -106,7 +115,7 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
         local = torch.zeros((), device=self.root_device, dtype=torch.float64)
         for g in grads:
             local += g.detach().double().pow(2).sum().to(self.root_device)
-        dist.all_reduce(local, group=self.pipe.pp_group)  # type: ignore[union-attr]
+        dist.all_reduce(local, group=self.engine.pp_group)
         coef = (float(max_norm) / (local.sqrt() + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device, g.dtype))
@@ -115,9 +124,9 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
         if self.pipe is None or self.pipe.timeline is None:
             return self.timeline, self.memory()
         every: list[Any] = [None] * self.num_stages
-        dist.all_gather_object(every, self.pipe.memory(), group=self.pipe.pp_group)  # type: ignore[attr-defined]
+        dist.all_gather_object(every, self.engine.memory(), group=self.engine.pp_group)
         rows = sorted((row for rank_rows in every for row in rank_rows), key=lambda r: r.get("stage", 0))
-        return self.pipe.gather_timeline(), rows  # type: ignore[attr-defined]
+        return self.engine.gather_timeline(), rows
 
     # ------------------------------------------------------------------ checkpoints
     def _layers_prefix(self) -> str:
@@ -130,7 +139,7 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Every stage's weights under the original names (a collective)."""
-        full = self.pipe.full_state_dict() or {}  # type: ignore[union-attr]
+        full = self.engine.full_state_dict() or {}
         prefix = self._layers_prefix()
         own = {k: v for k, v in self._module().state_dict().items() if not k.startswith(prefix)}
         return {**own, **{prefix + k: v for k, v in full.items()}}
@@ -138,7 +147,7 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         prefix = self._layers_prefix()
         state = checkpoint["state_dict"]
-        self.pipe.load_full_state_dict(  # type: ignore[union-attr]
+        self.engine.load_full_state_dict(
             {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -150,7 +159,7 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
         local = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                  for i, s in state["state"].items()}
         every: list[Any] = [None] * self.num_stages
-        dist.all_gather_object(every, local, group=self.pipe.pp_group)  # type: ignore[union-attr]
+        dist.all_gather_object(every, local, group=self.engine.pp_group)
         merged: dict[int, Any] = {}
         for part in every:
             merged.update(part)

@@ -7,7 +7,7 @@ see every stage's gradients, and a checkpoint is the module's own state dict.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -15,6 +15,7 @@ from torch import nn
 from gpipe_lab.lightning.engine import PipelineEngine, build_local_engine
 from gpipe_lab.lightning.placement import place_outside
 from gpipe_lab.lightning.strategy import GPipeStrategy
+from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.devices import normalize_device
 from gpipe_lab.pipeline.options import PipelineOptions
 
@@ -36,6 +37,12 @@ class LocalGPipeStrategy(GPipeStrategy, transport="local"):
     def build_engine(self, layers: nn.Sequential, options: PipelineOptions) -> PipelineEngine:
         return build_local_engine(layers, options, self.local_devices(), self._module().init_layer)
 
+    @property
+    def engine(self) -> GPipe:
+        """The engine as its own type (built in ``setup``)."""
+        assert self.pipe is not None, "the engine is built in setup()"
+        return cast(GPipe, self.pipe)
+
     def local_devices(self) -> list[torch.device] | None:
         """One device per stage: ``stage_devices``, else the Trainer's GPUs, else the engine's choice.
 
@@ -55,14 +62,14 @@ class LocalGPipeStrategy(GPipeStrategy, transport="local"):
     @property
     def root_device(self) -> torch.device:
         if self.pipe is not None:
-            return self.pipe.devices[0]  # type: ignore[attr-defined]
+            return self.engine.devices[0]
         devices = self.local_devices()
         return devices[0] if devices else torch.device("cpu")
 
     @property
     def output_device(self) -> torch.device:
         """Device of the last stage (where the loss and the outputs live)."""
-        return self.pipe.devices[-1] if self.pipe is not None else self.root_device  # type: ignore[attr-defined]
+        return self.engine.devices[-1] if self.pipe is not None else self.root_device
 
     def model_to_device(self) -> None:
         """Every stage on its own device, the module's other tensors on the root device.
@@ -74,9 +81,9 @@ class LocalGPipeStrategy(GPipeStrategy, transport="local"):
         if self.pipe is None:
             self.model.to(self.root_device)
             return
-        for part, device in zip(self.pipe.partitions, self.pipe.devices):  # type: ignore[attr-defined]
+        for part, device in zip(self.engine.partitions, self.engine.devices):
             part.to(device)
-        place_outside(self.model, self.pipe.module, self.root_device)  # type: ignore[attr-defined]
+        place_outside(self.model, self.engine.module, self.root_device)
 
     # ------------------------------------------------------------------ collectives: one process
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
