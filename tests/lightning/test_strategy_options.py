@@ -132,7 +132,6 @@ NON_DEFAULT = dict(partitions=2, balance=[2, 2, 2, 3], chunks=2, checkpoint="nev
                    compile={"backend": "eager"}, track_memory=False, retain_cpu_memory=False)
 
 
-@pytest.mark.xfail(strict=True, reason="lightning/engine.py drops random_replay (issue 26 section 1, its rewrite)")
 def test_every_option_given_to_the_strategy_reaches_the_engine() -> None:
     assert set(NON_DEFAULT) | {"transport"} == {f.name for f in fields(PipelineOptions)}, "a new option: add it"
     defaults = PipelineOptions()
