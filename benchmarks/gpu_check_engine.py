@@ -15,6 +15,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,10 +28,11 @@ from gpipe_lab.pipeline import CHECKPOINT_MODES, SCHEDULES, GPipe
 
 @dataclass
 class Context:
-    """Where the check runs: ``cuda:0``, or the CPU for a dry run."""
+    """Where the check runs: ``cuda:0``, or the CPU for a dry run; ``out``: the reports' folder."""
 
     device: torch.device
     dry: bool
+    out: Path | None = None
 
 
 def _sync(ctx: Context) -> None:
