@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_check_engine import Context
-from benchmarks.gpu_check_probes import _busy, _model, _relative_error
+from benchmarks.gpu_check_probes import busy_seconds, mlp_model, relative_gradient_error
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.device_timing import DeviceClock
 from gpipe_lab.pipeline.timeline import Event
@@ -90,7 +90,7 @@ def _overlap(spans: list[tuple[float, float]], events: list[Event]) -> float:
     for start, end in spans:
         inside = [Event(0, e.kind, 0, max(e.start, start), min(e.end, end)) for e in events
                   if e.kind != "wait" and e.end > start and e.start < end]
-        total += _busy(inside)
+        total += busy_seconds(inside)
     return total
 
 
@@ -98,14 +98,14 @@ def copy_overlap(ctx: Context) -> dict[str, Any]:
     """K=2 on one GPU with every hand-over copied on the copy stream: gradients exact, copy/compute overlap."""
     torch.backends.cuda.matmul.allow_tf32 = False
     on_gpu = ctx.device.type == "cuda"
-    module = _model(16 if ctx.dry else 2048, 4).to(ctx.device)
+    module = mlp_model(16 if ctx.dry else 2048, 4).to(ctx.device)
     ref, piped = copy.deepcopy(module), copy.deepcopy(module)
     x = torch.randn(32 if ctx.dry else 1024, module[0].in_features, device=ctx.device)
     F.mse_loss(ref(x), x).backward()
     pipe = GPipe(piped, partitions=2, chunks=8, devices=[ctx.device] * 2, checkpoint="never")
     link = pipe.channel.streams = _EmulatedLink(pipe.channel.streams, on_gpu)  # type: ignore[attr-defined]
     pipe.train_step(x, x, F.mse_loss)
-    error = _relative_error(ref, piped)
+    error = relative_gradient_error(ref, piped)
     spans = link.host_spans(ctx.device)
     events = pipe.timeline.on_device().events
     copy_seconds = sum(end - start for start, end in spans)
@@ -128,7 +128,7 @@ def _live(ctx: Context) -> int:
 
 def leak(ctx: Context) -> dict[str, Any]:
     """After two warm-up steps, what is allocated stays flat over three more (train step + optimizer)."""
-    module = _model(16 if ctx.dry else 1024, 4).to(ctx.device)
+    module = mlp_model(16 if ctx.dry else 1024, 4).to(ctx.device)
     pipe = GPipe(module, partitions=2, chunks=4, devices=[ctx.device] * 2, checkpoint="except_last")
     optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-3, momentum=0.9)
     x = torch.randn(32 if ctx.dry else 512, module[0].in_features, device=ctx.device)

@@ -29,12 +29,12 @@ BACKWARD_PROBE_SECONDS = 55.0
 SLEEP_CYCLES = 2_000_000
 
 
-def _model(width: int, blocks: int) -> nn.Sequential:
+def mlp_model(width: int, blocks: int) -> nn.Sequential:
     torch.manual_seed(0)
     return mlp_module(width, 2 * width, blocks)
 
 
-def _relative_error(ref: nn.Module, piped: nn.Module) -> float:
+def relative_gradient_error(ref: nn.Module, piped: nn.Module) -> float:
     scale = max(float(p.grad.abs().max()) for p in ref.parameters())
     worst = max(float((a.grad - b.grad.to(a.device)).abs().max()) for a, b in zip(ref.parameters(),
                                                                                      piped.parameters()))
@@ -44,7 +44,7 @@ def _relative_error(ref: nn.Module, piped: nn.Module) -> float:
 def backward_probe(ctx: Context) -> dict[str, Any]:
     """``out = pipe(x); loss.backward()`` with two stages on one device returns, with the right gradients."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    module = _model(16 if ctx.dry else 512, 2).to(ctx.device)
+    module = mlp_model(16 if ctx.dry else 512, 2).to(ctx.device)
     ref, piped = copy.deepcopy(module), copy.deepcopy(module)
     x = torch.randn(16 if ctx.dry else 256, module[0].in_features, device=ctx.device)
     F.mse_loss(ref(x), x).backward()
@@ -69,7 +69,7 @@ def backward_probe(ctx: Context) -> dict[str, Any]:
                                            "(the autograd worker of the device waits on the stage threads)"}
     if failure:
         return {"status": "FAIL", "error": f"{type(failure[0]).__name__}: {failure[0]}", "seconds_to_return": seconds}
-    error = _relative_error(ref, piped)
+    error = relative_gradient_error(ref, piped)
     return {"status": "PASS" if error <= 1e-5 else "FAIL", "seconds_to_return": seconds,
             "relative_gradient_error": error}
 
@@ -129,7 +129,7 @@ def race(ctx: Context) -> dict[str, Any]:
     runs = sleeps = 0
     for schedule in ("gpipe", "1f1b"):
         for checkpoint in ("never", "always"):
-            module = _model(16 if ctx.dry else 1024, 2).to(ctx.device)
+            module = mlp_model(16 if ctx.dry else 1024, 2).to(ctx.device)
             ref, piped = copy.deepcopy(module), copy.deepcopy(module)
             x = torch.randn(16 if ctx.dry else 512, module[0].in_features, device=ctx.device)
             F.mse_loss(ref(x), x).backward()
@@ -138,7 +138,7 @@ def race(ctx: Context) -> dict[str, Any]:
             amplified = pipe.channel.streams = _Amplified(pipe.channel.streams, on_gpu)  # type: ignore[attr-defined]
             pipe.train_step(x, x, F.mse_loss)
             runs, sleeps = runs + 1, sleeps + amplified.sleeps
-            error = _relative_error(ref, piped)
+            error = relative_gradient_error(ref, piped)
             if error > 1e-5:
                 failures.append(f"{schedule}/{checkpoint}: gradient error {error:.2e}")
             failures += [f"{schedule}/{checkpoint}: {v}" for v in order_violations(pipe.timeline.on_device().events)]
@@ -148,7 +148,7 @@ def race(ctx: Context) -> dict[str, Any]:
             "timing": "CUDA events" if on_gpu else "host clock (CPU, dry run)"}
 
 
-def _busy(events: list[Event]) -> float:
+def busy_seconds(events: list[Event]) -> float:
     """Seconds during which some action ran (the union of the compute intervals)."""
     spans = sorted((e.start, e.end) for e in events if e.kind != "wait")
     total, reach = 0.0, float("-inf")
@@ -166,7 +166,7 @@ def launch_bound(ctx: Context) -> dict[str, Any]:
                 "track_memory off": {"track_memory": False}, "nonfinite verdict off": {"nonfinite": "ignore"}}
     rows: dict[str, Any] = {}
     for label, options in variants.items():
-        pipe = GPipe(_model(width, 4).to(ctx.device), partitions=2, chunks=8, devices=[ctx.device] * 2,
+        pipe = GPipe(mlp_model(width, 4).to(ctx.device), partitions=2, chunks=8, devices=[ctx.device] * 2,
                      **options)
         pipe.train_step(x, x, F.mse_loss)
         host, busy = [], []
@@ -178,7 +178,7 @@ def launch_bound(ctx: Context) -> dict[str, Any]:
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
             host.append(time.perf_counter() - start)
-            busy.append(_busy(pipe.timeline.on_device().events))
+            busy.append(busy_seconds(pipe.timeline.on_device().events))
         h, b = sorted(host)[1], sorted(busy)[1]
         rows[label] = {"host_seconds_per_step": round(h, 5), "device_busy_seconds": round(b, 5),
                        "host_over_busy": round(h / max(b, 1e-9), 2)}
