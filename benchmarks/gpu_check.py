@@ -24,8 +24,8 @@ import argparse
 import importlib
 import json
 import multiprocessing
-import multiprocessing.forkserver
 import os
+import resource
 import signal
 import sys
 import time
@@ -45,9 +45,9 @@ import torch
 
 from benchmarks.gpu_check_engine import Context
 
-# name, "module:function", cap in seconds; on one GPU the caps sum to 460 s (8 minutes less start-up)
+# name, "module:function", cap in seconds; on one GPU the caps sum to 455 s (8 minutes less start-up)
 SECTIONS: list[tuple[str, str, int]] = [
-    ("correctness", "benchmarks.gpu_check_engine:correctness", 95),
+    ("correctness", "benchmarks.gpu_check_engine:correctness", 90),
     ("host_syncs", "benchmarks.gpu_check_engine:host_syncs", 15),
     ("speed", "benchmarks.gpu_check_speed:speed", 60),
     ("memory", "benchmarks.gpu_check_speed:memory", 25),
@@ -60,6 +60,8 @@ SECTIONS: list[tuple[str, str, int]] = [
     ("copy_overlap", "benchmarks.gpu_check_device:copy_overlap", 20),
     ("leak", "benchmarks.gpu_check_device:leak", 15),
 ]
+#: seconds the section server may take to import the sections (torch, Lightning)
+STARTUP_CAP = 120
 TWO_GPUS = ("two_gpus", "benchmarks.gpu_check_system:two_gpus", 90)
 PRELOAD = ["benchmarks.gpu_check_engine", "benchmarks.gpu_check_speed", "benchmarks.gpu_check_system", "benchmarks.gpu_check_probes",
            "benchmarks.gpu_check_device"]
@@ -76,6 +78,8 @@ def _section_main(spec: str, ctx: Context, conn: Any) -> None:
     except BaseException as exc:  # noqa: BLE001 - a failing section is reported, the others still run
         result = {"status": "FAIL", "error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc(limit=6)}
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    result["cpu_seconds"] = round(sum(u.ru_utime + u.ru_stime for u in used), 2)
     conn.send(result)
     conn.close()
     sys.stdout.flush()
@@ -120,8 +124,17 @@ def _processes() -> Any:
     """Children forked from a fresh server that imported the sections (never CUDA)."""
     processes = multiprocessing.get_context("forkserver")
     processes.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()  # its imports are not charged to the first section's cap
+    ready = processes.Process(target=_ready, name="gpu_check-ready")
+    ready.start()  # the first fork waits for the server's imports: not charged to the first section's cap
+    ready.join(STARTUP_CAP)
+    if ready.exitcode is None:
+        _kill_group(ready)
+        raise RuntimeError(f"the section server did not start within {STARTUP_CAP} s")
     return processes
+
+
+def _ready() -> None:
+    """A child that does nothing: forking it waits for the server's imports."""
 
 
 def write_reports(report: dict[str, Any], out: Path) -> None:

@@ -65,6 +65,7 @@ def test_a_failing_hanging_or_dying_section_loses_only_itself(tmp_path: Path,
     monkeypatch.setattr(gpu_check, "SECTIONS", [("raises", f"{here}:raises", 30), ("hangs", f"{here}:hangs", 3),
                                                 ("dies", f"{here}:dies", 30),
                                                 ("reads", f"{here}:reads_the_report", 30)])
+    monkeypatch.setattr(gpu_check, "PRELOAD", [here])  # these sections need neither Lightning nor the engine
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 1
     sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
     assert sections["raises"]["status"] == "FAIL" and "boom" in sections["raises"]["error"]
@@ -87,3 +88,7 @@ def test_hand_offs_out_of_order_are_named() -> None:
 def test_without_cuda_a_real_run_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         gpu_check.main(["--out", str(tmp_path)])
+
+
+def test_the_one_gpu_sections_fit_in_eight_minutes_with_start_up() -> None:
+    assert sum(cap for _, _, cap in gpu_check.SECTIONS) <= 8 * 60 - 20  # 20 s for the section server's imports
