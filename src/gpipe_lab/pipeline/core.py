@@ -25,10 +25,10 @@ from gpipe_lab.pipeline.batching import (
 )
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.channel import Channel, StepFeed
-from gpipe_lab.pipeline.compiling import CompiledStage, compile_kwargs, split_backward_error
+from gpipe_lab.pipeline.compiling import CompiledStage, split_backward_error
 from gpipe_lab.pipeline.microbatch import Value, join, unwrap
 from gpipe_lab.pipeline.nonfinite import NonFiniteError, describe_problem, verdict_vector
-from gpipe_lab.pipeline.options import OptionViews, PipelineOptions
+from gpipe_lab.pipeline.options import OptionViews, PipelineOptions, compile_kwargs
 from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs
 from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
 from gpipe_lab.pipeline.timeline import Event, Timeline

@@ -18,8 +18,6 @@ from torch import Tensor, nn
 
 from gpipe_lab.pipeline.devices import to_device
 
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
-
 
 class NonFiniteError(FloatingPointError):
     """The loss or a stage's gradients are NaN or infinite (policy ``nonfinite="raise"``)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -12,49 +11,32 @@ from torch import nn
 
 from gpipe_lab.pipeline.devices import normalize_device
 from gpipe_lab.pipeline.distributed.topology import check_world
-from gpipe_lab.pipeline.partition import balance_by_cost, check_balance, layer_costs
+from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.pipeline.partition import resolve_balance
 
 
-def resolve_balance(module: nn.Sequential, balance: Sequence[int] | None, partitions: int | None,
-                    virtual_stages: int, cost: object, data_parallel_size: int | None) -> tuple[list[int], int]:
-    """Layers per chunk (K·v entries) and the number of pipeline ranks K.
+def resolve_stages(module: nn.Sequential, options: PipelineOptions,
+                   data_parallel_size: int | None) -> tuple[list[int], int]:
+    """Layers per chunk (K·v entries, see ``partition.resolve_balance``) and K.
 
-    Without ``balance`` or ``partitions``, K = world size / ``data_parallel_size`` (1 by default).
+    Without ``balance`` or ``partitions``, K = world size / ``data_parallel_size``.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        ValueError: inconsistent numbers; every message names them.
+        ValueError: inconsistent numbers, or a world size K does not divide; messages name them.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("DistributedGPipe needs torch.distributed.init_process_group() first "
                            "(e.g. launch with torchrun)")
-    if not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
-    if len(module) == 0:
-        raise ValueError("the module has no layers")
     world = dist.get_world_size()
-    if balance is not None:
-        balance = check_balance(balance, len(module))
-        if len(balance) % virtual_stages:
-            raise ValueError(f"balance {balance} has {len(balance)} entries, not a multiple of "
-                             f"virtual_stages={virtual_stages} (give one entry per chunk: K·v)")
-        num_stages = len(balance) // virtual_stages
-        if partitions is not None and partitions != num_stages:
-            raise ValueError(f"partitions={partitions} but balance {balance} describes {num_stages} "
-                             f"stages × {virtual_stages} virtual stages")
-    else:
-        if partitions is None:
-            if data_parallel_size is None or data_parallel_size < 1 or world % data_parallel_size:
-                raise ValueError(f"give balance=[...] or partitions=K (world size {world}, "
-                                 f"data_parallel_size {data_parallel_size})")
-            partitions = world // data_parallel_size
-        if not isinstance(partitions, int) or partitions < 1:
-            raise ValueError(f"partitions must be an integer >= 1, got {partitions!r}")
-        if partitions * virtual_stages > len(module):
-            raise ValueError(f"{partitions} stages × {virtual_stages} virtual stages = "
-                             f"{partitions * virtual_stages} chunks, more than the module's {len(module)} layers")
-        num_stages = partitions
-        balance = balance_by_cost(layer_costs(module, cost), num_stages * virtual_stages)
+    default = None
+    if data_parallel_size is not None and data_parallel_size >= 1 and world % data_parallel_size == 0:
+        default = world // data_parallel_size
+    if options.balance is None and options.partitions is None and default is None:
+        raise ValueError(f"give balance=[...] or partitions=K (world size {world}, "
+                         f"data_parallel_size {data_parallel_size})")
+    balance = resolve_balance(module, options, default)
+    num_stages = len(balance) // options.virtual_stages
     check_world(world, num_stages)
     return balance, num_stages
 
