@@ -65,7 +65,8 @@ def test_a_failing_hanging_or_dying_section_loses_only_itself(tmp_path: Path,
     monkeypatch.setattr(gpu_check, "SECTIONS", [("raises", f"{here}:raises", 30), ("hangs", f"{here}:hangs", 3),
                                                 ("dies", f"{here}:dies", 30),
                                                 ("reads", f"{here}:reads_the_report", 30)])
-    monkeypatch.setattr(gpu_check, "PRELOAD", [here])  # these sections need neither Lightning nor the engine
+    # what this module imports, without Lightning: each child then imports only this module
+    monkeypatch.setattr(gpu_check, "PRELOAD", ["benchmarks.gpu_check_probes"])
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 1
     sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
     assert sections["raises"]["status"] == "FAIL" and "boom" in sections["raises"]["error"]
