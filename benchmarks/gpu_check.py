@@ -63,8 +63,8 @@ SECTIONS: list[tuple[str, str, int]] = [
 #: seconds the section server may take to import the sections (torch, Lightning)
 STARTUP_CAP = 120
 TWO_GPUS = ("two_gpus", "benchmarks.gpu_check_system:two_gpus", 90)
-PRELOAD = ["benchmarks.gpu_check_engine", "benchmarks.gpu_check_speed", "benchmarks.gpu_check_system", "benchmarks.gpu_check_probes",
-           "benchmarks.gpu_check_device"]
+PRELOAD = ["benchmarks.gpu_check_engine", "benchmarks.gpu_check_speed", "benchmarks.gpu_check_system",
+           "benchmarks.gpu_check_probes", "benchmarks.gpu_check_device"]
 
 
 def _section_main(spec: str, ctx: Context, conn: Any) -> None:
@@ -110,7 +110,8 @@ def run_section(name: str, spec: str, cap: int, ctx: Context, processes: Any) ->
             result = {"status": "FAIL", "error": f"over its cap of {cap} s: killed"}
     except EOFError:
         child.join(5)
-        result = {"status": "FAIL", "error": f"its process died without a result (exit code {child.exitcode})"}
+        died = f"its process died without a result (exit code {child.exitcode})"
+        result = {"status": "FAIL", "error": died}
     finally:
         receive.close()
         _kill_group(child)
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown section(s) {unknown}; known: {[s[0] for s in sections]}")
         sections = [s for s in sections if s[0] in args.only]
     # the device name is asked in a child: this process forks none, but keeps off CUDA all the same
-    report: dict[str, Any] = {"device": "cpu (dry run)" if args.dry_run else "cuda:0", "torch": torch.__version__,
+    report: dict[str, Any] = {"device": "cpu (dry run)" if args.dry_run else "cuda:0",
+                              "torch": torch.__version__,
                               "dry_run": args.dry_run, "sections": {}}
     start = time.perf_counter()
     processes = _processes()

@@ -80,22 +80,27 @@ class _EmulatedLink:
         if not self.on_gpu:
             return list(self.spans)
         anchor, anchor_host = DeviceClock(device).anchor()
-        return [(anchor_host - s.elapsed_time(anchor) / 1e3, anchor_host - e.elapsed_time(anchor) / 1e3)
-                for s, e in self.spans]
+        return [
+            (anchor_host - s.elapsed_time(anchor) / 1e3, anchor_host - e.elapsed_time(anchor) / 1e3)
+            for s, e in self.spans
+        ]
 
 
 def _overlap(spans: list[tuple[float, float]], events: list[Event]) -> float:
     """Seconds of ``spans`` during which some action computed."""
     total = 0.0
     for start, end in spans:
-        inside = [Event(0, e.kind, 0, max(e.start, start), min(e.end, end)) for e in events
-                  if e.kind != "wait" and e.end > start and e.start < end]
+        inside = [
+            Event(0, e.kind, 0, max(e.start, start), min(e.end, end))
+            for e in events
+            if e.kind != "wait" and e.end > start and e.start < end
+        ]
         total += busy_seconds(inside)
     return total
 
 
 def copy_overlap(ctx: Context) -> dict[str, Any]:
-    """K=2 on one GPU with every hand-over copied on the copy stream: gradients exact, copy/compute overlap."""
+    """K=2 on one GPU, every hand-over copied on the copy stream: gradients exact, copy/compute overlap."""
     torch.backends.cuda.matmul.allow_tf32 = False
     on_gpu = ctx.device.type == "cuda"
     module = mlp_model(16 if ctx.dry else 2048, 4).to(ctx.device)
@@ -111,10 +116,15 @@ def copy_overlap(ctx: Context) -> dict[str, Any]:
     copy_seconds = sum(end - start for start, end in spans)
     overlapped = _overlap(spans, events)
     ok = error <= 1e-5 and len(spans) > 0
-    return {"status": "PASS" if ok else "FAIL", "relative_gradient_error": error, "hand_overs": len(spans),
-            "copy_seconds": round(copy_seconds, 6), "copy_overlapped_by_compute": round(overlapped, 6),
-            "overlap_fraction": round(overlapped / max(copy_seconds, 1e-12), 3),
-            "timing": "CUDA events" if on_gpu else "host clock (CPU, dry run)"}
+    return {
+        "status": "PASS" if ok else "FAIL",
+        "relative_gradient_error": error,
+        "hand_overs": len(spans),
+        "copy_seconds": round(copy_seconds, 6),
+        "copy_overlapped_by_compute": round(overlapped, 6),
+        "overlap_fraction": round(overlapped / max(copy_seconds, 1e-12), 3),
+        "timing": "CUDA events" if on_gpu else "host clock (CPU, dry run)",
+    }
 
 
 def _live(ctx: Context) -> int:
@@ -140,6 +150,11 @@ def leak(ctx: Context) -> dict[str, Any]:
         if step >= 2:
             readings.append(_live(ctx))
     flat = len(set(readings)) == 1
-    return {"status": "PASS" if flat else "FAIL", "flat": flat, "readings": readings,
-            "unit": "bytes (torch.cuda.memory_allocated)" if ctx.device.type == "cuda" else
-            "live tensors (CPU, dry run)"}
+    return {
+        "status": "PASS" if flat else "FAIL",
+        "flat": flat,
+        "readings": readings,
+        "unit": "bytes (torch.cuda.memory_allocated)"
+        if ctx.device.type == "cuda"
+        else "live tensors (CPU, dry run)",
+    }

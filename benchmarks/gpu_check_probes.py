@@ -36,8 +36,10 @@ def mlp_model(width: int, blocks: int) -> nn.Sequential:
 
 def relative_gradient_error(ref: nn.Module, piped: nn.Module) -> float:
     scale = max(float(p.grad.abs().max()) for p in ref.parameters())
-    worst = max(float((a.grad - b.grad.to(a.device)).abs().max()) for a, b in zip(ref.parameters(),
-                                                                                     piped.parameters()))
+    worst = max(
+        float((a.grad - b.grad.to(a.device)).abs().max())
+        for a, b in zip(ref.parameters(), piped.parameters())
+    )
     return worst / max(scale, 1.0)
 
 
@@ -65,13 +67,23 @@ def backward_probe(ctx: Context) -> dict[str, Any]:
     worker.join(BACKWARD_PROBE_SECONDS)
     seconds = round(time.perf_counter() - start, 3)
     if worker.is_alive():
-        return {"status": "FAIL", "error": f"pipe(x).backward() did not return within {BACKWARD_PROBE_SECONDS} s "
-                                           "(the autograd worker of the device waits on the stage threads)"}
+        return {
+            "status": "FAIL",
+            "error": f"pipe(x).backward() did not return within {BACKWARD_PROBE_SECONDS} s "
+            "(the autograd worker of the device waits on the stage threads)",
+        }
     if failure:
-        return {"status": "FAIL", "error": f"{type(failure[0]).__name__}: {failure[0]}", "seconds_to_return": seconds}
+        return {
+            "status": "FAIL",
+            "error": f"{type(failure[0]).__name__}: {failure[0]}",
+            "seconds_to_return": seconds,
+        }
     error = relative_gradient_error(ref, piped)
-    return {"status": "PASS" if error <= 1e-5 else "FAIL", "seconds_to_return": seconds,
-            "relative_gradient_error": error}
+    return {
+        "status": "PASS" if error <= 1e-5 else "FAIL",
+        "seconds_to_return": seconds,
+        "relative_gradient_error": error,
+    }
 
 
 class _Amplified:
@@ -115,14 +127,18 @@ def order_violations(events: list[Event]) -> list[str]:
     bad = []
     for (k, kind, m), e in at.items():
         if kind == "F" and (k - 1, "F", m) in at and e.start < at[(k - 1, "F", m)].end:
-            bad.append(f"F({k},{m}) started {at[(k - 1, 'F', m)].end - e.start:.2e} s before F({k - 1},{m}) ended")
+            bad.append(
+                f"F({k},{m}) started {at[(k - 1, 'F', m)].end - e.start:.2e} s before F({k - 1},{m}) ended"
+            )
         if kind == "B" and (k + 1, "B", m) in at and e.start < at[(k + 1, "B", m)].end:
-            bad.append(f"B({k},{m}) started {at[(k + 1, 'B', m)].end - e.start:.2e} s before B({k + 1},{m}) ended")
+            bad.append(
+                f"B({k},{m}) started {at[(k + 1, 'B', m)].end - e.start:.2e} s before B({k + 1},{m}) ended"
+            )
     return bad
 
 
 def race(ctx: Context) -> dict[str, Any]:
-    """A K=2 correctness subset with sleeps amplifying every race, then the hand-off order on device events."""
+    """A K=2 correctness subset with sleeps amplifying every race, then the hand-off order on the device."""
     torch.backends.cuda.matmul.allow_tf32 = False
     on_gpu = ctx.device.type == "cuda"
     failures: list[str] = []
@@ -133,19 +149,32 @@ def race(ctx: Context) -> dict[str, Any]:
             ref, piped = copy.deepcopy(module), copy.deepcopy(module)
             x = torch.randn(16 if ctx.dry else 512, module[0].in_features, device=ctx.device)
             F.mse_loss(ref(x), x).backward()
-            pipe = GPipe(piped, partitions=2, chunks=4, devices=[ctx.device] * 2, schedule=schedule,
-                         checkpoint=checkpoint)
+            pipe = GPipe(
+                piped,
+                partitions=2,
+                chunks=4,
+                devices=[ctx.device] * 2,
+                schedule=schedule,
+                checkpoint=checkpoint,
+            )
             amplified = pipe.channel.streams = _Amplified(pipe.channel.streams, on_gpu)  # type: ignore[attr-defined]
             pipe.train_step(x, x, F.mse_loss)
             runs, sleeps = runs + 1, sleeps + amplified.sleeps
             error = relative_gradient_error(ref, piped)
             if error > 1e-5:
                 failures.append(f"{schedule}/{checkpoint}: gradient error {error:.2e}")
-            failures += [f"{schedule}/{checkpoint}: {v}" for v in order_violations(pipe.timeline.on_device().events)]
+            failures += [
+                f"{schedule}/{checkpoint}: {v}" for v in order_violations(pipe.timeline.on_device().events)
+            ]
     ok = not failures and sleeps > 0
-    return {"status": "PASS" if ok else "FAIL", "runs": runs, "amplifying_sleeps": sleeps,
-            "sleep_kernels": on_gpu, "failures": failures[:20],
-            "timing": "CUDA events" if on_gpu else "host clock (CPU, dry run)"}
+    return {
+        "status": "PASS" if ok else "FAIL",
+        "runs": runs,
+        "amplifying_sleeps": sleeps,
+        "sleep_kernels": on_gpu,
+        "failures": failures[:20],
+        "timing": "CUDA events" if on_gpu else "host clock (CPU, dry run)",
+    }
 
 
 def busy_seconds(events: list[Event]) -> float:
@@ -159,15 +188,20 @@ def busy_seconds(events: list[Event]) -> float:
 
 
 def launch_bound(ctx: Context) -> dict[str, Any]:
-    """d=256, M=8 on one device: host seconds per step against device-busy seconds, each feature on and off."""
+    """d=256, M=8 on one device: host seconds per step against device-busy seconds, features on and off."""
     width = 16 if ctx.dry else 256
     x = torch.randn(64 if ctx.dry else 256, width, device=ctx.device)
-    variants = {"all on": {}, "random_replay off": {"options": PipelineOptions(random_replay=False)},
-                "track_memory off": {"track_memory": False}, "nonfinite verdict off": {"nonfinite": "ignore"}}
+    variants = {
+        "all on": {},
+        "random_replay off": {"options": PipelineOptions(random_replay=False)},
+        "track_memory off": {"track_memory": False},
+        "nonfinite verdict off": {"nonfinite": "ignore"},
+    }
     rows: dict[str, Any] = {}
     for label, options in variants.items():
-        pipe = GPipe(mlp_model(width, 4).to(ctx.device), partitions=2, chunks=8, devices=[ctx.device] * 2,
-                     **options)
+        pipe = GPipe(
+            mlp_model(width, 4).to(ctx.device), partitions=2, chunks=8, devices=[ctx.device] * 2, **options
+        )
         pipe.train_step(x, x, F.mse_loss)
         host, busy = [], []
         for _ in range(3):
@@ -180,9 +214,14 @@ def launch_bound(ctx: Context) -> dict[str, Any]:
             host.append(time.perf_counter() - start)
             busy.append(busy_seconds(pipe.timeline.on_device().events))
         h, b = sorted(host)[1], sorted(busy)[1]
-        rows[label] = {"host_seconds_per_step": round(h, 5), "device_busy_seconds": round(b, 5),
-                       "host_over_busy": round(h / max(b, 1e-9), 2)}
+        rows[label] = {
+            "host_seconds_per_step": round(h, 5),
+            "device_busy_seconds": round(b, 5),
+            "host_over_busy": round(h / max(b, 1e-9), 2),
+        }
     ok = all(r["device_busy_seconds"] > 0 for r in rows.values())
-    return {"status": "PASS" if ok else "FAIL", "configs": rows,
-            "timing": "CUDA events" if ctx.device.type == "cuda" else "host clock (CPU, dry run)"}
-
+    return {
+        "status": "PASS" if ok else "FAIL",
+        "configs": rows,
+        "timing": "CUDA events" if ctx.device.type == "cuda" else "host clock (CPU, dry run)",
+    }

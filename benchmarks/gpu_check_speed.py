@@ -79,7 +79,8 @@ def speed(ctx: Context) -> dict[str, Any]:
             bw[schedule] = round(_step_seconds(lambda p=pipe: p.train_step(x, x, loss_fn), ctx, repeats), 4)
     k1 = {M: rows[f"K=1 M={M}"]["vs_accumulation"] for M in accumulation}
     ok = ctx.dry or all(r <= 1.05 for r in k1.values())
-    return {"status": "PASS" if ok else "FAIL", "accumulation_seconds": {M: round(t, 4) for M, t in accumulation.items()},
+    return {"status": "PASS" if ok else "FAIL",
+            "accumulation_seconds": {M: round(t, 4) for M, t in accumulation.items()},
             "configs": rows, "k1_vs_accumulation": k1, "gpipe_vs_gpipe_bw": bw,
             "timing": "wall clock (CPU, dry run)" if ctx.dry else "CUDA events"}
 

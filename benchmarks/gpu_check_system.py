@@ -93,7 +93,8 @@ class _Watch(pl.Callback):
                            i: int) -> None:
         scale, weights = self._before
         moved = any(not torch.equal(a, b) for a, b in zip(weights, module.parameters()))
-        self.rows.append({"batch": i, "scale_before": scale, "scale_after": trainer.precision_plugin.scaler.get_scale(),
+        after = trainer.precision_plugin.scaler.get_scale()
+        self.rows.append({"batch": i, "scale_before": scale, "scale_after": after,
                           "weights_moved": moved})
 
 
@@ -108,17 +109,21 @@ def amp_fp16(ctx: Context) -> dict[str, Any]:
     scaler = torch.amp.GradScaler(device, init_scale=1024.0)
     watch = _Watch()
     with tempfile.TemporaryDirectory() as folder:
-        trainer = pl.Trainer(accelerator="cpu" if ctx.dry else "gpu", devices=1, max_steps=5, callbacks=[watch],
+        trainer = pl.Trainer(accelerator="cpu" if ctx.dry else "gpu", devices=1, max_steps=5,
+                             callbacks=[watch],
                              plugins=[MixedPrecision("16-mixed", device, scaler=scaler)],
-                             strategy=GPipeStrategy(partitions=2, chunks=4, stage_devices=[str(ctx.device)] * 2),
+                             strategy=GPipeStrategy(partitions=2, chunks=4,
+                                                    stage_devices=[str(ctx.device)] * 2),
                              logger=False, enable_progress_bar=False, enable_model_summary=False,
                              enable_checkpointing=False, default_root_dir=folder, num_sanity_val_steps=0,
                              limit_val_batches=0)
         trainer.fit(_Regressor(width), data)
     rows = watch.rows
     skipped = len(rows) > bad and not rows[bad]["weights_moved"]
-    backed_off = len(rows) > bad and rows[bad]["scale_after"] == rows[bad]["scale_before"] * scaler.get_backoff_factor()
-    others = all(r["weights_moved"] and r["scale_after"] == r["scale_before"] for r in rows if r["batch"] != bad)
+    halved = rows[bad]["scale_before"] * scaler.get_backoff_factor() if len(rows) > bad else None
+    backed_off = len(rows) > bad and rows[bad]["scale_after"] == halved
+    others = all(r["weights_moved"] and r["scale_after"] == r["scale_before"]
+                 for r in rows if r["batch"] != bad)
     ok = len(rows) == 5 and skipped and backed_off and others
     return {"status": "PASS" if ok else "FAIL", "inf_batch": bad, "inf_step_skipped": skipped,
             "scale_backed_off": backed_off, "other_steps_taken_at_same_scale": others, "batches": rows}

@@ -40,10 +40,12 @@ def _watch(model: nn.Sequential) -> dict[int, list[Any]]:
     nodes: dict[int, list[Any]] = {}
     for i, layer in enumerate(model):
         if isinstance(layer, nn.Linear):
+
             def hook(module: nn.Module, args: Any, out: torch.Tensor, i: int = i) -> None:
                 node = _cast_node(out, module.weight)
                 if node is not None:
                     nodes.setdefault(i, []).append(node)
+
             layer.register_forward_hook(hook)
     return nodes
 
@@ -59,7 +61,9 @@ def test_each_stage_casts_each_weight_once_per_step(checkpoint: str) -> None:
     nodes = _watch(model)
     pipe = GPipe(model, partitions=2, chunks=4, checkpoint=checkpoint)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        pipe.train_step(torch.randn(8, 8), torch.randn(8, 2), lambda o, t: nn.functional.mse_loss(o.float(), t))
+        pipe.train_step(
+            torch.randn(8, 8), torch.randn(8, 2), lambda o, t: nn.functional.mse_loss(o.float(), t)
+        )
     assert set(nodes) == {0, 2, 4}
     for i, calls in nodes.items():
         assert len(calls) == 4, (i, len(calls))  # every micro-batch's graph (replays for "always")
@@ -81,6 +85,7 @@ def test_a_region_per_layer_call_casts_again_each_call() -> None:
     for layer in model:
         layer.register_forward_pre_hook(enter)
         layer.register_forward_hook(leave)
-    GPipe(model, partitions=1, chunks=4).train_step(torch.randn(8, 8), torch.randn(8, 2),
-                                                    lambda o, t: nn.functional.mse_loss(o.float(), t))
+    GPipe(model, partitions=1, chunks=4).train_step(
+        torch.randn(8, 8), torch.randn(8, 2), lambda o, t: nn.functional.mse_loss(o.float(), t)
+    )
     assert all(len({id(n) for n in calls}) == 4 for calls in nodes.values())

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py --dry-run: every section wired on the CPU in its own process, reports after each."""
+"""benchmarks/gpu_check.py --dry-run: every section wired on the CPU, each in its own process."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def reads_the_report(ctx: Context) -> dict:
 def test_a_failing_hanging_or_dying_section_loses_only_itself(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     here = __name__
-    monkeypatch.setattr(gpu_check, "SECTIONS", [("raises", f"{here}:raises", 30), ("hangs", f"{here}:hangs", 3),
+    monkeypatch.setattr(gpu_check, "SECTIONS", [("raises", f"{here}:raises", 30),
+                                                ("hangs", f"{here}:hangs", 3),
                                                 ("dies", f"{here}:dies", 30),
                                                 ("reads", f"{here}:reads_the_report", 30)])
     # what this module imports, without Lightning: each child then imports only this module
@@ -92,4 +93,5 @@ def test_without_cuda_a_real_run_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_one_gpu_sections_fit_in_eight_minutes_with_start_up() -> None:
-    assert sum(cap for _, _, cap in gpu_check.SECTIONS) <= 8 * 60 - 20  # 20 s for the section server's imports
+    # 20 s left for the section server's imports
+    assert sum(cap for _, _, cap in gpu_check.SECTIONS) <= 8 * 60 - 20

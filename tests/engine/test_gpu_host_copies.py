@@ -27,7 +27,9 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, bool]]:
     def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         target = args[0] if args else kwargs.get("device")
         if isinstance(target, (str, torch.device)):
-            seen.append((self.device.type, torch.device(target).type, bool(kwargs.get("non_blocking", False))))
+            seen.append(
+                (self.device.type, torch.device(target).type, bool(kwargs.get("non_blocking", False)))
+            )
             if self.is_meta:
                 return torch.zeros(self.shape, dtype=self.dtype, device=target)
         return original(self, *args, **kwargs)

@@ -25,7 +25,8 @@ def test_a_gpu_stage_keeps_only_device_times_and_a_cpu_stage_its_host_waits() ->
     on_device = t.on_device()
     # stage 0 is on a GPU: its host wait measured the host thread, not the device, so it is dropped
     assert [e for e in on_device.events if e.stage == 0] == device
-    assert Event(1, "wait", 0, 1.0, 1.2) in on_device.events and Event(1, "F", 0, 1.2, 1.3) in on_device.events
+    assert Event(1, "wait", 0, 1.0, 1.2) in on_device.events
+    assert Event(1, "F", 0, 1.2, 1.3) in on_device.events
     assert on_device.waiting() == pytest.approx([0.0, 0.2])
     assert on_device.end == pytest.approx(1.6)  # the device finished after the host returned
 
