@@ -83,8 +83,12 @@ def join(microbatches: Sequence[tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
 
 
 def to_device(values: tuple[Tensor, ...], device: torch.device) -> tuple[Tensor, ...]:
-    """Move a tuple of tensors to ``device`` (a no-op for tensors already there)."""
-    return tuple(t if t.device == device else t.to(device, non_blocking=True) for t in values)
+    """Move a tuple of tensors to ``device`` (a no-op for tensors already there).
+
+    Blocking to the CPU: a non-blocking GPU-to-CPU copy could be read before it lands.
+    """
+    blocking = torch.device(device).type == "cpu"
+    return tuple(t if t.device == device else t.to(device, non_blocking=not blocking) for t in values)
 
 
 def nbytes(values: Sequence[Tensor]) -> int:

@@ -45,13 +45,39 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """Default: ``cuda:<LOCAL_RANK>`` under the NCCL backend, else CPU; ``"cuda"`` gets an index.
 
     Raises:
-        ValueError: a device that cannot be used here (see ``devices.normalize_device``).
+        ValueError: a device that cannot be used here (see ``devices.normalize_device``),
+            or, for the default, a ``LOCAL_RANK`` that is not an integer or has no GPU of
+            its own (see ``local_rank_device``).
     """
     if device is not None:
         return normalize_device(device)
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        return local_rank_device(os.environ.get("LOCAL_RANK", "0"), torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def local_rank_device(local_rank: str, device_count: int) -> torch.device:
+    """``cuda:<LOCAL_RANK>``, refused when two ranks of this node would share a GPU.
+
+    NCCL does not support two ranks of one communicator on one GPU (wrapping
+    ``LOCAL_RANK`` around the device count would do that), so more processes per
+    node than visible GPUs is an error, not a silent sharing.
+
+    Raises:
+        ValueError: ``local_rank`` is not an integer >= 0, or not below ``device_count``.
+    """
+    try:
+        rank = int(local_rank)
+    except ValueError:
+        rank = -1
+    if rank < 0:
+        raise ValueError(f"LOCAL_RANK={local_rank!r} is not an integer >= 0 (set by torchrun)")
+    if rank >= device_count:
+        raise ValueError(f"LOCAL_RANK={rank} but this process sees {device_count} CUDA device(s): two NCCL "
+                         f"ranks cannot share one GPU. Start at most {device_count} processes per node "
+                         f"(torchrun --nproc-per-node={device_count}), or, where a launcher gives each "
+                         "process its own GPU via CUDA_VISIBLE_DEVICES, pass device='cuda' explicitly")
+    return torch.device("cuda", rank)
 
 
 def bind_device(device: torch.device) -> None:
