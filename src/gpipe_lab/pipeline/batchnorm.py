@@ -17,10 +17,13 @@ micro-batch-normalized inputs).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 from gpipe_lab.pipeline.context import is_recomputing
 
@@ -132,3 +135,27 @@ def commit_forward(module: nn.Module) -> int:
     Returns the number of layers whose running statistics changed.
     """
     return sum(m.commit() for m in module.modules() if isinstance(m, DeferredBatchNorm))
+
+
+def running_stat_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers of ``module`` whose training-mode forward moves running statistics
+    (``nn.BatchNorm*``, ``nn.InstanceNorm*`` with ``track_running_stats``; not the deferred kind)."""
+    return [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats
+            and not isinstance(m, DeferredBatchNorm)]
+
+
+@contextmanager
+def running_stats_untouched(layers: list[nn.Module]) -> Iterator[None]:
+    """Undo, on exit, what the enclosed forward did to ``layers``' buffers.
+
+    A re-materialized forward replays a micro-batch whose first forward already
+    updated the running statistics; a second update would count it twice.
+    """
+    saved = [(m, {n: b.clone() for n, b in m.named_buffers(recurse=False)}) for m in layers if m.training]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, buffers in saved:
+                for n, b in m.named_buffers(recurse=False):
+                    b.copy_(buffers[n])

@@ -103,6 +103,11 @@ class GPipe(PipelineCore):
                  compile: bool | dict | None = None, options: PipelineOptions | None = None,
                  init_fn: InitFn | None = None) -> None:
         super().__init__()
+        if isinstance(module, nn.Sequential) and len(module) == 0:
+            # torchgpipe runs GPipe(nn.Sequential(), []) as the identity; a pipeline here has >= 1 stage
+            raise ValueError("the module has no layers: a pipeline needs at least one; for the identity "
+                             "(what torchgpipe makes of an empty nn.Sequential) pass "
+                             "nn.Sequential(nn.Identity()) with balance=[1]")
         opts = merged_options(options, balance=None if balance is None else list(balance),
                               partitions=partitions, devices=None if devices is None else list(devices),
                               chunks=chunks, checkpoint=checkpoint, schedule=schedule,
@@ -114,8 +119,6 @@ class GPipe(PipelineCore):
             module = build_module(module)
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe needs an nn.Sequential, got {type(module).__name__}")
-        if len(module) == 0:
-            raise ValueError("the module has no layers")
         v = opts.virtual_stages
         balance = resolve_balance(module, opts)
         K = len(balance) // v
