@@ -105,18 +105,17 @@ class DeferredBatchNorm(_BatchNorm):
     def convert(cls, module: nn.Module) -> nn.Module:
         """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` (in place; returns the root).
 
-        The new layer reuses the original's parameter objects and copies its
-        running statistics, so an optimizer built on the module keeps working.
+        The new layer reuses the original's parameter and running-statistics tensors
+        (dtype included), so an optimizer built on the module keeps working.
         """
         if isinstance(module, _BatchNorm) and not isinstance(module, cls) and module.track_running_stats:
             with torch.device(module.running_mean.device):  # meta stays meta: nothing allocated
                 bn = cls(module.num_features, module.eps, module.momentum, module.affine)
             if module.affine:
                 bn.weight, bn.bias = module.weight, module.bias
-            if not module.running_mean.is_meta:
-                bn.running_mean.copy_(module.running_mean)
-                bn.running_var.copy_(module.running_var)
-                bn.num_batches_tracked.copy_(module.num_batches_tracked)
+            # the original buffers themselves: their dtype too (a float64 model keeps float64 statistics)
+            bn.running_mean, bn.running_var = module.running_mean, module.running_var
+            bn.num_batches_tracked = module.num_batches_tracked
             bn.train(module.training)
             return bn
         for name, child in list(module.named_children()):
