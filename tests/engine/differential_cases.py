@@ -31,6 +31,7 @@ AXES: dict[str, tuple] = {
     "frozen": (False, True),
     "dtype": ("float32", "float64"),
     "output": ("tensor", "dict"),
+    "transport": ("local", "distributed"),
 }
 BALANCE = {1: [5], 2: [2, 3], 3: [2, 1, 2]}  # layer 2 (the probe) sits on stage 0, 1, 1
 PROBE_LAYER = 2
@@ -51,6 +52,7 @@ class Case:
     frozen: bool
     dtype: str
     output: str
+    transport: str
 
     def recipe(self) -> str:
         return ",".join(f"{k}={v}" for k, v in asdict(self).items())
@@ -82,11 +84,18 @@ class Case:
 
 def all_cases() -> list[Case]:
     """The full product, less what an axis cannot vary: forward-only doors run fill-drain's
-    forward whatever the schedule, so they take the schedule axis at ``gpipe`` only."""
+    forward whatever the schedule, so they take the schedule axis at ``gpipe`` only; the
+    distributed transport's ``pipe(x)`` has no backward, so its backward door runs ``gpipe``
+    only (to see the refusal), and a dict output is tried there with ``train_step`` only
+    (the refusal of a non-tensor output is the local transport's test: a rank failing
+    mid-forward ends the launch that runs the other cases)."""
     out = []
     for values in itertools.product(*AXES.values()):
         case = Case(*values)
-        if not case.trains and case.schedule != "gpipe":
+        if case.schedule != "gpipe" and (not case.trains or (case.transport == "distributed"
+                                                            and case.door == "backward")):
+            continue
+        if case.transport == "distributed" and case.output == "dict" and case.door != "train_step":
             continue
         out.append(case)
     return out

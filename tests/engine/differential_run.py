@@ -31,6 +31,7 @@ from torch import nn
 
 from gpipe_lab.pipeline import GPipe, checkpointed_microbatches, convert_dropout
 from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
+from gpipe_lab.pipeline.distributed import DistributedGPipe
 
 Observed = dict[str, object]
 SPLIT_BACKWARD = ("gpipe-bw", "zb-h1", "zb-h2")
@@ -41,10 +42,13 @@ def _autocast(case: Case) -> contextlib.AbstractContextManager:
 
 
 def _state(model: nn.Module, x: object, obs: Observed) -> Observed:
-    obs["grads"] = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    """Gradients and buffers (those held here: another rank's layers are on ``meta``)."""
+    obs["grads"] = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
+                    if not p.is_meta}
     obs["input_grad"] = [None if t.grad is None else t.grad.clone() for t in input_tensors(x)
                          if t.is_floating_point()]
-    obs["buffers"] = {n: b.clone() for n, b in model.state_dict().items() if n not in dict(model.named_parameters())}
+    params = dict(model.named_parameters())
+    obs["buffers"] = {n: b.clone() for n, b in model.state_dict().items() if n not in params and not b.is_meta}
     return obs
 
 
@@ -57,9 +61,12 @@ def run_engine(case: Case) -> Observed:
     x, y = make_batch(case)
     obs: Observed = {}
     try:
-        pipe = GPipe(model, balance=BALANCE[case.K], chunks=case.M, checkpoint=case.checkpoint,
-                     schedule=case.schedule, deferred_batch_norm=case.bn == "deferred", seed=SEED,
-                     threads_per_stage=1, timeout=60)
+        options = dict(balance=BALANCE[case.K], chunks=case.M, checkpoint=case.checkpoint,
+                       schedule=case.schedule, deferred_batch_norm=case.bn == "deferred", seed=SEED, timeout=60)
+        if case.transport == "local":
+            pipe = GPipe(model, threads_per_stage=1, **options)
+        else:  # this rank's share; differential_distributed merges the ranks'
+            pipe = DistributedGPipe(model, **options)
         if case.door == "train_step":
             with _autocast(case):
                 if case.output == "tensor":
@@ -179,6 +186,8 @@ def expected_error(case: Case) -> str | None:
     """The clear error a combination must raise instead of running (a regex), or None."""
     if case.output == "dict" and case.door != "train_step":
         return r"last partition's output .* dict"
+    if case.door == "backward" and case.transport == "distributed":
+        return r"cannot back-propagate pipe\(x\) across processes"
     if case.door == "backward" and case.schedule != "gpipe":
         return r"needs the loss inside the pipeline"
     return None
