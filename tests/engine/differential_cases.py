@@ -7,6 +7,7 @@ A ``Case`` picks one value on every axis. ``recipe()`` is its one-line form, whi
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -89,16 +90,54 @@ def all_cases() -> list[Case]:
     only (to see the refusal), and a dict output is tried there with ``train_step`` only
     (the refusal of a non-tensor output is the local transport's test: a rank failing
     mid-forward ends the launch that runs the other cases)."""
-    out = []
-    for values in itertools.product(*AXES.values()):
-        case = Case(*values)
-        if case.schedule != "gpipe" and (not case.trains or (case.transport == "distributed"
-                                                            and case.door == "backward")):
-            continue
-        if case.transport == "distributed" and case.output == "dict" and case.door != "train_step":
-            continue
-        out.append(case)
+    return [case for case in itertools.starmap(Case, itertools.product(*AXES.values())) if valid(case)]
+
+
+def valid(case: Case) -> bool:
+    """Whether ``all_cases`` holds ``case``."""
+    if case.schedule != "gpipe" and (not case.trains or (case.transport == "distributed"
+                                                        and case.door == "backward")):
+        return False
+    return not (case.transport == "distributed" and case.output == "dict" and case.door != "train_step")
+
+
+def random_cases(seed: int, n: int, **fixed: object) -> list[Case]:
+    """``n`` distinct valid cases drawn with ``seed``, with the axes in ``fixed`` held."""
+    rng = random.Random(seed)
+    out: list[Case] = []
+    while len(out) < n:
+        case = Case(**{k: fixed[k] if k in fixed else rng.choice(v) for k, v in AXES.items()})
+        if valid(case) and case not in out:
+            out.append(case)
     return out
+
+
+def pairwise(seed: int, transport: str, tries: int = 100) -> list[Case]:
+    """Few cases (greedy, seeded) in which every two axes take every pair of values that some
+    valid case of ``transport`` takes: each picked case covers the most pairs not yet covered
+    among ``tries`` random valid candidates."""
+    rng = random.Random(seed)
+    names = [n for n in AXES if n != "transport"]
+
+    def draw() -> Case:
+        while True:
+            case = Case(*[rng.choice(AXES[n]) for n in names], transport)
+            if valid(case):
+                return case
+
+    def pairs(case: Case) -> set:
+        v = [getattr(case, n) for n in names]
+        return {(i, v[i], j, v[j]) for i, j in itertools.combinations(range(len(names)), 2)}
+
+    wanted = set().union(*(pairs(draw()) for _ in range(3000)))
+    chosen: list[Case] = []
+    while wanted:
+        best = max((draw() for _ in range(tries)), key=lambda c: len(pairs(c) & wanted))
+        if not pairs(best) & wanted:
+            break
+        chosen.append(best)
+        wanted -= pairs(best)
+    return chosen
 
 
 class Probe(nn.Module):

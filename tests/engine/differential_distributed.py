@@ -12,6 +12,8 @@ from differential_run import Observed, run_engine
 
 from gpipe_lab.pipeline.distributed.launch import run_local
 
+PER_LAUNCH = 100  # cases per launch of K processes (each launch within ``timeout``)
+
 
 def worker(rank: int, world: int, recipes: list[str]) -> list[tuple[Observed, Observed]]:
     return [(run_engine(Case.parse(r)), run_engine(Case.parse(r))) for r in recipes]
@@ -42,16 +44,19 @@ def merge(parts: list[Observed]) -> Observed:
     return out
 
 
-def run_distributed(cases: list[Case], timeout: float = 240) -> dict[Case, tuple[Observed, Observed]]:
-    """Every case's two runs, one launch per K.
+def run_distributed(cases: list[Case], timeout: float = 600) -> dict[Case, tuple[Observed, Observed]]:
+    """Every case's two runs, one launch of K processes per K (per ``PER_LAUNCH`` cases).
 
     Raises:
         RuntimeError: a rank failed or hung (its error text and the launch's recipes).
     """
     results: dict[Case, tuple[Observed, Observed]] = {}
+    launches = []
     for K in sorted({c.K for c in cases}):
-        group = [c for c in cases if c.K == K]
-        ranks = run_local(worker, K, args=([c.recipe() for c in group],), timeout=timeout)
+        same = [c for c in cases if c.K == K]
+        launches += [same[i:i + PER_LAUNCH] for i in range(0, len(same), PER_LAUNCH)]
+    for group in launches:
+        ranks = run_local(worker, group[0].K, args=([c.recipe() for c in group],), timeout=timeout)
         failed = [r for r in ranks if r.exitcode != 0]
         if failed:
             recipes = "\n".join(c.recipe() for c in group)

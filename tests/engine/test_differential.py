@@ -1,8 +1,8 @@
 """The differential harness: every combination of the engine's axes against plain PyTorch.
 
 Axes and the model: ``differential_cases``; the two runs and what is compared:
-``differential_run``. CI runs a fixed-seed sample; ``GPIPE_DIFFERENTIAL=full`` runs
-the whole product; ``GPIPE_DIFFERENTIAL_CASE=<recipe>`` runs one case (the line a
+``differential_run``. CI runs a fixed-seed pairwise sample; ``GPIPE_DIFFERENTIAL=full``
+runs the whole product (or ``=N``, a sample of N); ``GPIPE_DIFFERENTIAL_CASE=<recipe>`` runs one case (the line a
 failing case prints). Each case also runs twice and must be bitwise equal.
 """
 
@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from differential_cases import Case, all_cases
+from differential_cases import Case, all_cases, pairwise, random_cases
 from differential_distributed import run_distributed
 from differential_run import (
     Observed,
@@ -29,7 +29,6 @@ from torch import nn
 
 from gpipe_lab.pipeline import GPipe
 
-SAMPLE = 20
 SAMPLE_DISTRIBUTED = 4
 
 
@@ -69,15 +68,19 @@ def _params(cases: list[Case]) -> list:
 
 def _selected() -> list[Case]:
     """The cases of this run: one (``GPIPE_DIFFERENTIAL_CASE``), all (``GPIPE_DIFFERENTIAL=full``),
-    or CI's fixed sample: local cases, and a few distributed ones in one launch (K=2)."""
+    a fixed-seed sample of N (``GPIPE_DIFFERENTIAL=N``), or CI's: local cases in which every two
+    axes take every pair of their values (``pairwise``), and a few distributed ones in one launch (K=2). ``GPIPE_DIFFERENTIAL_SHARD=i/n`` keeps every n-th
+    case from the i-th (0-based), to spread the full product over n jobs."""
     if os.environ.get("GPIPE_DIFFERENTIAL_CASE"):
         return [Case.parse(os.environ["GPIPE_DIFFERENTIAL_CASE"])]
-    cases = all_cases()
-    if os.environ.get("GPIPE_DIFFERENTIAL") == "full":
-        return cases
-    rng = random.Random(27)
-    return (rng.sample([c for c in cases if c.transport == "local"], SAMPLE)
-            + rng.sample([c for c in cases if c.transport == "distributed" and c.K == 2], SAMPLE_DISTRIBUTED))
+    mode = os.environ.get("GPIPE_DIFFERENTIAL", "")
+    if mode == "full" or mode.isdigit():
+        cases = all_cases()
+        chosen = cases if mode == "full" else random.Random(27).sample(cases, min(int(mode), len(cases)))
+        shard = os.environ.get("GPIPE_DIFFERENTIAL_SHARD", "0/1")
+        i, n = (int(v) for v in shard.split("/"))
+        return chosen[i::n]
+    return pairwise(27, "local") + random_cases(27, SAMPLE_DISTRIBUTED, transport="distributed", K=2)
 
 
 SELECTED = _selected()
@@ -89,7 +92,7 @@ def _distributed() -> dict[Case, tuple[Observed, Observed]]:
     return run_distributed([c for c in SELECTED if c.transport == "distributed"])
 
 
-# the combinations that found each defect (1, 2, 2, 3, 3, 4, 6, 6, 7), kept in CI whatever the sample draws
+# the combinations that found each defect (1, 2, 2, 3, 3, 4, 6, 6, 7, 9), kept in CI whatever the sample draws
 FOUND = [
     "door=train_step,K=2,M=4,batch=12,checkpoint=except_last,schedule=gpipe,bn=plain,rand=none,"
     "autocast=none,inputs=tensor,frozen=False,dtype=float32,output=tensor,transport=local",
@@ -109,6 +112,8 @@ FOUND = [
     "autocast=none,inputs=tensor,frozen=False,dtype=float32,output=dict,transport=local",
     "door=train_step,K=2,M=3,batch=10,checkpoint=always,schedule=zb-h1,bn=deferred,rand=none,"
     "autocast=bf16,inputs=grad_input,frozen=False,dtype=float64,output=dict,transport=local",
+    "door=train_step,K=3,M=1,batch=12,checkpoint=except_last,schedule=zb-h2,bn=deferred,rand=none,"
+    "autocast=bf16,inputs=tuple,frozen=True,dtype=float32,output=dict,transport=local",
 ]
 
 

@@ -62,12 +62,13 @@ class DeferredBatchNorm(_BatchNorm):
     def _accumulate(self, x: Tensor) -> None:
         """Add one micro-batch's per-channel sums, without a float64 copy of ``x``.
 
-        ``var_mean`` reads ``x`` once in its own dtype (accumulating in float32 for
-        16-bit inputs); only the per-channel results are widened to float64.
+        ``var_mean`` reads ``x`` once, in float32 for a 16-bit input (whose own-dtype
+        result would round the statistics to 16 bits, where ``nn.BatchNorm`` keeps
+        float32); only the per-channel results are widened to float64.
         """
         dims = [d for d in range(x.dim()) if d != 1]
         n = x.numel() // x.shape[1]
-        var, mean = torch.var_mean(x, dim=dims, correction=0)
+        var, mean = torch.var_mean(x.float() if x.element_size() < 4 else x, dim=dims, correction=0)
         mean64 = mean.to(self.sum.dtype)
         self.sum += mean64 * n
         self.sum_squares += (var.to(self.sum.dtype) + mean64 * mean64) * n
