@@ -15,7 +15,8 @@ import re
 
 import pytest
 import torch
-from differential_cases import Case, all_cases, pairwise, random_cases
+import torch.nn.functional as F
+from differential_cases import Case, DictHead, all_cases, loss_fn, pairwise, random_cases
 from differential_distributed import run_distributed
 from differential_run import (
     Observed,
@@ -135,3 +136,14 @@ def test_an_empty_sequential_is_refused_naming_the_identity_workaround() -> None
     pipe = GPipe(nn.Sequential(nn.Identity()), balance=[1], chunks=2)  # the workaround it names
     x = torch.randn(4, 3)
     assert torch.equal(pipe(x), x)
+
+
+def test_a_dict_output_is_joined_only_where_the_caller_asks_for_outputs() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), DictHead())
+    pipe = GPipe(model, balance=[2, 1], chunks=2)
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+    loss = pipe.train_step(x, y, loss_fn)  # loss_fn reads the dict
+    assert torch.allclose(loss, F.mse_loss(model(x)["y"], y), atol=1e-6)
+    with pytest.raises(TypeError, match=r"last partition's output \(micro-batch 0\) is a dict; .*return_outputs"):
+        pipe.train_step(x, y, loss_fn, return_outputs=True)
