@@ -17,15 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from differential_cases import Case, DictHead, all_cases, loss_fn, pairwise, random_cases
+from differential_compare import bitwise_differences, differences
 from differential_distributed import run_distributed
-from differential_run import (
-    Observed,
-    bitwise_differences,
-    differences,
-    expected_error,
-    run_engine,
-    run_reference,
-)
+from differential_run import Observed, expected_error, run_engine, run_reference
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe
