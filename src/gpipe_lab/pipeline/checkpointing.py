@@ -46,10 +46,11 @@ def autocast_state() -> AutocastState:
 
 
 @contextmanager
-def autocast_as(state: AutocastState) -> Iterator[None]:
+def autocast_as(state: AutocastState | None) -> Iterator[None]:
     """Run the enclosed replay under ``state`` (from ``autocast_state``), whatever the caller's is:
-    a forward under autocast replayed by a backward outside it computes in the forward's dtypes."""
-    if state == autocast_state():
+    a forward under autocast replayed by a backward outside it computes in the forward's dtypes.
+    ``None``: the caller's state, unchanged."""
+    if state is None or state == autocast_state():
         yield
         return
     regions, cache = state

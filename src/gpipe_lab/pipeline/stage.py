@@ -7,8 +7,9 @@ every stage runs its own backward, in parallel with the others.
 
 Re-materialization: a checkpointed micro-batch runs its forward without
 building a graph and keeps only its boundary input; its backward first replays
-the forward with the same generator (identical dropout masks), then
-back-propagates.
+the forward with the same generator (identical dropout masks) and the first
+forward's autocast state, restoring the running statistics the replay moves,
+then back-propagates.
 """
 
 from __future__ import annotations
