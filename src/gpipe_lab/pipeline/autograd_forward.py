@@ -43,6 +43,7 @@ class _PipelineOutput(torch.autograd.Function):
         with torch.enable_grad():
             _, outputs = core._execute(StepFeed(micro, was_tensor), plan, "forward", keep_outputs=True)
         core._commit_batch_norm()  # running statistics move in the forward, as nn.BatchNorm's do
+        core.step_count += 1  # counted at the forward: a call never back-propagated still draws fresh numbers
         ctx.core, ctx.plan, ctx.micro, ctx.generation = core, plan, micro, core.generation
         ctx.devices = [t.device for t in inputs]
         parts = [core.runtimes[len(core.runtimes) - 1].outputs[i][0] for i in range(M)]
@@ -63,7 +64,6 @@ class _PipelineOutput(torch.autograd.Function):
                         for i in range(plan.num_microbatches)]
         feed = StepFeed(None, False, output_grads=output_grads)
         core._execute(feed, plan, "backward", keep_outputs=False, fresh=False)
-        core.step_count += 1
         input_grads = []
         for j, device in enumerate(ctx.devices):
             pieces = [mb[j].grad for mb in micro]

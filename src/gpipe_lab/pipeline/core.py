@@ -219,6 +219,7 @@ class PipelineCore(OptionViews, nn.Module):
         plan = StepPlan(self.step_count, M, frozenset(), grad_enabled=False)
         with torch.no_grad():
             _, outputs = self._execute(self._feed(inputs, None, M), plan, "forward", True)
+        self.step_count += 1  # every call is a step of its own: the next one draws fresh random numbers
         self._commit_batch_norm()  # a training-mode forward is one mini-batch, as for nn.BatchNorm
         return outputs
 

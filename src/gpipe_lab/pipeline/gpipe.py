@@ -75,6 +75,11 @@ class GPipe(PipelineCore):
                  *, options: PipelineOptions | None = None, init_fn: InitFn | None = None,
                  **option_overrides: Any) -> None:
         super().__init__()
+        if isinstance(module, nn.Sequential) and len(module) == 0:
+            # torchgpipe runs GPipe(nn.Sequential(), []) as the identity; a pipeline here has >= 1 stage
+            raise ValueError("the module has no layers: a pipeline needs at least one; for the identity "
+                             "(what torchgpipe makes of an empty nn.Sequential) pass "
+                             "nn.Sequential(nn.Identity()) with balance=[1]")
         if balance is not None:
             option_overrides["balance"] = balance
         opts = merged_options(options, option_overrides).check()
@@ -85,8 +90,6 @@ class GPipe(PipelineCore):
             module = build_module(module)
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe needs an nn.Sequential, got {type(module).__name__}")
-        if len(module) == 0:
-            raise ValueError("the module has no layers")
         v = opts.virtual_stages
         balance = resolve_balance(module, opts)
         K = len(balance) // v

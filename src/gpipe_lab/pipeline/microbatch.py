@@ -39,6 +39,23 @@ def as_tuple(value: object, where: str) -> tuple[Tensor, ...]:
     )
 
 
+def final_output(value: object, microbatch: int) -> tuple[Tensor, ...]:
+    """The last partition's output as a tuple of tensors, for the calls that join it.
+
+    Raises:
+        TypeError: it is not a tensor nor a tuple of tensors (``train_step`` without
+            ``return_outputs`` takes any value its ``loss_fn`` reads).
+    """
+    try:
+        return as_tuple(value, "")
+    except TypeError:
+        raise TypeError(
+            f"the last partition's output (micro-batch {microbatch}) is a {type(value).__name__}; "
+            "pipe(x) and train_step(..., return_outputs=True) join it across micro-batches, so it must "
+            "be a tensor or a tuple of tensors (train_step(x, y, loss_fn) takes any value loss_fn reads)"
+        ) from None
+
+
 def unwrap(values: tuple[Tensor, ...], was_tensor: bool) -> Value:
     """Give a layer back the shape of value it produced: a tensor or a tuple."""
     return values[0] if was_tensor else values
