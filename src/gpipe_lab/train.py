@@ -21,6 +21,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+import gpipe_lab.config_schema  # noqa: F401  (registers the generated config nodes)
 from gpipe_lab.pipeline.options import PipelineOptions
 
 # The YAML ships inside the package (``gpipe_lab/conf``; in a checkout a link to the top-level

@@ -27,11 +27,11 @@ from gpipe_lab.pipeline.batching import (
     microbatch_count,
 )
 from gpipe_lab.pipeline.channel import Endpoint, StepFeed
-from gpipe_lab.pipeline.compiling import CompiledStage, compile_kwargs, split_backward_error
+from gpipe_lab.pipeline.compiling import CompiledStage, split_backward_error
 from gpipe_lab.pipeline.executor import Executor, step_timeline
 from gpipe_lab.pipeline.half_steps import HalfSteps
 from gpipe_lab.pipeline.microbatch import Value, join, unwrap
-from gpipe_lab.pipeline.options import OptionViews, PipelineOptions
+from gpipe_lab.pipeline.options import OptionViews, PipelineOptions, compile_kwargs
 from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs
 from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
 from gpipe_lab.pipeline.step_policy import StepPolicy
@@ -212,6 +212,7 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
         plan = StepPlan(self.step_count, M, frozenset(), grad_enabled=False)
         with torch.no_grad():
             _, outputs = self._execute(self._feed(inputs, None, M), plan, "forward", True)
+        self.step_count += 1  # every call is a step of its own: the next one draws fresh random numbers
         self._commit_batch_norm()  # a training-mode forward is one mini-batch, as for nn.BatchNorm
         return outputs
 

@@ -4,7 +4,9 @@
 ``forward_half`` runs fill-drain's forward half with graphs kept (or
 re-materialized later, per ``checkpoint``) and returns a ``HalfStep``;
 ``backward_half`` runs the backward half from the caller's output gradients and
-then ends the step as ``train_step`` does (non-finite verdict, step count).
+then ends the step as ``train_step`` does (the non-finite verdict). The step is
+counted at the forward: a ``pipe(x)`` never back-propagated still draws fresh
+random numbers on the next call.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class HalfSteps:
     _num_microbatches: Callable[[object, object], int]
     _execute: Callable[..., tuple[Tensor | None, Value | None]]
     _commit_batch_norm: Callable[[], None]
-    _judge: Callable[[Tensor | None], Tensor]
+    _judge: Callable[[Tensor | None, int | None], Tensor]
 
     def forward_half(self, inputs: tuple[Tensor, ...], was_tensor: bool) -> HalfStep:
         """``pipe(x)``'s forward: fill-drain's forward half with graphs kept (or re-materialized
@@ -64,6 +66,7 @@ class HalfSteps:
         with torch.enable_grad():
             _, outputs = self._execute(StepFeed(leaves, was_tensor), plan, "forward", keep_outputs=True)
         self._commit_batch_norm()
+        self.step_count += 1  # counted at the forward: a call never back-propagated still draws fresh numbers
         last = self._last
         assert last is not None and outputs is not None  # a local pipeline holds its last stage
         sizes = [last.outputs[i][0][0].shape[0] for i in range(M)]
@@ -84,5 +87,4 @@ class HalfSteps:
                                "backward; back-propagate each pipe(x) output before the next call")
         feed = StepFeed(None, False, output_grads=output_grads)
         self._execute(feed, half.plan, "backward", keep_outputs=False, fresh=False)
-        self._judge(None)
-        self.step_count += 1
+        self._judge(None, half.plan.step)

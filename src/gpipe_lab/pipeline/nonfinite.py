@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
+from gpipe_lab.pipeline.devices import to_device
 
 
 class NonFiniteError(FloatingPointError):
@@ -29,7 +29,8 @@ def nonfinite_flag(tensors: Iterable[Tensor | None]) -> Tensor | None:
     Each tensor's minimum and maximum are read (``aminmax``: one pass, no
     tensor-sized temporary); NaN propagates through both and an infinity is one
     of them, and unlike a sum they cannot overflow on large finite values.
-    Tensors on several devices are combined on the first one's. ``None`` entries
+    Tensors on several devices are combined on the first one's (a GPU flag reaches a
+    CPU first tensor by a blocking copy). ``None`` entries
     are skipped; returns ``None`` when nothing is left.
     """
     present = [t for t in tensors if t is not None and t.numel() > 0]
@@ -39,7 +40,7 @@ def nonfinite_flag(tensors: Iterable[Tensor | None]) -> Tensor | None:
     extremes = []
     for t in present:
         low, high = torch.aminmax(t.detach())
-        extremes.append(torch.stack([low, high]).float().to(device, non_blocking=True))
+        extremes.append(to_device(torch.stack([low, high]).float(), device))
     return ~torch.isfinite(torch.cat(extremes)).all()
 
 
@@ -66,7 +67,7 @@ def verdict_vector(loss: Tensor | None, modules: Mapping[int, nn.Module], num_ch
         for j, module in modules.items():
             flag = nonfinite_flag(p.grad for p in module.parameters())
             if flag is not None:
-                slots[2 + j] = flag.float().to(device, non_blocking=True)
+                slots[2 + j] = to_device(flag.float(), device)
     return torch.stack(slots)
 
 

@@ -7,8 +7,9 @@ every stage runs its own backward, in parallel with the others.
 
 Re-materialization: a checkpointed micro-batch runs its forward without
 building a graph and keeps only its boundary input; its backward first replays
-the forward with the same generator (identical dropout masks), then
-back-propagates.
+the forward with the same generator (identical dropout masks) and the first
+forward's autocast state, restoring the running statistics the replay moves,
+then back-propagates.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gpipe_lab.pipeline.checkpointing import checkpointing
+from gpipe_lab.pipeline.batchnorm import running_stat_layers, running_stats_untouched
+from gpipe_lab.pipeline.checkpointing import AutocastState, autocast_as, autocast_state, checkpointing
 from gpipe_lab.pipeline.compiling import CompiledStage
 from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
 from gpipe_lab.pipeline.device_timing import DeviceClock
-from gpipe_lab.pipeline.microbatch import as_tuple, unwrap
+from gpipe_lab.pipeline.microbatch import as_tuple, final_output, unwrap
 from gpipe_lab.pipeline.timeline import Event
 from gpipe_lab.pipeline.weight_gradients import (
     SplitPlan,
@@ -74,6 +76,7 @@ class _Saved:
     # the forward drew no random number: its replay, on the same inputs, draws none either,
     # so it runs without the per-op replay mode (which costs a Python call per op)
     drew_nothing: bool = False
+    autocast: AutocastState | None = None  # the first forward's, for its replay (checkpointed only)
 
     def clear(self) -> None:
         """Drop the graph. With memory tracking the graph holds the pack hook, whose closure holds
@@ -102,6 +105,7 @@ class StageRuntime:
         self.keep_outputs = False
         self._saved: dict[int, _Saved] = {}
         self._param_storages: set[int] = set()
+        self._norms: list[nn.Module] = []
         self.live_bytes = 0
         self.peak_bytes = 0
         self.track_memory = True
@@ -122,6 +126,7 @@ class StageRuntime:
         if self.clock is not None:
             self.clock.begin()
         self._param_storages = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        self._norms = running_stat_layers(self.module)
 
     def abort(self) -> None:
         """Free what a failed step left behind."""
@@ -181,14 +186,17 @@ class StageRuntime:
         # every micro-batch gets its generator: any layer may draw from current_generator()
         replay = self.replay_random and not (recomputing and saved.drew_nothing)
         with microbatch_context(self._generator(mb), recomputing, replay) as mode, hooks, \
-                checkpointing(mb in self.plan.checkpointed):
+                checkpointing(mb in self.plan.checkpointed and not recomputing):
             x = unwrap(inputs, was_tensor)
             # the module is read at each call: a front end may wrap it (autocast) after construction
             out = self.module(x) if self.compiled is None else self.compiled(self.module, x)
-            outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
             out_is_tensor = isinstance(out, Tensor)
+            if not self.is_last:
+                outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
+            elif self.plan.loss_fn is None or (self.keep_outputs and not recomputing):
+                outputs = final_output(out, mb)
             if self.is_last and self.plan.loss_fn is not None:
-                loss = self.plan.loss_fn(unwrap(outputs, out_is_tensor), target)
+                loss = self.plan.loss_fn(out, target)  # any value loss_fn reads, a dict included
                 if not isinstance(loss, Tensor) or loss.numel() != 1:
                     raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
                                     f"of shape {getattr(loss, 'shape', None)}")
@@ -222,6 +230,8 @@ class StageRuntime:
         self._saved[mb] = saved
         self._add_bytes(sum(t.numel() * t.element_size() for t in inputs))
         checkpointed = mb in self.plan.checkpointed
+        if checkpointed:
+            saved.autocast = autocast_state()
         with torch.set_grad_enabled(grad and not checkpointed):
             outputs, out_is_tensor = self._run(mb, inputs, was_tensor, target, recomputing=False)
         if not grad:
@@ -240,7 +250,8 @@ class StageRuntime:
         saved = self._saved[mb]
         if saved.outputs is None:
             start = self._start()
-            with torch.enable_grad():
+            # the replay sees its first forward's state: autocast as then, running statistics not moved again
+            with torch.enable_grad(), autocast_as(saved.autocast), running_stats_untouched(self._norms):
                 saved.outputs, _ = self._run(mb, saved.inputs, saved.was_tensor, saved.target,
                                              recomputing=True)
             self._record("R", mb, start)

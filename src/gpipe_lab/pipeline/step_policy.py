@@ -34,9 +34,10 @@ class StepPolicy:
     def _num_virtual(self) -> int:
         return self._num_ranks * self.options.virtual_stages
 
-    def _judge(self, loss: Tensor | None) -> Tensor:
+    def _judge(self, loss: Tensor | None, step: int | None = None) -> Tensor:
         """Share the loss and the non-finite verdict over every rank, then apply the policy to all
-        alike; returns the full-batch loss (zero when there is none).
+        alike; returns the full-batch loss (zero when there is none). ``step`` names the step in
+        the error (default: ``step_count``).
 
         Raises:
             NonFiniteError: a NaN/inf loss or gradient under ``nonfinite="raise"``.
@@ -47,17 +48,18 @@ class StepPolicy:
                                                    self.options.nonfinite != "ignore", device))
         whole = self.channel.holds_all_stages and loss is not None
         self._apply_policy(describe_problem(shared, self._num_ranks, self.options.virtual_stages,
-                                            loss if whole else None))
+                                            loss if whole else None), step)
         return loss if whole else shared[0].clone()  # type: ignore[return-value]
 
-    def _apply_policy(self, problem: str | None) -> None:
+    def _apply_policy(self, problem: str | None, step: int | None = None) -> None:
         """Raise, or skip the step (drop the gradients), on every rank alike."""
         self.last_step_skipped = False
         if problem is None:
             return
         self._reset_batch_norm()
         if self.options.nonfinite == "raise":
-            raise NonFiniteError(f"step {self.step_count}: {problem} (set nonfinite='skip' to skip such steps)")
+            raise NonFiniteError(f"step {self.step_count if step is None else step}: {problem} "
+                                 "(set nonfinite='skip' to skip such steps)")
         for runtime in self.runtimes.values():
             runtime.module.zero_grad(set_to_none=True)
         self.skipped_steps += 1
