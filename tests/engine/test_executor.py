@@ -140,15 +140,19 @@ class Hold(nn.Module):
         return x
 
 
-def test_the_callers_wait_is_bounded_when_no_stage_progresses() -> None:
-    """K=1 has no neighbour to time out: a stage stuck in one computation for a whole timeout
-    (as a backward that can never be scheduled would be) still reaches the caller as an error."""
+@pytest.mark.parametrize("balance,message", [
+    ([2], "no stage progressed longer than the timeout of 0.3 s"),  # no neighbour to time out
+    ([1, 1], "stage 0: last completed F1@0, waiting on B1@0"),  # the neighbour's error is reported
+])
+def test_the_callers_wait_is_bounded_when_a_stage_is_stuck_in_a_computation(balance, message) -> None:
+    """A stage stuck in one computation (as a backward that can never be scheduled would be)
+    reaches the caller as an error within a bounded time, though its thread cannot be stopped."""
     hold = Hold()
-    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), hold), balance=[2], chunks=2, timeout=300.0)
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), hold), balance=balance, chunks=2, timeout=300.0)
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     pipe.timeout = 0.3
     try:
-        with pytest.raises(PipelineTimeoutError, match="no stage progressed longer than the timeout of 0.3 s"):
+        with pytest.raises(PipelineTimeoutError, match=message):
             pipe.train_step(x, y, F.mse_loss)
     finally:
         hold.release.set()

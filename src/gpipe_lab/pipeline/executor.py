@@ -13,7 +13,8 @@ Both transports run a step here (``channel.Endpoint`` is all that differs):
   there, so the engine never queues a stage's CUDA nodes to the device worker
   thread, which in ``pipe(x).backward()`` is the caller waiting for this thread;
 * the caller's wait for the threads is bounded too: a whole timeout in which no
-  rank ended an action or a wait raises ``PipelineTimeoutError``;
+  rank ended an action or a wait, and none is waiting (a waiting rank times out
+  by itself, naming its peer), raises ``PipelineTimeoutError``;
 * failure is handled here alone: the first exception stops the mailbox (every
   waiting rank wakes), all threads end, runtimes drop what the step left, and
   the endpoint turns the exception into the error raised (annotated, and
@@ -44,6 +45,14 @@ def caller_autocast() -> list[tuple[str, torch.dtype]]:
     return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
 
 
+class _Stalled(Exception):
+    """The caller's wait saw no rank progress for a whole timeout (``error`` says where each was)."""
+
+    def __init__(self, error: PipelineTimeoutError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _Step:
     """The state of one step shared by its rank threads."""
 
@@ -58,6 +67,7 @@ class _Step:
             self.senders.update(expected_messages(actions, K, num_stages))
         self.failures: list[Failure] = []
         self.progress = 0  # actions and waits ended, by every rank: the caller's sign of life
+        self.waiting = [False] * K  # rank k is in a mailbox wait (bounded on its own)
         self.running = [threading.Event() for _ in range(K)]
         self.finished = [threading.Event() for _ in range(K)]
         self.autocast = caller_autocast()
@@ -95,6 +105,8 @@ class Executor:
         self.endpoint.open(prepared, step.mailbox, ranks)
         try:
             self._run_threads(step, ranks)
+        except _Stalled as stalled:  # reported with the ranks' own failures, if any came first
+            step.failures.append((time.monotonic(), ranks[0][0], None, stalled.error))
         except BaseException as exc:  # the caller was interrupted: the threads have stopped
             self._abort(ranks)
             raise self.endpoint.fail(exc, self._stage_of(schedule, ranks[0][0]), None) from None
@@ -136,14 +148,16 @@ class Executor:
         """Wait for rank ``k``'s thread to end while some rank progresses.
 
         Raises:
-            PipelineTimeoutError: no rank finished an action or a wait for a whole timeout (a
-                computation longer than the timeout, or a backward that can never be scheduled).
+            PipelineTimeoutError: for a whole timeout no rank finished an action or a wait, and
+                none is waiting (a computation longer than the timeout, or a backward that can
+                never be scheduled).
         """
         seen = step.progress
         while not step.finished[k].wait(self.endpoint.timeout):
-            if step.progress == seen:
-                raise PipelineTimeoutError(self.endpoint.timeout, list(step.done), list(step.current),
-                                           "no stage progressed")
+            waiting = any(w and not step.finished[r].is_set() for r, w in enumerate(step.waiting))
+            if step.progress == seen and not waiting:  # a waiting rank times out by itself
+                raise _Stalled(PipelineTimeoutError(self.endpoint.timeout, list(step.done),
+                                                    list(step.current), "no stage progressed"))
             seen = step.progress
 
     def _rank_thread(self, step: _Step, k: int, device: torch.device) -> None:
@@ -192,12 +206,15 @@ class Executor:
         runtime = self.runtimes[action.stage]
         peer = step.senders[key]
         start = time.perf_counter()
+        step.waiting[k] = True
         try:
             item = step.mailbox.get(key, self.endpoint.timeout, self.endpoint.poll)
         except WaitTimeout:
             raise self.endpoint.timed_out(key, action, peer, list(step.done), list(step.current)) from None
         except Undelivered as lost:
             raise self.endpoint.undelivered(key, action, lost.peer, lost.cause) from None
+        # cleared only after a value came: a failed wait stays marked until its thread has ended
+        step.waiting[k] = False
         runtime.events.append(Event(action.stage, "wait", action.microbatch, start, time.perf_counter()))
         step.progress += 1
         return self.endpoint.receive(item, runtime)
