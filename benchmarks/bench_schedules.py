@@ -18,11 +18,10 @@ configuration (the last measured step above the predicted one).
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python benchmarks/bench_schedules.py``: rerun as the module
-    import os
-    import sys
+if not __package__:  # started as a file (``python benchmarks/bench_schedules.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.bench_schedules", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import argparse
 import json

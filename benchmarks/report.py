@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from gpipe_lab.bench.markdown import md_table  # noqa: E402
+
 MIB = 2**20
 
 
@@ -22,9 +24,7 @@ def _f(value: object, digits: int = 3) -> str:
 
 
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_f(c) for c in row) + " |" for row in rows]
-    return lines + [""]
+    return md_table(header, rows, _f).splitlines() + [""]
 
 
 def plot_throughput(results: dict, path: Path) -> None:

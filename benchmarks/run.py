@@ -17,11 +17,10 @@ Writes ``benchmarks.md``, ``benchmarks.json`` and ``benchmarks/*.png`` under
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python benchmarks/run.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python benchmarks/run.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.run", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import argparse
 import datetime

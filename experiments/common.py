@@ -147,13 +147,6 @@ def provenance(argv: Sequence[str] | None = None) -> str:
             f"torch {torch.__version__}, by `python {shlex.join(command + argv[1:])}`._")
 
 
-def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A GitHub markdown table."""
-    lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def write(out: Path, name: str, markdown: str, data: object | None = None) -> Path:
     """Write ``name`` (markdown) and, with ``data``, ``name``'s JSON twin; returns the markdown path."""
     out.mkdir(parents=True, exist_ok=True)

@@ -17,20 +17,19 @@ warm-up, the token budgets).
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python experiments/nmt_scaling.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/nmt_scaling.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.nmt_scaling", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
-import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.common import configs, log_wandb, md_table, parser, provenance, write
+from experiments.common import configs, log_wandb, parser, provenance, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.nmt_lib import RunResult, train_translation
+from gpipe_lab.bench.markdown import md_table
 
 EXPERIMENTS = ["paper_nmt_deep", "paper_nmt_wide", "paper_nmt_batch"]
 SIZE_KEYS = ("num_layers", "d_model", "ffn_dim", "num_heads")

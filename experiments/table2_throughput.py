@@ -24,17 +24,15 @@ samples/s) instead of measuring.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python experiments/table2_throughput.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/table2_throughput.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.table2_throughput", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import argparse
-import sys
 from pathlib import Path
 
-from experiments.common import log_wandb, md_table, provenance, throughput_rows_from_command_line, write
+from experiments.common import log_wandb, provenance, throughput_rows_from_command_line, write
 from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
 from experiments.throughput_lib import (
     SIMULATOR_TEXT,
@@ -44,6 +42,7 @@ from experiments.throughput_lib import (
     tiny_overrides,
     workload_of,
 )
+from gpipe_lab.bench.markdown import md_table
 
 PAPER = {  # (model, M) -> K=2, K=4, K=8
     ("amoeba", 1): (1, 1.13, 1.38), ("amoeba", 4): (1.07, 1.26, 1.72), ("amoeba", 32): (1.21, 1.84, 3.48),

@@ -17,17 +17,15 @@ PCI-E link. ``--from-multirun`` builds the table from gpipe-train runs instead.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python experiments/table3_throughput.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/table3_throughput.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.table3_throughput", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import argparse
-import sys
 from pathlib import Path
 
-from experiments.common import log_wandb, md_table, provenance, throughput_rows_from_command_line, write
+from experiments.common import log_wandb, provenance, throughput_rows_from_command_line, write
 from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
 from experiments.throughput_lib import (
     SIMULATOR_TEXT,
@@ -37,6 +35,7 @@ from experiments.throughput_lib import (
     tiny_overrides,
     workload_of,
 )
+from gpipe_lab.bench.markdown import md_table
 
 PAPER = {"amoeba": (1, 1.7, 2.7), "transformer": (1, 1.8, 3.3)}
 NAMES = {"amoeba": "AmoebaNet-D(18, 128)", "transformer": "Transformer-24"}

@@ -17,19 +17,18 @@ K / M, ``trainer.max_steps`` and the ``experiment`` block: seeds, clip threshold
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python experiments/trainability.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/trainability.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.trainability", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import statistics
-import sys
 from pathlib import Path
 
-from experiments.common import RESULTS, configs, log_wandb, md_table, parser, provenance, write
+from experiments.common import RESULTS, configs, log_wandb, parser, provenance, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.nmt_lib import diverged, spikes, train_translation
+from gpipe_lab.bench.markdown import md_table
 
 EXPERIMENT = "paper_trainability"
 #: ``--tiny``: a 2 + 2-layer model, one seed, 4 steps.

@@ -16,16 +16,16 @@ for the setting in ``conf/experiment/paper_trainability.yaml``.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/trainability_search.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.trainability_search", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import time
 
-from experiments.common import md_table, parser, provenance, write
+from experiments.common import parser, provenance, write
 from experiments.nmt_lib import diverged, train_translation
+from gpipe_lab.bench.markdown import md_table
 
 #: Settings tried in order: deeper, narrower, post-norm, larger learning rates, no warm-up.
 GRID: list[dict] = [

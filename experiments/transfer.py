@@ -15,13 +15,11 @@ datasets' rows are filled when their files exist under ``data.root``.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python experiments/transfer.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/transfer.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.transfer", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
-import sys
 from pathlib import Path
 
 import torch

@@ -9,11 +9,10 @@ forward+backward on the full batch (1024 rows) and as M micro-batches
 
 from __future__ import annotations
 
-if not __package__:  # run as a file: rerun as the module, from the repository root
-    import os
-    import sys
+if not __package__:  # started as a file (``python benchmarks/probes/microbatch_penalty.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.probes.microbatch_penalty", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import sys
 

@@ -13,11 +13,10 @@ checks the gradients against plain autograd first.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file: rerun as the module, from the repository root
-    import os
-    import sys
+if not __package__:  # started as a file (``python benchmarks/probes/weight_grad_batching.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.probes.weight_grad_batching", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import sys
 

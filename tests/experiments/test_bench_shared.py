@@ -58,3 +58,39 @@ def test_preset_specs_build_the_same_workload_twice_with_a_flops_balance():
     images = WorkloadSpec("a", "amoebanet_d_tiny", {"num_layers": 3, "num_filters": 8, "image_size": 16}, 4).build()
     assert images.balance == [len(images.module)] and images.targets.dtype == torch.int64
     assert images.loss_fn(images.module(images.inputs), images.targets).item() > 0
+
+
+def test_a_script_started_as_a_file_reruns_as_its_module_from_any_folder(tmp_path):
+    import subprocess
+    import sys
+
+    package = tmp_path / "repo" / "scripts_pkg" / "inner"
+    package.mkdir(parents=True)
+    for folder in (package, package.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "job.py").write_text(
+        "if not __package__:\n    from gpipe_lab.bench.launch import rerun_as_module\n\n"
+        "    rerun_as_module(__file__)\nimport sys\nfrom scripts_pkg import inner\n"
+        "print(__spec__.name, inner.__name__, sys.argv[1:])\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run([sys.executable, str(package / "job.py"), "a=1", "--x"], cwd=elsewhere,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "scripts_pkg.inner.job scripts_pkg.inner ['a=1', '--x']"
+
+
+def test_launch_refuses_a_file_outside_a_package(tmp_path):
+    from gpipe_lab.bench.launch import module_of
+
+    with pytest.raises(ValueError, match="not inside a package"):
+        module_of(tmp_path / "alone.py")
+
+
+def test_markdown_table_formats_cells_and_names_a_ragged_row():
+    from gpipe_lab.bench import md_table
+
+    assert md_table(["a", "b"], [[1, None]], lambda c: "-" if c is None else str(c)) == \
+        "| a | b |\n|---|---|\n| 1 | - |"
+    with pytest.raises(ValueError, match="row 1 has 1 cells; the header has 2"):
+        md_table(["a", "b"], [[1, 2], [3]])
