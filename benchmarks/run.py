@@ -7,7 +7,8 @@ Run from the repository root:
     python -m benchmarks.run --smoke --out /tmp/b   # tiny sizes, 1 repeat: a structure check
     python -m benchmarks.run --quick --compile      # also the compile row (minutes of Inductor)
 
-``--quick`` and the full grid also time ``gpipe-train``'s step against the raw engine's on
+Every mode first sets the engine at K=1 and K=2 (M=4) against plain PyTorch stepping the same
+micro-batches (``bench_yardstick``: the overhead and the gain a user sees). ``--quick`` and the full grid also time ``gpipe-train``'s step against the raw engine's on
 the Table-2 analogues (``bench_product_path``; ``--no-product`` skips it); ``--compile`` adds eager against
 compiled stages (``bench_compile``) at the mode's sizes.
 
@@ -46,6 +47,7 @@ from benchmarks.bench_gloo import GlooCase, run_gloo
 from benchmarks.bench_local import run_workload
 from benchmarks.bench_memory import run_memory
 from benchmarks.bench_overhead import run_overhead
+from benchmarks.bench_yardstick import run_yardstick
 from benchmarks.diagnose import diagnose
 from benchmarks.report import write_report
 from benchmarks.targets import evaluate, memory_m
@@ -111,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         mem_ms = [m for m in (4, 8, 16, 32) if m in ms] if sizes.name == "full" else [max(m for m in ms if m <= 8)]
         print(f"[memory] {name} M={mem_ms} ...", flush=True)
         results["memory"][name] = run_memory(work, mem_ms, args.device)
+    print("[yardstick] plain gradient accumulation vs the engine at K=1 and K=2 ...", flush=True)
+    results["yardstick"] = run_yardstick(sizes, args.device)
     print("[overhead] tiny layers ...", flush=True)
     results["overhead"] = run_overhead(sizes, args.device)
     if args.device == "cpu" and not args.no_distributed and sizes.distributed:
