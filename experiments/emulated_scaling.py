@@ -26,6 +26,7 @@ import statistics
 
 from experiments.common import parser, provenance, write
 from experiments.throughput_lib import hop_seconds, measure_step
+from gpipe_lab.bench import Progress
 from gpipe_lab.bench.emulated import balanced, emulated_workload
 from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.bench.workloads import Workload
@@ -66,8 +67,11 @@ def main() -> None:
         args.layers, args.forward_ms, args.partitions, args.chunks, args.steps = 4, 40.0, 2, 4, 1
     k, m = args.partitions, args.chunks
     work = UniformEmulated(args.layers, args.forward_ms, args.batch)
+    progress = Progress(2, "emulated_scaling", note=f"writing to {args.out}")
     one, _, _ = measure_step(work, 1, m, args.steps)  # type: ignore[arg-type]
+    progress.done(f"K=1 M={m}")
     many, timeline, balance = measure_step(work, k, m, args.steps)  # type: ignore[arg-type]
+    progress.done(f"K={k} M={m}")
     ideal = k * m / (m + k - 1)
     speedup = one / many
     hop = hop_seconds(timeline)

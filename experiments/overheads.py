@@ -47,7 +47,7 @@ from experiments.throughput_lib import (
     uncontended,
     workload_of,
 )
-from gpipe_lab.bench import WorkloadSpec, time_call
+from gpipe_lab.bench import Progress, WorkloadSpec, time_call
 from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.planner.cost_model import CostModel
 from gpipe_lab.plotting.timeline import plot_timeline
@@ -160,13 +160,16 @@ def main() -> None:
                 f"rerun on a quiet machine before quoting. {SIMULATOR_TEXT} "
                 f"Settings: `conf/experiment/{EXPERIMENT}.yaml`.")
         overhead = engine_overhead()
+        progress = Progress(len(e.workloads) * (1 + len(e.chunks)), "overheads", note=f"writing to {args.out}")
         for label, block in e.workloads.items():
             work = workload_of(block, str(label))
             cost = workload_cost(work, list(e.chunks), e.repeat, overhead)
+            progress.done(f"{label}: per-layer times for the simulator")
             for m in e.chunks:
                 row, png = breakdown(work, m, e.steps, cost, args.out, e.partitions)
                 rows.append(row)
                 images.append(png)
+                progress.done(f"{label} M={m}")
 
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{value:.1%}"

@@ -23,6 +23,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from experiments.common import configs, fmt_bytes, fmt_count, log_wandb, parser, provenance, write
+from gpipe_lab.bench import Progress
 from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.planner.capacity import GiB, Plan, best_plan, layer_records
 
@@ -224,10 +225,14 @@ def main() -> None:
     a, t = cfg.amoebanet, cfg.transformer
     a_counts: dict = {}
     t_counts: dict = {}
+    progress = Progress(3, "table1_capacity", note=f"writing to {args.out}")
     a_head, a_rows = amoebanet_table(a, a_counts)
+    progress.done("AmoebaNet-D columns")
     t_head, t_rows = transformer_table(t, t_counts)
+    progress.done("Transformer-L columns")
     ms = sorted({*cfg.microbatch_sweep})
     m_head, m_rows = microbatch_sensitivity(a, [m for m in ms if a.batch % m == 0])
+    progress.done("micro-batch sensitivity")
     a_micro = a.microbatches or a.batch
     t_micro = t.microbatches or t.batch
     md = [

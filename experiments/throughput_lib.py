@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 
 from experiments.layer_timing import layer_times
-from gpipe_lab.bench import EmulatedSpec, Timing, WorkloadSpec, time_call
+from gpipe_lab.bench import EmulatedSpec, Progress, Timing, WorkloadSpec, time_call
 from gpipe_lab.pipeline import GPipe, Timeline
 from gpipe_lab.planner.cost_model import CostModel, LinearCost
 from gpipe_lab.planner.simulator import costs_from_timeline
@@ -130,9 +132,24 @@ def error(predicted: float | None, measured: float | None) -> float | None:
     return None if predicted is None or not measured else (predicted - measured) / measured
 
 
+def grid_progress(cfgs: Iterable[DictConfig], label: str, gpu: bool = False, note: str = "") -> Progress:
+    """One ``Progress`` over every config's grid (``grid_jobs`` of its ``experiment`` block)."""
+    return Progress(sum(grid_jobs(list(c.experiment.measured_k), list(c.experiment.simulated_k),
+                                  list(c.experiment.chunks), gpu, emulation_settings(c.experiment)[0])
+                        for c in cfgs), label, note=note)
+
+
+def grid_jobs(measured_k: list[int], simulated_k: list[int], chunks: list[int], gpu: bool = False,
+              emulated_k: list[int] | None = None) -> int:
+    """How many jobs ``run_grid`` reports to its ``progress``: measured and emulated cells, and the fit."""
+    all_k = set(measured_k) | set(simulated_k)
+    measured = sum(k in measured_k or bool(gpu and gpu_devices(k)) for k in all_k)
+    return len(chunks) * (measured + len(set(emulated_k or []))) + 1
+
+
 def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], chunks: list[int],
              steps: int = 3, repeat: int = 3, gpu: bool = False, emulated_k: list[int] | None = None,
-             emulated_ms: float = 0.0) -> list[dict]:
+             emulated_ms: float = 0.0, progress: Progress | None = None) -> list[dict]:
     """Measure (K in ``measured_k``), measure on emulated devices (K in ``emulated_k``, their mini-batch
     forward taking ``emulated_ms``) and simulate (every K) each M.
 
@@ -144,7 +161,8 @@ def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], 
     measured on ``cuda:0..K-1``.
 
     Returns one row per (K, M): measured / emulated / simulated seconds and samples/s (None where not
-    run), the simulator's error against each, bubbles, the balance and the timelines.
+    run), the simulator's error against each, bubbles, the balance and the timelines. ``progress`` is told
+    of each of the ``grid_jobs`` jobs as it finishes.
     """
     model = work.model()
     emulated_k = list(emulated_k or [])
@@ -157,9 +175,13 @@ def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], 
             devices = gpu_devices(k) if gpu else None
             if k in measured_k or devices:
                 real[(k, m)] = measure_step(work, k, m, steps, devices=devices)
+                if progress is not None:
+                    progress.done(f"{work.name} measured K={k} M={m}")
     hops = [hop_seconds(tl) for (k, _), (_, tl, _) in real.items() if k > 1]
     cost = timed_cost_model(work, sizes, repeat, engine_overhead(), statistics.median(hops) if hops else 0.0,
                             contended=max(all_k, default=1) > 1)
+    if progress is not None:
+        progress.done(f"{work.name} per-layer times for the simulator")
     emu = EmulatedSpec(work, emulated_ms) if emulated_k else None
     rows = []
     for m in chunks:
@@ -179,6 +201,8 @@ def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], 
                    "emulated_bubble": None}
             if emu is not None and k in emulated_k:
                 row.update(emulated_cell(emu, k, m, steps))
+                if progress is not None:
+                    progress.done(f"{work.name} emulated K={k} M={m}")
             rows.append(row)
     return rows
 

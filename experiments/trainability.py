@@ -28,6 +28,7 @@ from pathlib import Path
 from experiments.common import RESULTS, configs, log_wandb, parser, provenance, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.nmt_lib import diverged, spikes, train_translation
+from gpipe_lab.bench import Progress
 from gpipe_lab.bench.markdown import md_table
 
 EXPERIMENT = "paper_trainability"
@@ -196,11 +197,15 @@ def main() -> None:
     seeds, steps, lr, clip = list(e.seeds), int(cfg.trainer.max_steps), float(cfg.optimizer.lr), float(e.logit_clip)
     size = {k: cfg.model[k] for k in SIZE_KEYS}
     runs: dict[str, list] = {}
+    progress = Progress(len(variants(clip)) * len(seeds), "trainability", note=f"writing to {args.out}")
     for name, options in variants(clip).items():
-        runs[name] = [train_translation(steps, seed=s, lr=lr, batch_size=d.batch_size, num_train=d.num_train,
-                                        num_val=d.num_val, partitions=cfg.pipeline.partitions,
-                                        chunks=cfg.pipeline.chunks, eval_batches=e.eval_batches, **size, **options)
-                      for s in seeds]
+        runs[name] = []
+        for s in seeds:
+            runs[name].append(train_translation(
+                steps, seed=s, lr=lr, batch_size=d.batch_size, num_train=d.num_train, num_val=d.num_val,
+                partitions=cfg.pipeline.partitions, chunks=cfg.pipeline.chunks, eval_batches=e.eval_batches,
+                **size, **options))
+            progress.done(f"{name}, seed {s}")
     header = ["variant", "diverged / seeds", "final train loss (last 10 steps)", "val NLL", "BLEU",
               "grad-norm spikes / run", "max grad norm", "largest abs logit", "non-finite steps"]
     table = []

@@ -35,6 +35,7 @@ from experiments.common import (
     provenance,
     write,
 )
+from gpipe_lab.bench import Progress
 from gpipe_lab.data import Cutout, build_datamodule
 from gpipe_lab.models import build
 from gpipe_lab.pipeline import GPipe
@@ -169,7 +170,11 @@ def main() -> None:
     cfg = load_config(args.experiment, overrides)
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = 1 if args.tiny else args.seeds
-    results = [run(cfg, args.out, s) for s in range(seeds)]
+    progress = Progress(seeds, "transfer", note=f"writing to {args.out}")
+    results = []
+    for s in range(seeds):
+        results.append(run(cfg, args.out, s))
+        progress.done(f"seed {s}: pretrain, fine-tune, from scratch")
     mean = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
     label = cfg.transfer.dataset_label
     header = ["dataset", "config", "paper top-1 (AmoebaNet-B, ImageNet-pretrained)", "ours: pretrained",

@@ -1,4 +1,4 @@
-"""Run a script of the repository's script packages (``experiments/``, ``benchmarks/``) started as a file.
+"""How a script of ``experiments/`` or ``benchmarks/`` starts: as its module, and writing to a fresh folder.
 
 ``python experiments/table2_throughput.py`` puts ``experiments/`` on ``sys.path``, not the
 repository root, so ``from experiments.common import ...`` fails. Each script therefore starts with
@@ -8,11 +8,14 @@ repository root, so ``from experiments.common import ...`` fails. Each script th
 
         rerun_as_module(__file__)
 
-This module imports nothing heavy: it runs before torch is loaded.
+``fresh_out`` names the folder a run writes to unless told ``--out results``, so that
+trying a script never overwrites a committed result. This module imports nothing
+heavy: it runs before torch is loaded.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 from pathlib import Path
@@ -47,3 +50,16 @@ def rerun_as_module(file: str | Path) -> None:
     module, root = module_of(file)
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], {**os.environ, "PYTHONPATH": path})
+
+
+def fresh_out(base: Path, script: str | None = None, now: datetime.datetime | None = None) -> Path:
+    """A folder no run has used: ``base/<script>/<YYYY-mm-dd_HH-MM-SS>`` (``-1``, ``-2``, ... if taken).
+
+    ``script`` defaults to the running script's name; the folder is not created.
+    """
+    name = script or Path(sys.argv[0]).stem or "run"
+    first = base / name / (now or datetime.datetime.now()).strftime("%Y-%m-%d_%H-%M-%S")
+    path, n = first, 1
+    while path.exists():
+        path, n = first.with_name(f"{first.name}-{n}"), n + 1
+    return path
