@@ -5,6 +5,8 @@ No duration is asserted: only what the timer calls, in which order, and what it 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -94,3 +96,40 @@ def test_markdown_table_formats_cells_and_names_a_ragged_row():
         "| a | b |\n|---|---|\n| 1 | - |"
     with pytest.raises(ValueError, match="row 1 has 1 cells; the header has 2"):
         md_table(["a", "b"], [[1, 2], [3]])
+
+
+def test_progress_prints_a_line_per_job_with_the_time_left():
+    import io
+
+    from gpipe_lab.bench import Progress
+
+    now = [100.0]
+    out = io.StringIO()
+    progress = Progress(4, "t2", stream=out, clock=lambda: now[0], note="writing to /x")
+    now[0] += 10
+    assert progress.done("K=2 M=4") == "[t2] 1/4 K=2 M=4: 10.0 s; 10 s so far, about 30 s left"
+    now[0] += 110
+    assert progress.done("K=1 M=1") == "[t2] 2/4 K=1 M=1: 110.0 s; 2 min 0 s so far, about 2 min 0 s left"
+    now[0] += 3600
+    progress.done("c")
+    assert progress.done("d").endswith("1 h 2 min so far, done")
+    assert out.getvalue().splitlines()[0] == "[t2] 4 jobs; writing to /x"
+    with pytest.raises(ValueError, match="total=-1"):
+        Progress(-1, "x", stream=out)
+
+
+def test_each_run_gets_a_fresh_output_folder_unless_told_where(tmp_path):
+    import datetime
+
+    from experiments.common import ROOT, parser
+
+    from gpipe_lab.bench.launch import fresh_out
+
+    when = datetime.datetime(2026, 1, 2, 3, 4, 5)
+    first = fresh_out(tmp_path, "table2", when)
+    assert first == tmp_path / "table2" / "2026-01-02_03-04-05"
+    first.mkdir(parents=True)
+    assert fresh_out(tmp_path, "table2", when) == tmp_path / "table2" / "2026-01-02_03-04-05-1"
+    default = parser("x").parse_args([]).out
+    assert default.is_relative_to(ROOT / "logs" / "experiments") and not default.exists()
+    assert parser("x").parse_args(["--out", "results"]).out == Path("results")
