@@ -30,12 +30,11 @@ from experiments.common import (
     compose_experiment,
     experiment_names,
     log_wandb,
-    md_table,
     parser,
     provenance,
     write,
 )
-from gpipe_lab.bench import Progress
+from gpipe_lab.bench import Progress, md_table
 from gpipe_lab.data import Cutout, build_datamodule
 from gpipe_lab.models import build
 from gpipe_lab.pipeline import GPipe
