@@ -34,14 +34,12 @@ from pathlib import Path
 
 from experiments.common import log_wandb, provenance, throughput_rows_from_command_line, write
 from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
+from experiments.throughput_grid import run_grids
 from experiments.throughput_lib import (
     SIMULATOR_TEXT,
     emulation_settings,
-    grid_progress,
-    run_grid,
     simulator_findings,
     tiny_overrides,
-    workload_of,
 )
 from gpipe_lab.bench.markdown import md_table
 
@@ -137,14 +135,9 @@ def measured_table(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], li
     """Run the configured grids; returns rows, the table, and the markdown describing it."""
     rows, header, table, notes = [], None, [], []
     works = []
-    progress = grid_progress(cfgs.values(), Path(__file__).stem, args.gpu, f"writing to {args.out}")
-    for cfg in cfgs.values():
-        e = cfg.experiment
-        work = workload_of(e)
+    for e, work, grid in run_grids(cfgs.values(), Path(__file__).stem, args.gpu, f"writing to {args.out}"):
         works.append(work)
         emulated_k, emulated_ms = emulation_settings(e)
-        grid = run_grid(work, list(e.measured_k), list(e.simulated_k), list(e.chunks), e.steps, e.repeat, args.gpu,
-                        emulated_k, emulated_ms, progress)
         rows += grid
         meas, sim = normalized(grid, "measured_sps"), normalized(grid, "simulated_sps")
         emu = normalized(grid, "emulated_sps")
