@@ -82,6 +82,20 @@ def make_workload(name: str, sizes: Sizes, partitions: int = 2, seed: int = 0) -
     raise ValueError(f"unknown workload {name!r}; known: mlp, transformer, amoebanet, tiny")
 
 
+def probe_mlp(argv: list[str]) -> tuple[int, int, Workload]:
+    """A probe's start: ``[M] [rounds]`` from ``argv`` (default 8 and 7), the process prepared, one
+    intra-op thread, and the quick MLP.
+
+    Raises:
+        ValueError: an argument that is not a whole number.
+    """
+    chunks = int(argv[0]) if argv else 8
+    rounds = int(argv[1]) if len(argv) > 1 else 7
+    prepare_process()
+    torch.set_num_threads(1)
+    return chunks, rounds, make_workload("mlp", SIZES["quick"])
+
+
 def prepare_process() -> bool:
     """Give every contender in this process the engine's allocator setting; returns whether it applies.
 
