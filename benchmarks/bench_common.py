@@ -48,11 +48,12 @@ class Sizes:
     recompute_microbatches: tuple[int, ...] = ()
     gloo_repeats: int = 0  # repeats of the gloo side-by-side rounds (0: ``repeats``)
     beyond_torch: tuple[str, ...] = BEYOND_TORCH  # our other schedules measured beside torch's (MLP)
+    yardstick_mlp_batch: int = 512  # the MLP's batch against plain gradient accumulation (issue 28's table)
 
 
 SIZES = {
     "smoke": Sizes("smoke", 64, (32, 64), (1, 4), (2,), ("never", "always"), ("never",), (4,), 1, 0,
-                   overhead_microbatches=8),
+                   overhead_microbatches=8, yardstick_mlp_batch=64),
     "quick": Sizes("quick", 1024, (512, 2048), (4, 8, 16), (8,), ("never", "always"), ("never",), (8, 16),
                    3, 1, recompute_microbatches=(8,), gloo_repeats=9, beyond_torch=("gpipe-bw",)),
     "full": Sizes("full", 1024, (512, 2048), (1, 2, 4, 8, 16, 32), (1, 2, 4, 8, 16, 32), CHECKPOINTS,

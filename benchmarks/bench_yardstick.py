@@ -9,7 +9,9 @@ alternated rounds, ``GPipe.train_step`` with ``checkpoint="never"`` and one thre
 - K=2: the pipeline's gain (plain / engine; above 1 the pipeline pays);
 
 each with ``random_replay`` on (the default) and off. Every contender owns a module built
-from the same seed, so each trains the same weights on the same batch.
+from the same seed, so each trains the same weights on the same batch. The workloads are the
+mode's (``bench_common.SIZES``), the MLP at ``yardstick_mlp_batch`` (512 rows: the 1024 of the
+other MLP rows would take most of ``--quick``'s time here).
 
     python -m benchmarks.bench_yardstick [--smoke] [--chunks 4]   # prints the table
 """
@@ -22,6 +24,7 @@ if not __package__:  # started as a file (``python benchmarks/bench_yardstick.py
     rerun_as_module(__file__)
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -70,6 +73,8 @@ def measure(name: str, sizes: Sizes, device: str, chunks: int = CHUNKS) -> dict[
     Raises:
         ValueError: an unknown workload name (from ``make_workload``).
     """
+    if name == "mlp":
+        sizes = dataclasses.replace(sizes, mlp_batch=sizes.yardstick_mlp_batch)
     plain_work = make_workload(name, sizes, partitions=1).to(torch.device(device))
     works = {"plain": plain_work}
     fns: dict[str, Callable[[], None]] = {"plain": plain_step(plain_work, chunks, device)}
