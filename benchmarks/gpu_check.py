@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import sys
 import time
 import traceback
 from pathlib import Path
