@@ -33,13 +33,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: rerun as the module, with the repository root importable
-    import os
+if not __package__:  # started as a file (``python benchmarks/gpu_check.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    _root = str(Path(__file__).resolve().parent.parent)
-    _path = os.pathsep.join(filter(None, [_root, os.environ.get("PYTHONPATH")]))
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.gpu_check", *sys.argv[1:]],
-              {**os.environ, "PYTHONPATH": _path})
+    rerun_as_module(__file__)
 
 import torch
 

@@ -31,6 +31,7 @@ from contextlib import ExitStack
 import torch
 
 from gpipe_lab.pipeline.channel import Endpoint, RankDevices, StepFeed, Values, run_action
+from gpipe_lab.pipeline.checkpointing import autocast_as, autocast_state
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.mailbox import Mailbox, Stopped, Undelivered, WaitTimeout
 from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule, expected_messages
@@ -38,11 +39,6 @@ from gpipe_lab.pipeline.stage import StageRuntime
 from gpipe_lab.pipeline.timeline import Event, Timeline
 
 Failure = tuple[float, int, "Action | None", BaseException]  # (when, rank, action, exception)
-
-
-def caller_autocast() -> list[tuple[str, torch.dtype]]:
-    """The autocast regions the calling thread is in, to re-enter in stage threads."""
-    return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
 
 
 class _Stalled(Exception):
@@ -70,7 +66,7 @@ class _Step:
         self.waiting = [False] * K  # rank k is in a mailbox wait (bounded on its own)
         self.running = [threading.Event() for _ in range(K)]
         self.finished = [threading.Event() for _ in range(K)]
-        self.autocast = caller_autocast()
+        self.autocast = autocast_state()  # autocast is per thread: the stage threads take the caller's
 
     def fail(self, rank: int, exc: BaseException) -> None:
         self.failures.append((time.monotonic(), rank, self.current[rank], exc))
@@ -164,8 +160,7 @@ class Executor:
         step.running[k].set()
         try:
             with ExitStack() as stack:
-                for device_type, dtype in step.autocast:  # autocast is per thread: carry the caller's
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                stack.enter_context(autocast_as(step.autocast))
                 # thread-local, and takes effect when made: the stage's backward runs on this thread
                 stack.enter_context(torch.autograd.set_multithreading_enabled(False))
                 if device.type == "cpu" and self.endpoint.threads_per_rank is not None:

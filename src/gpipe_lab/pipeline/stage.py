@@ -37,12 +37,9 @@ from gpipe_lab.pipeline.weight_gradients import (
     plan_split,
     split_weight_backward,
 )
+from gpipe_lab.saved_bytes import SavedBytes, storage_keys
 
 LossFn = Callable[[object, object], Tensor]
-
-
-def _unpack(t: Tensor) -> Tensor:
-    return t
 
 
 @dataclass
@@ -104,7 +101,7 @@ class StageRuntime:
         self.outputs: dict[int, tuple[tuple[Tensor, ...], bool]] = {}
         self.keep_outputs = False
         self._saved: dict[int, _Saved] = {}
-        self._param_storages: set[int] = set()
+        self._param_storages: frozenset[int] = frozenset()
         self._norms: list[nn.Module] = []
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -125,7 +122,7 @@ class StageRuntime:
         self.live_bytes = self.peak_bytes = 0
         if self.clock is not None:
             self.clock.begin()
-        self._param_storages = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        self._param_storages = storage_keys([*self.module.parameters(), *self.module.buffers()])
         self._norms = running_stat_layers(self.module)
 
     def abort(self) -> None:
@@ -164,24 +161,12 @@ class StageRuntime:
              recomputing: bool) -> tuple[tuple[Tensor, ...], bool]:
         """Apply the partition (and the loss on the last stage), counting saved bytes."""
         saved = self._saved[mb]
-        # boundary inputs are counted on their own; weights are leaves that require grad
-        seen = {id(t) for t in inputs}
-        params = self._param_storages
+        def count(n: int) -> None:
+            saved.saved_bytes += n
+            self._add_bytes(n)
 
-        def pack(t: Tensor) -> Tensor:
-            # count the tensor's own elements (a micro-batch is a view of the whole batch:
-            # its storage is larger), once per tensor; views of weights are not activations
-            if id(t) not in seen and not (t.requires_grad and
-                                          (t.is_leaf or t.untyped_storage().data_ptr() in params)):
-                seen.add(id(t))
-                n = t.numel() * t.element_size()
-                saved.saved_bytes += n
-                self.live_bytes += n
-                if self.live_bytes > self.peak_bytes:
-                    self.peak_bytes = self.live_bytes
-            return t
-
-        hooks = (torch.autograd.graph.saved_tensors_hooks(pack, _unpack) if self.track_memory
+        # boundary inputs are counted on their own; the rule is the lab's one (gpipe_lab.saved_bytes)
+        hooks = (SavedBytes(self._param_storages, inputs, count).hooks() if self.track_memory
                  else nullcontext())
         # every micro-batch gets its generator: any layer may draw from current_generator()
         replay = self.replay_random and not (recomputing and saved.drew_nothing)

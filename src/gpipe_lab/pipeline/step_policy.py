@@ -13,7 +13,13 @@ from torch import Tensor
 
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.channel import Endpoint
-from gpipe_lab.pipeline.nonfinite import NonFiniteError, describe_problem, verdict_vector
+from gpipe_lab.pipeline.nonfinite import (
+    NonFiniteError,
+    describe_problem,
+    loss_dtype,
+    read_verdict,
+    verdict_vector,
+)
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.pipeline.stage import StageRuntime
 
@@ -46,10 +52,13 @@ class StepPolicy:
         device = next(iter(self.runtimes.values())).device if loss is None else loss.device
         shared = self.channel.share(verdict_vector(loss, modules, self._num_virtual, self._dp_size,
                                                    self.options.nonfinite != "ignore", device))
+        values = read_verdict(shared)  # the step's one device-to-host read
         whole = self.channel.holds_all_stages and loss is not None
-        self._apply_policy(describe_problem(shared, self._num_ranks, self.options.virtual_stages,
+        self._apply_policy(describe_problem(values, self._num_ranks, self.options.virtual_stages,
                                             loss if whole else None), step)
-        return loss if whole else shared[0].clone()  # type: ignore[return-value]
+        if whole:
+            return loss  # type: ignore[return-value]
+        return shared[0].to(loss_dtype(values))
 
     def _apply_policy(self, problem: str | None, step: int | None = None) -> None:
         """Raise, or skip the step (drop the gradients), on every rank alike."""

@@ -198,8 +198,6 @@ class DistributedGPipe(PipelineCore):
         """The unpipelined module's state dict on global rank 0 (``None`` elsewhere); collective."""
         return gather_full_state_dict(self._chunks, self.pp_group, self.topo.pp_ranks, self.dp_rank)
 
-    gather_state_dict = full_state_dict
-
     def load_full_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         """Load this rank's chunks from a full (unpipelined) state dict; other keys are ignored."""
         for first, part in self._chunks.values():
