@@ -22,49 +22,16 @@ Lightning still counts the step in ``global_step`` (as it does for an AMP-skippe
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from torch import Tensor, nn
+from torch import Tensor
 
 from gpipe_lab.lightning.engine import PipelineEngine
 from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.lightning.scaling import active_scaler, unscale_loss
-
-
-class _ContextPerLayer:
-    """Enters a fresh context around each forward of a layer (forward hooks), e.g. autocast.
-
-    Autocast is thread-local: entering it in Lightning's thread does not reach the stage
-    threads, so each layer enters it in whichever thread runs it (re-materialization too).
-    """
-
-    def __init__(self, context: Callable[[], Any]) -> None:
-        self._context = context
-        self._active = threading.local()
-
-    def enter(self, module: nn.Module, args: Any) -> None:
-        stack = getattr(self._active, "stack", None)
-        if stack is None:
-            stack = self._active.stack = []
-        context = self._context()
-        context.__enter__()
-        stack.append(context)
-
-    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._active.stack.pop().__exit__(None, None, None)
-
-    def install(self, layers: nn.Sequential) -> list[Any]:
-        """Hooks on every layer of ``layers``; returns their handles."""
-        handles = []
-        for layer in layers:
-            handles.append(layer.register_forward_pre_hook(self.enter))
-            handles.append(layer.register_forward_hook(self.exit, always_call=True))
-        return handles
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -92,18 +59,11 @@ class PipelineRunnerMixin:
 
     def init_runner(self) -> None:
         """The runner's state: nothing pending, nothing run yet."""
-        self._precision_hooks: list[Any] = []
         self._pending: Any = None
         self._skip_pending = False
         self._scheduled_loss: Tensor | None = None
         self.last_loss: Tensor | None = None
         self.last_batch_size: tuple[int, int] = (0, 0)
-
-    def release_runner(self) -> None:
-        """Remove the per-layer precision hooks installed in ``setup``."""
-        for handle in self._precision_hooks:
-            handle.remove()
-        self._precision_hooks = []
 
     def _module(self) -> PipelineModule:
         module = self.lightning_module
@@ -111,13 +71,6 @@ class PipelineRunnerMixin:
             raise TypeError(f"GPipeStrategy needs a gpipe_lab.lightning.PipelineModule, got "
                             f"{type(module).__name__}")
         return module
-
-    def _enter_precision_in_stages(self, layers: nn.Sequential) -> None:
-        """Run every layer inside the precision plugin's forward context, in the stage's own thread."""
-        context = self.precision_plugin.forward_context
-        if isinstance(context(), nullcontext) or self._precision_hooks:
-            return
-        self._precision_hooks = _ContextPerLayer(context).install(layers)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module()
@@ -176,8 +129,10 @@ class PipelineRunnerMixin:
         # the whole batch's outputs are gathered only for a log_train that can read them
         # (a Transformer's logits: megabytes copied per step for nothing otherwise)
         wants_outputs = type(module).log_train is not PipelineModule.log_train
-        result = pipe.train_step(inputs, targets, loss_fn, module.loss_normalizer,
-                                 return_outputs=wants_outputs, step=step)
+        # entered once: the engine carries it into every stage thread and each replay
+        with self.precision_plugin.forward_context():
+            result = pipe.train_step(inputs, targets, loss_fn, module.loss_normalizer,
+                                     return_outputs=wants_outputs, step=step)
         loss, outputs = result if wants_outputs else (result, None)
         loss = loss.detach().float()
         if scaler is not None:
@@ -218,6 +173,7 @@ class PipelineRunnerMixin:
             with torch.inference_mode(False):
                 inputs = _clone(inputs)
                 return self.pipeline_forward(inputs)
-        outputs = self._engine()(inputs)
+        with self.precision_plugin.forward_context():
+            outputs = self._engine()(inputs)
         first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
         return _to_device(outputs, first.device)

@@ -207,7 +207,6 @@ class GPipeStrategy(OptionViews, PipelineRunnerMixin, ParallelStrategy):
         module = self._module()
         self.model = self.precision_plugin.convert_module(self.model)
         layers = module.configure_layers()
-        self._enter_precision_in_stages(layers)
         if self.pipe is None:  # the engine puts (or allocates) each stage on its own device
             # under a GradScaler the scaler decides what an overflow does, not the engine's policy
             nonfinite = engine_nonfinite(self.options.nonfinite, self.precision_plugin)
@@ -222,7 +221,6 @@ class GPipeStrategy(OptionViews, PipelineRunnerMixin, ParallelStrategy):
         module = self.lightning_module
         if isinstance(module, PipelineModule):
             module.attach_pipeline(None)
-        self.release_runner()
         if not self.module_stays_in_place():
             super().teardown()  # Lightning's: moves the module and the optimizer state to the CPU
             return

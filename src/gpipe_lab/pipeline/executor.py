@@ -67,10 +67,29 @@ class _Step:
         self.running = [threading.Event() for _ in range(K)]
         self.finished = [threading.Event() for _ in range(K)]
         self.autocast = autocast_state()  # autocast is per thread: the stage threads take the caller's
+        # torch keeps one weight-cast cache per process and clears it when any thread leaves its
+        # outermost autocast region: under autocast the rank threads leave together, so a rank
+        # that ends early does not make the others cast every weight again
+        self.leaving: threading.Barrier | None = None  # set by ``hosting``
+
+    def hosting(self, num_threads: int) -> None:
+        """The step runs ``num_threads`` rank threads in this process."""
+        if num_threads > 1 and any(on for _, on, _ in self.autocast[0]):
+            self.leaving = threading.Barrier(num_threads)
 
     def fail(self, rank: int, exc: BaseException) -> None:
         self.failures.append((time.monotonic(), rank, self.current[rank], exc))
         self.mailbox.stop()
+        if self.leaving is not None:
+            self.leaving.abort()
+
+    def leave_together(self, timeout: float) -> None:
+        """Wait (bounded) for every rank thread to end its walk before leaving autocast."""
+        if self.leaving is not None:
+            try:
+                self.leaving.wait(timeout)
+            except threading.BrokenBarrierError:
+                pass  # a rank failed, or the wait ran out: nothing to keep open for
 
     def first_failure(self) -> Failure:
         """The earliest failure that is not a wait that gave up (those follow from it)."""
@@ -97,6 +116,7 @@ class Executor:
         """
         step = _Step(schedule, feed, sync_gradients, self.num_stages)
         ranks = [(k, self._device(schedule, k)) for k in self.endpoint.ranks]
+        step.hosting(len(ranks))
         self.endpoint.peak_live = {s: 0 for s in self.runtimes}
         self.endpoint.open(prepared, step.mailbox, ranks)
         try:
@@ -169,6 +189,7 @@ class Executor:
                     torch.cuda.set_device(device)
                 stack.enter_context(self.endpoint.rank_context(k, device))
                 self._walk(step, k)
+                step.leave_together(self.endpoint.timeout)
         except Stopped:
             pass
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
