@@ -30,6 +30,7 @@ SLURM = "#!/bin/bash"
 #: command or ""), ("covered", "file::test" that runs it, the overrides that test must pass) or
 #: ("skip", why).
 COMMANDS: dict[str, tuple[str, ...]] = {
+    "python3 -m venv .venv && . .venv/bin/activate": ("skip", "the fresh venv is .ci/run's"),
     'python -m pip install -e ".[dev]" && gpipe-train': ("skip", "the install is .ci/run's; gpipe-train runs below"),
     "python -m pytest -q -n auto": ("skip", "this test suite"),
     "torchrun --nproc-per-node 2 -m gpipe_lab.pipeline.distributed.demo": ("run", DEMO, ""),
