@@ -9,19 +9,45 @@
 
 Every run writes ``summary.json``, ``timeline_{first,last}.png``, ``checkpoints/last.ckpt``
 (every ``callbacks.checkpoint_every_n_steps`` steps, at the end and on Ctrl-C) and (by
-default) an offline wandb run under its output directory.
+default) an offline wandb run under its output directory. ``gpipe_lab.preflight`` checks the
+whole config first (the dry run and each job of a sweep make the same checks).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
+import lightning.pytorch as pl
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from gpipe_lab.config import ConfigError, trainer_devices, validate_callbacks, validate_pipeline
+from gpipe_lab.continuation import continue_run
+from gpipe_lab.data import build_datamodule as build_named_datamodule
+from gpipe_lab.data.checks import DataNotFoundError
+from gpipe_lab.lightning import GPipeStrategy
+from gpipe_lab.lightning.callbacks import PipelineMetrics
+from gpipe_lab.lightning.known_warnings import silence_known_warnings
+from gpipe_lab.lightning.resume import ResumableCheckpoint, load_initial_weights
+from gpipe_lab.lightning.resume_checks import check_resume
+from gpipe_lab.lightning.wandb_run import build_wandb_logger, run_name
+from gpipe_lab.models import build, layer_costs
 from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
+from gpipe_lab.suggest import suggest_overrides
+
+__all__ = ["CONFIG_DIR", "build_datamodule", "build_logger", "build_module", "cli", "engine_options",
+           "main", "model_overrides", "run"]
 
 # The YAML ships inside the package (``gpipe_lab/conf``; in a checkout a link to the top-level
 # ``conf/``), so an installed wheel finds it too.
@@ -29,16 +55,29 @@ CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().
 
 
 def build_datamodule(cfg: DictConfig) -> Any:
-    from gpipe_lab.data import build_datamodule as build
-
+    """The ``data`` group's datamodule."""
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "name"}
-    return build(cfg.data.name, seed=cfg.seed, **kwargs)
+    return build_named_datamodule(cfg.data.name, seed=cfg.seed, **kwargs)
 
 
-def model_overrides(cfg: DictConfig) -> dict[str, Any]:
-    """The ``model`` group's ``gpipe_lab.models.build`` overrides (all but ``name`` and ``task``)."""
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    return {k: v for k, v in model.items() if k not in ("name", "task")}  # type: ignore[union-attr]
+def fetch_data(cfg: DictConfig, datamodule: Any) -> None:
+    """``data.download=true``: fetch the dataset now, before a logger starts, so that a machine
+    without internet gets one line.
+
+    Raises:
+        ConfigError: the download failed (naming ``data.download`` and the local alternative).
+    """
+    if not cfg.data.get("download"):
+        return
+    try:
+        datamodule.prepare_data()
+    except DataNotFoundError:
+        raise
+    except OSError as exc:
+        reason = str(getattr(exc, "reason", None) or exc).splitlines()[0]
+        raise ConfigError(f"data.download=true: fetching {cfg.data.name} failed ({reason}); without internet, "
+                          f"copy the dataset's files under data.root={cfg.data.get('root')} and set "
+                          f"data.download=false") from None
 
 
 def build_module(cfg: DictConfig, datamodule: Any) -> Any:
@@ -47,10 +86,6 @@ def build_module(cfg: DictConfig, datamodule: Any) -> Any:
 
     The datamodule decides the class count / vocabulary size when it knows them.
     """
-    from hydra.utils import instantiate
-
-    from gpipe_lab.models import build
-
     overrides = model_overrides(cfg)
     for key in ("num_classes", "vocab_size"):
         if key in overrides and getattr(datamodule, key, None):
@@ -74,15 +109,10 @@ def build_callbacks(cfg: DictConfig, output_dir: Path, trainer_kwargs: dict[str,
     """The checkpoint callback (``callbacks`` group) and the progress bar, as the trainer config asks."""
     callbacks: list[Any] = []
     if trainer_kwargs.get("enable_checkpointing", True):
-        from gpipe_lab.config import validate_callbacks
-        from gpipe_lab.lightning.resume import ResumableCheckpoint
-
         c = validate_callbacks(cfg)
         callbacks.append(ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=c.checkpoint_every_n_steps,
                                              save_top_k=c.keep_checkpoints, handle_sigint=c.graceful_ctrl_c))
     if trainer_kwargs.get("enable_progress_bar", True):
-        from lightning.pytorch.callbacks import TQDMProgressBar
-
         callbacks.append(TQDMProgressBar(refresh_rate=1))
     return callbacks
 
@@ -98,13 +128,8 @@ def build_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions | N
     by ``gpipe_lab.lightning.wandb_run``."""
     name = cfg.logger.name if cfg.get("logger") else "none"
     if name == "csv":
-        from lightning.pytorch.loggers import CSVLogger
-
         return CSVLogger(save_dir=str(output_dir), name="csv")
     if name == "wandb":
-        from gpipe_lab.config import validate_pipeline
-        from gpipe_lab.lightning.wandb_run import build_wandb_logger
-
         return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg))
     return False
 
@@ -113,8 +138,6 @@ def engine_options(cfg: DictConfig, options: PipelineOptions, module: Any) -> Pi
     """The validated options as the engine takes them: measured per-layer costs, the run's seed."""
     changes: dict[str, Any] = {}
     if isinstance(options.cost, str) and options.cost != "params":
-        from gpipe_lab.models import layer_costs
-
         changes["cost"] = layer_costs(module.layers, options.cost)
     if options.seed is None:
         changes["seed"] = int(cfg.seed)
@@ -128,75 +151,91 @@ def output_dir_of(cfg: DictConfig) -> Path:
         return Path(cfg.paths.log_dir) / cfg.task_name / "run"
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Validate, build and fit; returns the run's summary.
+def load_weights(cfg: DictConfig, module: Any, ckpt_path: str | None) -> str | None:
+    """Check the checkpoint to resume against the module, or load ``init_from``'s weights into it;
+    returns the ``init_from`` checkpoint.
 
     Raises:
-        ConfigError: a config that cannot run (before anything is built).
+        ConfigError: the checkpoint cannot continue this run (``check_resume``).
     """
-    import lightning.pytorch as pl
-
-    from gpipe_lab.config import trainer_devices, validate, validate_layer_count
-    from gpipe_lab.continuation import continue_run
-    from gpipe_lab.lightning import GPipeStrategy
-    from gpipe_lab.lightning.callbacks import PipelineMetrics
-    from gpipe_lab.lightning.known_warnings import silence_known_warnings
-    from gpipe_lab.lightning.wandb_run import run_name
-
-    silence_known_warnings()
-    print_lightning_logs_once()
-    cfg = continue_run(cfg)  # ckpt_path: the checkpoint's run's overrides, wandb run and a link to it
-    options = validate(cfg)
-    if cfg.get("dry_run"):
-        print(OmegaConf.to_yaml(cfg, resolve=True))
-        return {}
-    output_dir = output_dir_of(cfg)
-    pl.seed_everything(cfg.seed, workers=True)
-    datamodule = build_datamodule(cfg)
-    module = build_module(cfg, datamodule)
-    validate_layer_count(cfg, options, len(module.layers))
-    ckpt_path = None
-    if cfg.get("ckpt_path") is not None:
-        from gpipe_lab.lightning.resume import resolve_ckpt_path
-
-        ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
-        from gpipe_lab.lightning.resume_checks import check_resume
-
+    if ckpt_path is not None:
         check_resume(ckpt_path, cfg, module)
     init_from = init_from_of(cfg)
     if init_from is not None:
-        from gpipe_lab.lightning.resume import load_initial_weights
-
         fresh = load_initial_weights(module, init_from, fresh_classifier=bool(cfg.get("fresh_classifier", True)))
         print(f"init_from {init_from}: loaded every weight but {len(fresh)} new one(s) "
               f"{fresh[:4]}{' ...' if len(fresh) > 4 else ''}")
-    strategy = GPipeStrategy(options=engine_options(cfg, options, module))
-    logger = build_logger(cfg, output_dir, options)
-    extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
-             "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
-             "init_from": init_from, "run_name": run_name(options)}
-    metrics = PipelineMetrics(output_dir, extra_summary=extra)
+    return init_from
+
+
+def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output_dir: Path,
+                  metrics: PipelineMetrics) -> pl.Trainer:
+    """The Lightning trainer: the ``trainer`` group, the GPipe strategy, the logger and callbacks."""
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_kwargs["devices"] = trainer_devices(cfg, options)  # type: ignore[index]
-    callbacks: list[Any] = [metrics, *build_callbacks(cfg, output_dir, trainer_kwargs)]
+    callbacks: list[Any] = [metrics, *build_callbacks(cfg, output_dir, trainer_kwargs)]  # type: ignore[arg-type]
+    strategy = GPipeStrategy(options=engine_options(cfg, options, module))
+    return pl.Trainer(**trainer_kwargs, strategy=strategy, logger=build_logger(cfg, output_dir, options),
+                      callbacks=callbacks, default_root_dir=str(output_dir))
+
+
+def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metrics: PipelineMetrics,
+        ckpt_path: str | None) -> None:
+    """Train (resuming ``ckpt_path``), then validate the final model when the last validation was
+    earlier; the wandb run is closed whatever happens."""
     try:
-        trainer = pl.Trainer(**trainer_kwargs, strategy=strategy, logger=logger, callbacks=callbacks,
-                             default_root_dir=str(output_dir))
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         if metrics.last_validated_step != trainer.global_step and trainer.limit_val_batches:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the final model's metric
             metrics.write_summary(trainer)
     finally:
         if cfg.logger.get("name") == "wandb":
-            import wandb
+            import wandb  # import cost: only a wandb-logged run, once a trainer exists, loads it
 
             wandb.finish()
+
+
+def summary_line(summary: dict[str, Any], output_dir: Path) -> str:
+    """The run's last line: K, M, loss, metric and throughput (rounded), and where the summary is."""
+    def short(value: Any) -> Any:
+        return f"{value:.4g}" if isinstance(value, float) else value
+
+    metric = summary.get("validation_metric")
+    return (f"summary: K={summary.get('K')} M={summary.get('M')} train_loss={short(summary.get('final_train_loss'))} "
+            f"{metric}={short(summary.get('validation_value'))} samples/s={short(summary.get('samples_per_s'))} "
+            f"-> {output_dir / 'summary.json'}")
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Check the whole config (``preflight``), build and fit; returns the run's summary
+    (empty for a dry run).
+
+    Raises:
+        ConfigError: a config that cannot run (before anything is built or logged).
+    """
+    silence_known_warnings()
+    print_lightning_logs_once()
+    output_dir = output_dir_of(cfg)
+    resolve_checkpoint(cfg, output_dir)  # a missing checkpoint: one line, before continue_run reads it
+    cfg = continue_run(cfg)  # ckpt_path: the checkpoint's run's overrides, wandb run and a link to it
+    options = preflight(cfg, output_dir)
+    if cfg.get("dry_run"):
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+        return {}
+    ckpt_path = resolve_checkpoint(cfg, output_dir)
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule = build_datamodule(cfg)
+    fetch_data(cfg, datamodule)
+    module = build_module(cfg, datamodule)
+    init_from = load_weights(cfg, module, ckpt_path)
+    extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
+             "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
+             "init_from": init_from, "run_name": run_name(options)}
+    metrics = PipelineMetrics(output_dir, extra_summary=extra)
+    trainer = build_trainer(cfg, options, module, output_dir, metrics)
+    fit(cfg, trainer, module, datamodule, metrics, ckpt_path)
     if trainer.is_global_zero:
-        value = metrics.summary.get("validation_value")
-        print(f"summary: K={metrics.summary.get('K')} M={metrics.summary.get('M')} "
-              f"train_loss={metrics.summary.get('final_train_loss')} "
-              f"{metrics.summary.get('validation_metric')}={value} "
-              f"samples/s={metrics.summary.get('samples_per_s')} -> {output_dir / 'summary.json'}")
+        print(summary_line(metrics.summary, output_dir))
     return metrics.summary
 
 
@@ -207,13 +246,29 @@ def print_lightning_logs_once() -> None:
     imported before logging is set up (here: by a Hydra callback), so each INFO line
     would print twice, once in each format.
     """
-    import logging
-
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
             logger.removeHandler(handler)
         logger.propagate = True
+
+
+#: What Hydra and ``continue_run`` put in a run directory before anything trains.
+BEFORE_TRAINING = {".hydra", "train.log", "resumed_run"}
+
+
+def discard_run_dir() -> None:
+    """Remove a single run's directory when it holds only what was there before training (a
+    refused or dry run leaves nothing behind); a sweep's job folders stay (the sweep numbers them)."""
+    try:
+        hydra_cfg = HydraConfig.get()
+    except ValueError:  # not a Hydra run (tests call ``run``)
+        return
+    if hydra_cfg.mode != RunMode.RUN or not hydra_cfg.runtime.output_dir:
+        return
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if run_dir.is_dir() and set(os.listdir(run_dir)) <= BEFORE_TRAINING:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
@@ -224,15 +279,16 @@ def main(cfg: DictConfig) -> float | None:
     Raises:
         SystemExit: one line for a config error or a missing dataset (no traceback).
     """
-    from gpipe_lab.config import ConfigError
-    from gpipe_lab.data.checks import DataNotFoundError
-
     try:
         summary = run(cfg)
     except ConfigError as exc:
+        discard_run_dir()
         raise SystemExit(f"config error: {exc}") from None
     except DataNotFoundError as exc:  # a path to fix, not a bug: no traceback
+        discard_run_dir()
         raise SystemExit(f"data error: {exc}") from None
+    if cfg.get("dry_run"):
+        discard_run_dir()
     value = summary.get("validation_value")
     return float(value) if value is not None else None
 
@@ -243,14 +299,10 @@ def cli() -> None:
     Raises:
         SystemExit: the app's exit status, as Hydra and ``main`` give it.
     """
-    import sys
-
     try:
         main()
     except SystemExit as exc:
         if exc.code == 1:  # Hydra rejected the command line (the app's own errors exit with a message)
-            from gpipe_lab.suggest import suggest_overrides
-
             for hint in suggest_overrides(CONFIG_DIR, sys.argv[1:]):
                 print(hint, file=sys.stderr)
         raise

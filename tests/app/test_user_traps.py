@@ -108,6 +108,9 @@ def test_a_valid_sweep_still_runs_every_job(tmp_path):
     proc = app(["-m", "pipeline.chunks=1,2", *SMALL, "trainer.max_steps=1"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list(tmp_path.glob("train/multiruns/*/[0-9]/summary.json"))) == 2
+    sweep_dir = next(tmp_path.glob("train/multiruns/*"))
+    last = proc.stdout.strip().splitlines()[-1]  # the sweep ends by naming its table files
+    assert str(sweep_dir / "sweep_summary.md") in last and str(sweep_dir / "summary.csv") in last
 
 
 def test_an_added_key_unknown_to_its_group_names_the_closest_one():
