@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,11 @@ from gpipe_lab.data.checks import DataNotFoundError
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
-from gpipe_lab.lightning.resume import ResumableCheckpoint, load_initial_weights
+from gpipe_lab.lightning.resume import ResumableCheckpoint, load_initial_weights, resume_command
 from gpipe_lab.lightning.resume_checks import check_resume
 from gpipe_lab.lightning.wandb_run import build_wandb_logger, run_name
 from gpipe_lab.models import build, layer_costs
+from gpipe_lab.pipeline.distributed.failure import PeerFailedError
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
 from gpipe_lab.suggest import suggest_overrides
@@ -184,15 +186,49 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metr
     """Train (resuming ``ckpt_path``), then validate the final model when the last validation was
     earlier; the wandb run is closed whatever happens."""
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-        if metrics.last_validated_step != trainer.global_step and trainer.limit_val_batches:
-            trainer.validate(module, datamodule=datamodule, verbose=False)  # the final model's metric
-            metrics.write_summary(trainer)
-    finally:
-        if cfg.logger.get("name") == "wandb":
-            import wandb  # import cost: only a wandb-logged run, once a trainer exists, loads it
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+            if metrics.last_validated_step != trainer.global_step and trainer.limit_val_batches:
+                trainer.validate(module, datamodule=datamodule, verbose=False)  # the final model's metric
+                metrics.write_summary(trainer)
+        finally:
+            if cfg.logger.get("name") == "wandb":
+                import wandb  # import cost: only a wandb-logged run, once a trainer exists, loads it
 
-            wandb.finish()
+                wandb.finish()
+    except SystemExit:  # Lightning's answer to Ctrl-C: exit(1) once the interrupted state is saved
+        if trainer.interrupted and trainer.is_global_zero:
+            close_progress_bars(trainer)
+            tell_interrupted(metrics, output_dir_of(cfg))
+        raise
+
+
+def close_progress_bars(trainer: pl.Trainer) -> None:
+    """Close the progress bars now: tqdm would otherwise redraw them at exit, below the last lines."""
+    bar = trainer.progress_bar_callback
+    for name in ("_train_progress_bar", "_val_progress_bar"):
+        tqdm_bar = getattr(bar, name, None)
+        if tqdm_bar is not None:
+            tqdm_bar.close()
+    sys.stderr.flush()
+
+
+def tell(line: str) -> None:
+    """Print ``line`` and add it to the run's ``train.log`` (Hydra's file handler)."""
+    print(line, flush=True)
+    record = logging.LogRecord(__name__, logging.INFO, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def tell_interrupted(metrics: PipelineMetrics, output_dir: Path) -> None:
+    """After Ctrl-C: the summary line, then the command that resumes the run, as the last lines
+    (after wandb's closing block) and in ``train.log``."""
+    tell(summary_line(metrics.summary, output_dir) + " (interrupted)")
+    last = output_dir / "checkpoints" / "last.ckpt"
+    if last.is_file():
+        tell(f"resume with: {resume_command(last)}")
 
 
 def summary_line(summary: dict[str, Any], output_dir: Path) -> str:
@@ -201,9 +237,9 @@ def summary_line(summary: dict[str, Any], output_dir: Path) -> str:
         return f"{value:.4g}" if isinstance(value, float) else value
 
     metric = summary.get("validation_metric")
-    return (f"summary: K={summary.get('K')} M={summary.get('M')} train_loss={short(summary.get('final_train_loss'))} "
-            f"{metric}={short(summary.get('validation_value'))} samples/s={short(summary.get('samples_per_s'))} "
-            f"-> {output_dir / 'summary.json'}")
+    validation = f" {metric}={short(summary.get('validation_value'))}" if metric is not None else ""
+    return (f"summary: K={summary.get('K')} M={summary.get('M')} train_loss={short(summary.get('final_train_loss'))}"
+            f"{validation} samples/s={short(summary.get('samples_per_s'))} -> {output_dir / 'summary.json'}")
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -287,6 +323,10 @@ def main(cfg: DictConfig) -> float | None:
     except DataNotFoundError as exc:  # a path to fix, not a bug: no traceback
         discard_run_dir()
         raise SystemExit(f"data error: {exc}") from None
+    except PeerFailedError as exc:
+        if "KeyboardInterrupt" not in str(exc):
+            raise
+        raise SystemExit(f"stopped: {str(exc).splitlines()[0]}") from None  # Ctrl-C on another rank
     if cfg.get("dry_run"):
         discard_run_dir()
     value = summary.get("validation_value")
@@ -294,18 +334,20 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def cli() -> None:
-    """``gpipe-train``: the Hydra app, plus ``did you mean`` hints when Hydra rejects an override.
+    """``gpipe-train``: the Hydra app, after ``did you mean`` hints for overrides naming no key or
+    option (which Hydra would reject with a longer message that suggests the wrong fix).
 
     Raises:
-        SystemExit: the app's exit status, as Hydra and ``main`` give it.
+        SystemExit: status 1 with the hints, else the app's exit status, as Hydra and ``main`` give it.
     """
-    try:
-        main()
-    except SystemExit as exc:
-        if exc.code == 1:  # Hydra rejected the command line (the app's own errors exit with a message)
-            for hint in suggest_overrides(CONFIG_DIR, sys.argv[1:]):
-                print(hint, file=sys.stderr)
-        raise
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started with `&` from a script, SIGINT arrives ignored and Ctrl-C (or kill -INT) would
+        # not stop the run, on any rank; Ctrl-C is how a run is stopped and saved.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    hints = suggest_overrides(CONFIG_DIR, sys.argv[1:])
+    if hints:
+        raise SystemExit("\n".join(hints))
+    main()
 
 
 if __name__ == "__main__":

@@ -154,3 +154,14 @@ def test_readme_scheduling_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code.group(1), "README.md", "exec"), {"pipe": pipe})  # noqa: S102 - the README's own code
     assert (tmp_path / "timeline.png").exists()
+
+
+#: A repository path named in the README or docs (``tests/app/test_docs.py``, ``conf/pipeline/``).
+PATH = re.compile(r"`((?:tests|src|conf|experiments|benchmarks|docs|results|\.ci)/[A-Za-z0-9_./*-]*)")
+
+
+def test_every_path_the_docs_name_exists():
+    named = {(path.name, m) for path in DOCS for m in PATH.findall(path.read_text())}
+    missing = sorted((doc, p) for doc, p in named
+                     if not ((ROOT / p.rstrip(".")).exists() or ("*" in p and list(ROOT.glob(p)))))
+    assert missing == []

@@ -129,3 +129,25 @@ def test_download_without_internet_is_one_line_before_any_logger_starts(gpipe_tr
                                 "logger=wandb", "trainer=smoke", "data.batch_size=8"))
     assert "data.download=true: fetching cifar10 failed" in line and "data.download=false" in line
     assert not list(tmp_path.rglob("wandb")), "no wandb run was started"
+
+
+def test_the_labs_hint_comes_first_and_prefers_the_everyday_presets(gpipe_train):
+    done = gpipe_train("pipeline.chunk=4")
+    assert done.code == "pipeline.chunk: not a key of the config; did you mean pipeline.chunks?"
+    done = gpipe_train("model=transfomer")
+    assert isinstance(done.code, str) and done.code.startswith(
+        "model=transfomer: no such option; did you mean model=transformer_tiny? (options: ")
+    assert "Hydra" not in done.err and "+pipeline.chunk" not in done.err
+
+
+def test_an_unquoted_lightning_checkpoint_name_gets_the_quoting_rule(gpipe_train, tmp_path):
+    done = gpipe_train(f"ckpt_path={tmp_path}/epoch=0-step=60.ckpt")
+    assert done.code == (f"ckpt_path={tmp_path}/epoch=0-step=60.ckpt: a value holding '=' must be quoted for "
+                         f"Hydra, quotes included in the shell: \"ckpt_path='{tmp_path}/epoch=0-step=60.ckpt'\"")
+
+
+def test_help_opens_with_what_the_app_does_and_its_everyday_commands(gpipe_train):
+    done = gpipe_train("--help")
+    assert done.code in (0, None), done.err[-2000:]
+    assert done.out.startswith("gpipe-train: train a network with GPipe pipeline parallelism")
+    assert "powered by Hydra" not in done.out and "gpipe-train ckpt_path=last" in done.out
