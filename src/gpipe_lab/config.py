@@ -40,7 +40,7 @@ PipelineConfig = PipelineOptions
 @dataclass
 class CallbacksConfig:
     checkpoint_every_n_steps: int | None = 50
-    keep_checkpoints: int = 1
+    keep_checkpoints: int = 0
     graceful_ctrl_c: bool = True
 
 

@@ -6,11 +6,13 @@ its dry run (``dry_run=true``) and each job of a sweep (``gpipe_lab.sweep_check`
   nothing is allocated, so Table 1's giants cost no memory);
 - the checkpoint to resume (``ckpt_path``, ``last`` included) or to start from (``init_from``)
   exists;
-- ``trainer=gpu`` finds a GPU.
+- ``trainer=gpu`` finds a GPU;
+- under torchrun, its world size is a multiple of K.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,16 @@ def check_accelerator(cfg: DictConfig) -> None:
                           f"nvidia-smi lists GPUs")
 
 
+def check_launcher_world_size(options: PipelineOptions) -> None:
+    """Raises: ConfigError: a launcher's ``WORLD_SIZE`` (torchrun) that K does not divide."""
+    world = os.environ.get("WORLD_SIZE")
+    k = options.num_stages
+    if options.transport == "distributed" and world and world.isdigit() and int(world) % k:
+        raise ConfigError(f"pipeline.partitions={k}: torchrun started {world} processes (--nnodes x "
+                          f"--nproc-per-node), not a multiple of K: one process runs one stage of one replica; "
+                          f"use --nproc-per-node {k} (or a multiple of {k}), or a pipeline.partitions dividing {world}")
+
+
 def preflight(cfg: DictConfig, output_dir: Path | None = None) -> PipelineOptions:
     """See the module docstring; returns the pipeline's validated options.
 
@@ -100,4 +112,5 @@ def preflight(cfg: DictConfig, output_dir: Path | None = None) -> PipelineOption
     resolve_checkpoint(cfg, output_dir)
     check_init_from(cfg)
     check_accelerator(cfg)
+    check_launcher_world_size(options)
     return options

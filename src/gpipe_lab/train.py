@@ -287,6 +287,16 @@ def print_lightning_logs_once() -> None:
         for handler in list(logger.handlers):
             logger.removeHandler(handler)
         logger.propagate = True
+    tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, NoAdvertising) for f in tips.filters):
+        tips.addFilter(NoAdvertising())
+
+
+class NoAdvertising(logging.Filter):
+    """Drops Lightning's tip advertising a cloud logger, printed on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
 
 
 #: What Hydra and ``continue_run`` put in a run directory before anything trains.
@@ -319,6 +329,8 @@ def main(cfg: DictConfig) -> float | None:
         summary = run(cfg)
     except ConfigError as exc:
         discard_run_dir()
+        if os.environ.get("RANK", "0") != "0":  # every rank has the same config: rank 0 says it once
+            raise SystemExit(1) from None
         raise SystemExit(f"config error: {exc}") from None
     except DataNotFoundError as exc:  # a path to fix, not a bug: no traceback
         discard_run_dir()

@@ -151,3 +151,22 @@ def test_help_opens_with_what_the_app_does_and_its_everyday_commands(gpipe_train
     assert done.code in (0, None), done.err[-2000:]
     assert done.out.startswith("gpipe-train: train a network with GPipe pipeline parallelism")
     assert "powered by Hydra" not in done.out and "gpipe-train ckpt_path=last" in done.out
+
+
+def test_a_run_keeps_one_checkpoint_file(gpipe_train, tmp_path):
+    done = gpipe_train(*SMALL, "trainer.max_steps=2", "trainer.enable_checkpointing=true")
+    assert done.code in (0, None), done.err[-3000:]
+    assert [p.name for p in tmp_path.rglob("*.ckpt")] == ["last.ckpt"]
+    assert done.out.strip().splitlines()[-1].startswith("summary: K=2 M=4 train_loss=")
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_torchrun_world_size_that_k_does_not_divide_is_one_line_on_rank_0_only(gpipe_train, monkeypatch, rank):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # what torchrun --nproc-per-node 3 gives each process
+    monkeypatch.setenv("RANK", rank)
+    done = gpipe_train("pipeline.transport=distributed", "trainer=distributed", *SMALL[1:], "dry_run=true")
+    if rank == "1":
+        assert done.code == 1 and done.err == "", done
+        return
+    line = one_line(done)
+    assert "torchrun started 3 processes" in line and "--nproc-per-node 2" in line

@@ -125,3 +125,4 @@ def test_lightning_info_lines_are_printed_once(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert out.count("Seed set to 0") == 1 and out.count("`Trainer.fit` stopped") == 1, out[-3000:]
+    assert "litlogger" not in out and "powered by Hydra" not in out, out[-3000:]
