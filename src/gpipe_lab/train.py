@@ -30,6 +30,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from gpipe_lab.config import ConfigError, trainer_devices, validate_callbacks, validate_pipeline
@@ -44,6 +45,7 @@ from gpipe_lab.lightning.resume_checks import check_resume
 from gpipe_lab.lightning.wandb_run import build_wandb_logger, run_name
 from gpipe_lab.models import build, layer_costs
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
+from gpipe_lab.pipeline.gpipe import resolve_balance
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
 from gpipe_lab.suggest import suggest_overrides
@@ -170,13 +172,30 @@ def load_weights(cfg: DictConfig, module: Any, ckpt_path: str | None) -> str | N
     return init_from
 
 
+def stage_summary(options: PipelineOptions, layers: Any) -> str:
+    """The pipeline as it will run: K, M, schedule, and each stage's layers and parameters."""
+    balance = resolve_balance(layers, options)
+    lines = [f"pipeline: K={options.num_stages} M={options.chunks} schedule={options.schedule} "
+             f"checkpoint={options.checkpoint} transport={options.transport}"]
+    first = 0
+    for index, count in enumerate(balance):
+        params = sum(p.numel() for layer in list(layers)[first:first + count] for p in layer.parameters())
+        lines.append(f"  stage {index}: layers {first}-{first + count - 1} ({count}), {params:,} parameters")
+        first += count
+    return "\n".join(lines)
+
+
 def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output_dir: Path,
                   metrics: PipelineMetrics) -> pl.Trainer:
     """The Lightning trainer: the ``trainer`` group, the GPipe strategy, the logger and callbacks."""
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_kwargs["devices"] = trainer_devices(cfg, options)  # type: ignore[index]
+    # Lightning's summary shows one ``layers | Sequential`` row and 0 FLOPs; ``stage_summary`` replaces it.
+    trainer_kwargs.setdefault("enable_model_summary", False)  # type: ignore[union-attr]
     callbacks: list[Any] = [metrics, *build_callbacks(cfg, output_dir, trainer_kwargs)]  # type: ignore[arg-type]
     strategy = GPipeStrategy(options=engine_options(cfg, options, module))
+    if rank_zero_only.rank == 0 and trainer_kwargs.get("enable_model_summary") is False:  # type: ignore[union-attr]
+        print(stage_summary(strategy.options, module.layers))
     return pl.Trainer(**trainer_kwargs, strategy=strategy, logger=build_logger(cfg, output_dir, options),
                       callbacks=callbacks, default_root_dir=str(output_dir))
 

@@ -158,6 +158,9 @@ def test_a_run_keeps_one_checkpoint_file(gpipe_train, tmp_path):
     assert done.code in (0, None), done.err[-3000:]
     assert [p.name for p in tmp_path.rglob("*.ckpt")] == ["last.ckpt"]
     assert done.out.strip().splitlines()[-1].startswith("summary: K=2 M=4 train_loss=")
+    # the stages, not Lightning's one-row summary with 0 FLOPs
+    assert "pipeline: K=2 M=4 schedule=gpipe" in done.out and "  stage 1: layers " in done.out, done.out
+    assert "Total FLOPs" not in done.out + done.err
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
@@ -170,3 +173,10 @@ def test_a_torchrun_world_size_that_k_does_not_divide_is_one_line_on_rank_0_only
         return
     line = one_line(done)
     assert "torchrun started 3 processes" in line and "--nproc-per-node 2" in line
+
+
+def test_a_dry_run_checks_virtual_stages_against_the_models_layers(gpipe_train):
+    line = one_line(gpipe_train("dry_run=true", "pipeline.partitions=4", "pipeline.virtual_stages=3",
+                                "pipeline.schedule=interleaved-1f1b"))
+    assert "pipeline.virtual_stages: 4 partitions x 3 virtual stages = 12 chunks but model 'amoebanet_d_tiny' " \
+           "has only 9 layers" in line, line
