@@ -64,7 +64,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         ("skip", "six paper-size AmoebaNet-D jobs (tens of minutes on CPU); tests/experiments runs the config"),
     "python experiments/table2_throughput.py --from-multirun logs/train/multiruns/<time>":
         ("skip", "reads the sweep above; tests/experiments/test_experiment_configs.py covers --from-multirun"),
-    "gpipe-plan memory --model transformer_l --num-layers 1663 -K 128 --batch 32 --microbatches 32": ("run", "", ""),
+    "gpipe-plan memory --model transformer_l --num-layers 1663 -K 128 --batch 32 --microbatches 32 --memory-gib 16":
+        ("run", "| tail -1 | grep 'fits in 16 GiB'", ""),
     "torchrun --nproc-per-node 4 -m gpipe_lab.pipeline.distributed.demo --stages 2 --chunks 8": ("run", DEMO, ""),
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-id job42 --rdzv-backend c10d --rdzv-endpoint node0.example:29500 "
     "-m gpipe_lab.pipeline.distributed.demo --stages 8": ("skip", "needs two nodes of 8 processes"),
