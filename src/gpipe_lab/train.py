@@ -15,9 +15,7 @@ whole config first (the dry run and each job of a sweep make the same checks).
 
 from __future__ import annotations
 
-import logging
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -25,8 +23,6 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
@@ -40,14 +36,22 @@ from gpipe_lab.data.checks import DataNotFoundError
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
-from gpipe_lab.lightning.resume import ResumableCheckpoint, load_initial_weights, resume_command
+from gpipe_lab.lightning.resume import ResumableCheckpoint, load_initial_weights
 from gpipe_lab.lightning.resume_checks import check_resume
 from gpipe_lab.lightning.wandb_run import build_wandb_logger, run_name
 from gpipe_lab.models import build, layer_costs
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
-from gpipe_lab.pipeline.gpipe import resolve_balance
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
+from gpipe_lab.run_console import (
+    CompileNotice,
+    close_progress_bars,
+    discard_run_dir,
+    print_lightning_logs_once,
+    stage_summary,
+    summary_line,
+    tell_interrupted,
+)
 from gpipe_lab.suggest import suggest_overrides
 
 __all__ = ["CONFIG_DIR", "build_datamodule", "build_logger", "build_module", "cli", "engine_options",
@@ -172,19 +176,6 @@ def load_weights(cfg: DictConfig, module: Any, ckpt_path: str | None) -> str | N
     return init_from
 
 
-def stage_summary(options: PipelineOptions, layers: Any) -> str:
-    """The pipeline as it will run: K, M, schedule, and each stage's layers and parameters."""
-    balance = resolve_balance(layers, options)
-    lines = [f"pipeline: K={options.num_stages} M={options.chunks} schedule={options.schedule} "
-             f"checkpoint={options.checkpoint} transport={options.transport}"]
-    first = 0
-    for index, count in enumerate(balance):
-        params = sum(p.numel() for layer in list(layers)[first:first + count] for p in layer.parameters())
-        lines.append(f"  stage {index}: layers {first}-{first + count - 1} ({count}), {params:,} parameters")
-        first += count
-    return "\n".join(lines)
-
-
 def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output_dir: Path,
                   metrics: PipelineMetrics) -> pl.Trainer:
     """The Lightning trainer: the ``trainer`` group, the GPipe strategy, the logger and callbacks."""
@@ -193,6 +184,8 @@ def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output
     # Lightning's summary shows one ``layers | Sequential`` row and 0 FLOPs; ``stage_summary`` replaces it.
     trainer_kwargs.setdefault("enable_model_summary", False)  # type: ignore[union-attr]
     callbacks: list[Any] = [metrics, *build_callbacks(cfg, output_dir, trainer_kwargs)]  # type: ignore[arg-type]
+    if options.compile:
+        callbacks.append(CompileNotice())
     strategy = GPipeStrategy(options=engine_options(cfg, options, module))
     if rank_zero_only.rank == 0 and trainer_kwargs.get("enable_model_summary") is False:  # type: ignore[union-attr]
         print(stage_summary(strategy.options, module.layers))
@@ -220,45 +213,6 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metr
             close_progress_bars(trainer)
             tell_interrupted(metrics, output_dir_of(cfg))
         raise
-
-
-def close_progress_bars(trainer: pl.Trainer) -> None:
-    """Close the progress bars now: tqdm would otherwise redraw them at exit, below the last lines."""
-    bar = trainer.progress_bar_callback
-    for name in ("_train_progress_bar", "_val_progress_bar"):
-        tqdm_bar = getattr(bar, name, None)
-        if tqdm_bar is not None:
-            tqdm_bar.close()
-    sys.stderr.flush()
-
-
-def tell(line: str) -> None:
-    """Print ``line`` and add it to the run's ``train.log`` (Hydra's file handler)."""
-    print(line, flush=True)
-    record = logging.LogRecord(__name__, logging.INFO, __file__, 0, line, None, None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
-
-
-def tell_interrupted(metrics: PipelineMetrics, output_dir: Path) -> None:
-    """After Ctrl-C: the summary line, then the command that resumes the run, as the last lines
-    (after wandb's closing block) and in ``train.log``."""
-    tell(summary_line(metrics.summary, output_dir) + " (interrupted)")
-    last = output_dir / "checkpoints" / "last.ckpt"
-    if last.is_file():
-        tell(f"resume with: {resume_command(last)}")
-
-
-def summary_line(summary: dict[str, Any], output_dir: Path) -> str:
-    """The run's last line: K, M, loss, metric and throughput (rounded), and where the summary is."""
-    def short(value: Any) -> Any:
-        return f"{value:.4g}" if isinstance(value, float) else value
-
-    metric = summary.get("validation_metric")
-    validation = f" {metric}={short(summary.get('validation_value'))}" if metric is not None else ""
-    return (f"summary: K={summary.get('K')} M={summary.get('M')} train_loss={short(summary.get('final_train_loss'))}"
-            f"{validation} samples/s={short(summary.get('samples_per_s'))} -> {output_dir / 'summary.json'}")
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -292,48 +246,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         print(summary_line(metrics.summary, output_dir))
     return metrics.summary
-
-
-def print_lightning_logs_once() -> None:
-    """Lightning's loggers print through Hydra's handlers only.
-
-    Lightning gives its ``lightning`` logger a console handler of its own when it is
-    imported before logging is set up (here: by a Hydra callback), so each INFO line
-    would print twice, once in each format.
-    """
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logger = logging.getLogger(name)
-        for handler in list(logger.handlers):
-            logger.removeHandler(handler)
-        logger.propagate = True
-    tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, NoAdvertising) for f in tips.filters):
-        tips.addFilter(NoAdvertising())
-
-
-class NoAdvertising(logging.Filter):
-    """Drops Lightning's tip advertising a cloud logger, printed on every run."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "litlogger" not in str(record.msg)
-
-
-#: What Hydra and ``continue_run`` put in a run directory before anything trains.
-BEFORE_TRAINING = {".hydra", "train.log", "resumed_run"}
-
-
-def discard_run_dir() -> None:
-    """Remove a single run's directory when it holds only what was there before training (a
-    refused or dry run leaves nothing behind); a sweep's job folders stay (the sweep numbers them)."""
-    try:
-        hydra_cfg = HydraConfig.get()
-    except ValueError:  # not a Hydra run (tests call ``run``)
-        return
-    if hydra_cfg.mode != RunMode.RUN or not hydra_cfg.runtime.output_dir:
-        return
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    if run_dir.is_dir() and set(os.listdir(run_dir)) <= BEFORE_TRAINING:
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
