@@ -48,11 +48,12 @@ class Sizes:
     recompute_microbatches: tuple[int, ...] = ()
     gloo_repeats: int = 0  # repeats of the gloo side-by-side rounds (0: ``repeats``)
     beyond_torch: tuple[str, ...] = BEYOND_TORCH  # our other schedules measured beside torch's (MLP)
+    yardstick_mlp_batch: int = 512  # the MLP's batch against plain gradient accumulation (issue 28's table)
 
 
 SIZES = {
     "smoke": Sizes("smoke", 64, (32, 64), (1, 4), (2,), ("never", "always"), ("never",), (4,), 1, 0,
-                   overhead_microbatches=8),
+                   overhead_microbatches=8, yardstick_mlp_batch=64),
     "quick": Sizes("quick", 1024, (512, 2048), (4, 8, 16), (8,), ("never", "always"), ("never",), (8, 16),
                    3, 1, recompute_microbatches=(8,), gloo_repeats=9, beyond_torch=("gpipe-bw",)),
     "full": Sizes("full", 1024, (512, 2048), (1, 2, 4, 8, 16, 32), (1, 2, 4, 8, 16, 32), CHECKPOINTS,
@@ -80,6 +81,20 @@ def make_workload(name: str, sizes: Sizes, partitions: int = 2, seed: int = 0) -
         opts = dict(num_layers=3, num_filters=8 if smoke else 16, image_size=16 if smoke else 32)
         return WorkloadSpec(name, "amoebanet_d_tiny", opts, 8 if smoke else 64).build(partitions, seed)
     raise ValueError(f"unknown workload {name!r}; known: mlp, transformer, amoebanet, tiny")
+
+
+def probe_mlp(argv: list[str]) -> tuple[int, int, Workload]:
+    """A probe's start: ``[M] [rounds]`` from ``argv`` (default 8 and 7), the process prepared, one
+    intra-op thread, and the quick MLP.
+
+    Raises:
+        ValueError: an argument that is not a whole number.
+    """
+    chunks = int(argv[0]) if argv else 8
+    rounds = int(argv[1]) if len(argv) > 1 else 7
+    prepare_process()
+    torch.set_num_threads(1)
+    return chunks, rounds, make_workload("mlp", SIZES["quick"])
 
 
 def prepare_process() -> bool:

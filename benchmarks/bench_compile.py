@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_lab.bench import time_rounds
+from gpipe_lab.bench import md_table, time_rounds
 from gpipe_lab.models.costs import example_input
 from gpipe_lab.models.losses import translation_loss
 from gpipe_lab.models.registry import build
@@ -104,12 +104,11 @@ def run_compile(models: list[str], chunks: list[int], quick: bool, repeats: int)
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
-    lines = ["| model | K | M | eager step (s) | eager, no replay (s) | compiled step (s) | speed-up | "
-             "speed-up over no replay | compile (s) |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['K']} | {r['M']} | {r['eager_step_s']:.3f} | {r['eager_no_replay_step_s']:.3f} | "
-              f"{r['compiled_step_s']:.3f} | {r['speedup']:.2f}× | {r['speedup_over_no_replay']:.2f}× | "
-              f"{r['compile_s']:.0f} |" for r in rows]
-    return "\n".join(lines)
+    return md_table(["model", "K", "M", "eager step (s)", "eager, no replay (s)", "compiled step (s)", "speed-up",
+                     "speed-up over no replay", "compile (s)"],
+                    [[r["model"], r["K"], r["M"], f"{r['eager_step_s']:.3f}", f"{r['eager_no_replay_step_s']:.3f}",
+                      f"{r['compiled_step_s']:.3f}", f"{r['speedup']:.2f}×", f"{r['speedup_over_no_replay']:.2f}×",
+                      f"{r['compile_s']:.0f}"] for r in rows])
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from gpipe_lab.bench import Workload
 from gpipe_lab.pipeline import GPipe
+from gpipe_lab.saved_bytes import SavedBytes, storage_keys
 
 K = 2
 
@@ -34,23 +35,14 @@ def _nbytes(values: Sequence[Tensor]) -> int:
 
 
 def saved_bytes(part: nn.Module, inputs: object, last: bool, work: Workload, target: Tensor) -> int:
-    """Element bytes autograd saves (parameters excluded) when ``part`` (+ loss if ``last``) runs.
-
-    Each saved tensor counts ``numel · element_size`` once (a shape count, not its storage's size).
-    """
-    params = {p.untyped_storage().data_ptr() for p in part.parameters()}
-    seen: dict[tuple[int, int, tuple[int, ...]], int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        if t.untyped_storage().data_ptr() not in params:
-            seen[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))] = t.numel() * t.element_size()
-        return t
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Activation bytes autograd saves when ``part`` (+ loss if ``last``) runs, by the engine's rule
+    (``gpipe_lab.saved_bytes``: parameters excluded, each distinct view once by its own elements)."""
+    counter = SavedBytes(storage_keys(part.parameters()))
+    with torch.enable_grad(), counter.hooks():
         out = part(inputs)
         if last:
             work.loss_fn(out, target)
-    return sum(seen.values())
+    return counter.total
 
 
 def memory_model(work: Workload, chunks: int) -> list[dict[str, int]]:

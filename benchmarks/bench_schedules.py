@@ -18,11 +18,10 @@ configuration (the last measured step above the predicted one).
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python benchmarks/bench_schedules.py``: rerun as the module
-    import os
-    import sys
+if not __package__:  # started as a file (``python benchmarks/bench_schedules.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.bench_schedules", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import argparse
 import json
@@ -33,8 +32,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_common import git_commit
-from gpipe_lab.bench import mlp, time_rounds
+from benchmarks.bench_common import ROOT, git_commit
+from gpipe_lab.bench import Progress, mlp, time_rounds
+from gpipe_lab.bench.launch import fresh_out
 from gpipe_lab.pipeline import GPipe, Timeline, get_schedule
 from gpipe_lab.planner import costs_from_timeline, durations_from_timeline, predict_step
 from gpipe_lab.plotting import plot_timeline
@@ -86,15 +86,19 @@ def bench_chunks(chunks: int, steps: int, warmup: int, out: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("results/schedules"))
+    parser.add_argument("--out", type=Path, default=fresh_out(ROOT / "logs", "schedules"),
+                        help="default: a fresh logs/schedules/<time>/; --out results/schedules replaces the "
+                             "committed files")
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--steps", type=int, default=7, help="measured rounds per M")
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
+    progress = Progress(len(args.chunks), "bench_schedules", note=f"writing to {args.out}")
     for m in args.chunks:
         rows += bench_chunks(m, args.steps, args.warmup, args.out)
+        progress.done(f"every schedule at M={m}")
     print(f"{'M':>3} {'schedule':>8} {'step ms':>9} {'pred ms':>9} {'err':>7} {'replay':>7} {'bubble':>7} "
           f"{'vs 1f1b':>8}")
     for m in args.chunks:

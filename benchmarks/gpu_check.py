@@ -1,81 +1,151 @@
-"""The prepared GPU check: every section capped, PASS/FAIL each, results in gpu_check.json and .md.
+"""The prepared GPU check: every section in its own process, PASS/FAIL each, reports after each one.
 
     python benchmarks/gpu_check.py --out results/           # on a machine with one GPU (<= 8 min)
     python benchmarks/gpu_check.py --out /tmp/x --two-gpus  # adds the two-GPU section
     python benchmarks/gpu_check.py --out /tmp/x --dry-run   # wires every section on the CPU
 
-Sections: correctness, host_syncs, speed, memory (gpu_check_engine), lightning,
-nccl_startup, two_gpus (gpu_check_system). A dry run uses tiny sizes on the CPU
-and touches no CUDA: its figures are CPU figures and say so. A section that runs
-past its cap is stopped (SIGALRM) and FAILs; the others still run.
+Sections (``SECTIONS``): correctness, host_syncs (gpu_check_engine); speed, memory
+(gpu_check_speed); lightning, amp_fp16, nccl_startup, two_gpus (gpu_check_system);
+backward_probe, race, launch_bound (gpu_check_probes); copy_overlap, leak
+(gpu_check_device).
+
+Each section runs in a child process forked from a server that imported the
+sections once and never touched CUDA; the child leads its own process group.
+A section that runs past its cap, hangs, or dies is killed with its whole
+group (SIGKILL) and FAILs; the others still run. gpu_check.json and
+gpu_check.md are rewritten after every section, so a hang loses one section,
+not the report. A dry run uses tiny sizes on the CPU and touches no CUDA: its
+figures are CPU figures and say so.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import multiprocessing
+import os
+import resource
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: rerun as the module, with the repository root importable
-    import os
+if not __package__:  # started as a file (``python benchmarks/gpu_check.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    _root = str(Path(__file__).resolve().parent.parent)
-    _path = os.pathsep.join(filter(None, [_root, os.environ.get("PYTHONPATH")]))
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.gpu_check", *sys.argv[1:]],
-              {**os.environ, "PYTHONPATH": _path})
+    rerun_as_module(__file__)
 
 import torch
 
-from benchmarks.gpu_check_engine import Context, correctness, host_syncs, memory, speed
-from benchmarks.gpu_check_system import lightning_run, nccl_startup, two_gpus
+from benchmarks.gpu_check_engine import Context
 
-# name, function, cap in seconds (the sum stays under 8 minutes)
-SECTIONS: list[tuple[str, Callable[[Context], dict[str, Any]], int]] = [
-    ("correctness", correctness, 120), ("host_syncs", host_syncs, 30), ("speed", speed, 120),
-    ("memory", memory, 60), ("lightning", lightning_run, 90), ("nccl_startup", nccl_startup, 30),
+# name, "module:function", cap in seconds; on one GPU the caps sum to 455 s (8 minutes less start-up)
+SECTIONS: list[tuple[str, str, int]] = [
+    ("correctness", "benchmarks.gpu_check_engine:correctness", 90),
+    ("host_syncs", "benchmarks.gpu_check_engine:host_syncs", 15),
+    ("speed", "benchmarks.gpu_check_speed:speed", 60),
+    ("memory", "benchmarks.gpu_check_speed:memory", 25),
+    ("lightning", "benchmarks.gpu_check_system:lightning_run", 45),
+    ("amp_fp16", "benchmarks.gpu_check_system:amp_fp16", 30),
+    ("nccl_startup", "benchmarks.gpu_check_system:nccl_startup", 20),
+    ("backward_probe", "benchmarks.gpu_check_probes:backward_probe", 65),
+    ("race", "benchmarks.gpu_check_probes:race", 40),
+    ("launch_bound", "benchmarks.gpu_check_probes:launch_bound", 30),
+    ("copy_overlap", "benchmarks.gpu_check_device:copy_overlap", 20),
+    ("leak", "benchmarks.gpu_check_device:leak", 15),
 ]
-TWO_GPUS = ("two_gpus", two_gpus, 90)
+#: seconds the section server may take to import the sections (torch, Lightning)
+STARTUP_CAP = 120
+TWO_GPUS = ("two_gpus", "benchmarks.gpu_check_system:two_gpus", 90)
+PRELOAD = ["benchmarks.gpu_check_engine", "benchmarks.gpu_check_speed", "benchmarks.gpu_check_system",
+           "benchmarks.gpu_check_probes", "benchmarks.gpu_check_device"]
 
 
-class SectionTimeout(Exception):
-    """A section ran past its cap."""
-
-
-def _alarm(signum: int, frame: Any) -> None:
-    raise SectionTimeout
-
-
-def run_section(name: str, fn: Callable[[Context], dict[str, Any]], cap: int, ctx: Context) -> dict[str, Any]:
-    """One section's result: its figures plus ``status`` (PASS/FAIL/SKIP) and ``seconds``."""
-    start = time.perf_counter()
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(cap)
+def _section_main(spec: str, ctx: Context, conn: Any) -> None:
+    """In the child: lead a process group, run the section, send its result, exit at once."""
+    os.setsid()  # the parent kills the whole group: torchrun and its ranks too
     try:
-        result = fn(ctx)
-    except SectionTimeout:
-        result = {"status": "FAIL", "error": f"over its cap of {cap} s"}
-    except Exception as exc:  # noqa: BLE001 - a failing section is reported, the others still run
+        module, name = spec.split(":")
+        result = getattr(importlib.import_module(module), name)(ctx)
+        if ctx.device.type == "cuda":
+            result["device_name"] = torch.cuda.get_device_name(ctx.device)
+    except BaseException as exc:  # noqa: BLE001 - a failing section is reported, the others still run
         result = {"status": "FAIL", "error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc(limit=6)}
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    result["cpu_seconds"] = round(sum(u.ru_utime + u.ru_stime for u in used), 2)
+    conn.send(result)
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a thread left hanging (the backward probe's) must not keep the process alive
+
+
+def _kill_group(child: Any) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        if child.is_alive():
+            child.kill()
+    child.join(10)
+
+
+def run_section(name: str, spec: str, cap: int, ctx: Context, processes: Any) -> dict[str, Any]:
+    """One section's result: its figures plus ``status`` (PASS/FAIL/SKIP) and ``seconds``."""
+    start = time.perf_counter()
+    receive, send = processes.Pipe(duplex=False)
+    child = processes.Process(target=_section_main, args=(spec, ctx, send), name=f"gpu_check-{name}")
+    child.start()
+    send.close()
+    try:
+        if receive.poll(cap):
+            result = receive.recv()
+        else:
+            result = {"status": "FAIL", "error": f"over its cap of {cap} s: killed"}
+    except EOFError:
+        child.join(5)
+        died = f"its process died without a result (exit code {child.exitcode})"
+        result = {"status": "FAIL", "error": died}
     finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+        receive.close()
+        _kill_group(child)
     result["seconds"] = round(time.perf_counter() - start, 2)
     print(f"[{result['status']}] {name} ({result['seconds']} s)"
           + (f": {result['error']}" if "error" in result else ""), flush=True)
     return result
 
 
+def _processes() -> Any:
+    """Children forked from a fresh server that imported the sections (never CUDA)."""
+    processes = multiprocessing.get_context("forkserver")
+    processes.set_forkserver_preload(PRELOAD)
+    ready = processes.Process(target=_ready, name="gpu_check-ready")
+    ready.start()  # the first fork waits for the server's imports: not charged to the first section's cap
+    ready.join(STARTUP_CAP)
+    if ready.exitcode is None:
+        _kill_group(ready)
+        raise RuntimeError(f"the section server did not start within {STARTUP_CAP} s")
+    return processes
+
+
+def _ready() -> None:
+    """A child that does nothing: forking it waits for the server's imports."""
+
+
+def write_reports(report: dict[str, Any], out: Path) -> None:
+    """gpu_check.json and gpu_check.md as they stand (called after every section)."""
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "gpu_check.md").write_text(markdown(report))
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: the environment, then one heading per section."""
     lines = ["# GPU check", "", f"- device: {report['device']}", f"- torch: {report['torch']}",
-             f"- dry run: {report['dry_run']} (a dry run's figures are CPU figures, not GPU ones)", ""]
+             f"- dry run: {report['dry_run']} (a dry run's figures are CPU figures, not GPU ones)",
+             f"- start-up (section server) seconds: {report.get('startup_seconds')}", ""]
     for name, result in report["sections"].items():
         lines += [f"## {name}: {result['status']}", ""]
         for key, value in result.items():
@@ -95,19 +165,27 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA device here: use --dry-run")
-    ctx = Context(device=torch.device("cpu") if args.dry_run else torch.device("cuda", 0), dry=args.dry_run)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ctx = Context(device=torch.device("cpu") if args.dry_run else torch.device("cuda", 0), dry=args.dry_run,
+                  out=args.out)
     sections = SECTIONS + ([TWO_GPUS] if args.two_gpus else [])
     if args.only:
         unknown = sorted(set(args.only) - {s[0] for s in sections})
         if unknown:
             p.error(f"unknown section(s) {unknown}; known: {[s[0] for s in sections]}")
         sections = [s for s in sections if s[0] in args.only]
-    report = {"device": torch.cuda.get_device_name(0) if not args.dry_run else "cpu (dry run)",
-              "torch": torch.__version__, "dry_run": args.dry_run,
-              "sections": {name: run_section(name, fn, cap, ctx) for name, fn, cap in sections}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
-    (args.out / "gpu_check.md").write_text(markdown(report))
+    # the device name is asked in a child: this process forks none, but keeps off CUDA all the same
+    report: dict[str, Any] = {"device": "cpu (dry run)" if args.dry_run else "cuda:0",
+                              "torch": torch.__version__,
+                              "dry_run": args.dry_run, "sections": {}}
+    start = time.perf_counter()
+    processes = _processes()
+    report["startup_seconds"] = round(time.perf_counter() - start, 2)
+    for name, spec, cap in sections:
+        result = run_section(name, spec, cap, ctx, processes)
+        report["device"] = result.pop("device_name", report["device"])
+        report["sections"][name] = result
+        write_reports(report, args.out)
     failed = [n for n, r in report["sections"].items() if r["status"] == "FAIL"]
     print("FAILED: " + ", ".join(failed) if failed else "all sections passed")
     return 1 if failed else 0

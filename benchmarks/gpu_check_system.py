@@ -1,4 +1,4 @@
-"""GPU check sections on the system: Lightning, NCCL start-up, two GPUs (see gpu_check.py).
+"""GPU check sections on the system: Lightning, 16-mixed AMP, NCCL start-up, two GPUs (see gpu_check.py).
 
 A dry run runs each at tiny sizes on the CPU (gloo instead of NCCL, CPU stages
 instead of two GPUs), so every path is wired without CUDA.
@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -75,6 +76,57 @@ def lightning_run(ctx: Context) -> dict[str, Any]:
     return {"status": "PASS" if ok else "FAIL", "steps": len(losses), "first_losses": losses[:3],
             "last_losses": losses[-3:], "finite": finite, "falling": falling, "checkpoint_reloaded": reloaded,
             "samples_per_second": round(64 * len(losses) / seconds, 1)}
+
+
+class _Watch(pl.Callback):
+    """Per training batch: the scaler's scale before and after, and whether the weights moved."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self._before: tuple[float, list[torch.Tensor]] = (0.0, [])
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, i: int) -> None:
+        scaler = trainer.precision_plugin.scaler
+        self._before = (scaler.get_scale(), [p.detach().clone() for p in module.parameters()])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, out: Any, batch: Any,
+                           i: int) -> None:
+        scale, weights = self._before
+        moved = any(not torch.equal(a, b) for a, b in zip(weights, module.parameters()))
+        after = trainer.precision_plugin.scaler.get_scale()
+        self.rows.append({"batch": i, "scale_before": scale, "scale_after": after,
+                          "weights_moved": moved})
+
+
+def amp_fp16(ctx: Context) -> dict[str, Any]:
+    """16-mixed with a GradScaler, an inf injected in batch 2: that step skipped and the scale halved."""
+    width, bad = (8, 2) if ctx.dry else (512, 2)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64 * 5, width, generator=g)
+    x[64 * bad] = float("inf")  # one sample of batch ``bad``: its loss and gradients are not finite
+    data = DataLoader(TensorDataset(x, torch.zeros(len(x), 1)), batch_size=64)
+    device = "cpu" if ctx.dry else "cuda"
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0)
+    watch = _Watch()
+    with tempfile.TemporaryDirectory() as folder:
+        trainer = pl.Trainer(accelerator="cpu" if ctx.dry else "gpu", devices=1, max_steps=5,
+                             callbacks=[watch],
+                             plugins=[MixedPrecision("16-mixed", device, scaler=scaler)],
+                             strategy=GPipeStrategy(partitions=2, chunks=4,
+                                                    stage_devices=[str(ctx.device)] * 2),
+                             logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, default_root_dir=folder, num_sanity_val_steps=0,
+                             limit_val_batches=0)
+        trainer.fit(_Regressor(width), data)
+    rows = watch.rows
+    skipped = len(rows) > bad and not rows[bad]["weights_moved"]
+    halved = rows[bad]["scale_before"] * scaler.get_backoff_factor() if len(rows) > bad else None
+    backed_off = len(rows) > bad and rows[bad]["scale_after"] == halved
+    others = all(r["weights_moved"] and r["scale_after"] == r["scale_before"]
+                 for r in rows if r["batch"] != bad)
+    ok = len(rows) == 5 and skipped and backed_off and others
+    return {"status": "PASS" if ok else "FAIL", "inf_batch": bad, "inf_step_skipped": skipped,
+            "scale_backed_off": backed_off, "other_steps_taken_at_same_scale": others, "batches": rows}
 
 
 def nccl_startup(ctx: Context) -> dict[str, Any]:

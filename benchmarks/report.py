@@ -10,6 +10,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from benchmarks.bench_yardstick import table as yardstick_table  # noqa: E402
+from gpipe_lab.bench.markdown import md_table  # noqa: E402
+
 MIB = 2**20
 
 
@@ -22,9 +25,7 @@ def _f(value: object, digits: int = 3) -> str:
 
 
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_f(c) for c in row) + " |" for row in rows]
-    return lines + [""]
+    return md_table(header, rows, _f).splitlines() + [""]
 
 
 def plot_throughput(results: dict, path: Path) -> None:
@@ -92,6 +93,18 @@ def plot_memory(results: dict, path: Path, m: int | None) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _yardstick_section(results: dict) -> list[str]:
+    rows = results.get("yardstick")
+    if not rows:
+        return []
+    return ["## Against plain PyTorch: gradient accumulation over the same M micro-batches", "",
+            yardstick_table(rows), "",
+            "Plain: the unpipelined module stepping the M micro-batches in turn, gradients accumulating, one "
+            "intra-op thread; the engine: `GPipe.train_step`, `checkpoint=\"never\"`, one thread per stage. "
+            "Medians of alternated rounds in one run. K=1 / plain is the engine's pure overhead (1.00 is "
+            "free); plain / K=2 is what pipelining over two cores gains.", ""]
 
 
 def _local_section(results: dict) -> list[str]:
@@ -200,6 +213,7 @@ def write_report(results: dict, out: Path, memory_m: int | None) -> None:
     if results.get("notes"):
         lines += ["## What limits the missed targets", ""] + [f"- {n}" for n in results["notes"]] + [""]
     lines += [f"![{p}](benchmarks/{p})" for p in pictures] + [""]
+    lines += _yardstick_section(results)
     lines += _local_section(results)
     ov = results.get("overhead")
     if ov:

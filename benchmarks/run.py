@@ -2,26 +2,28 @@
 
 Run from the repository root:
 
-    python -m benchmarks.run            # full grid (for the committed results: a quiet machine)
-    python -m benchmarks.run --quick    # the targets' configurations only (< 3 min, quiet 2 cores)
+    python -m benchmarks.run --out results/full   # full grid (for the committed results: a quiet machine)
+    python -m benchmarks.run --quick --out results   # the targets' configurations only
     python -m benchmarks.run --smoke --out /tmp/b   # tiny sizes, 1 repeat: a structure check
     python -m benchmarks.run --quick --compile      # also the compile row (minutes of Inductor)
 
+Every mode first sets the engine at K=1 and K=2 (M=4) against plain PyTorch stepping the
+same micro-batches (``bench_yardstick``: the overhead and the gain a user sees).
 ``--quick`` and the full grid also time ``gpipe-train``'s step against the raw engine's on
 the Table-2 analogues (``bench_product_path``; ``--no-product`` skips it); ``--compile`` adds eager against
 compiled stages (``bench_compile``) at the mode's sizes.
 
 Writes ``benchmarks.md``, ``benchmarks.json`` and ``benchmarks/*.png`` under
-``--out`` (default ``results/``), and prints PASS / MISS per target.
+``--out`` (default a fresh ``logs/benchmarks/<time>/``; ``--out results`` replaces the
+committed results), and prints PASS / MISS per target.
 """
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python benchmarks/run.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python benchmarks/run.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.run", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import argparse
 import datetime
@@ -47,9 +49,11 @@ from benchmarks.bench_gloo import GlooCase, run_gloo
 from benchmarks.bench_local import run_workload
 from benchmarks.bench_memory import run_memory
 from benchmarks.bench_overhead import run_overhead
+from benchmarks.bench_yardstick import run_yardstick
 from benchmarks.diagnose import diagnose
 from benchmarks.report import write_report
 from benchmarks.targets import evaluate, memory_m
+from gpipe_lab.bench.launch import fresh_out
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="only the targets' configurations")
     mode.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat (tests)")
-    parser.add_argument("--out", type=Path, default=ROOT / "results", help="output folder (default results/)")
+    parser.add_argument("--out", type=Path, default=fresh_out(ROOT / "logs", "benchmarks"),
+                        help="output folder (default: a fresh logs/benchmarks/<time>/; --out results replaces "
+                             "the committed results)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="stage devices")
     parser.add_argument("--no-distributed", action="store_true", help="skip the gloo runs")
     parser.add_argument("--models", default=None, help="comma-separated subset of mlp,transformer,amoebanet")
@@ -112,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         mem_ms = [m for m in (4, 8, 16, 32) if m in ms] if sizes.name == "full" else [max(m for m in ms if m <= 8)]
         print(f"[memory] {name} M={mem_ms} ...", flush=True)
         results["memory"][name] = run_memory(work, mem_ms, args.device)
+    print("[yardstick] plain gradient accumulation vs the engine at K=1 and K=2 ...", flush=True)
+    # smoke checks the wiring on the MLP alone: the models' steps would double the smoke run
+    results["yardstick"] = run_yardstick(sizes, args.device, ["mlp"] if sizes.name == "smoke" else None)
     print("[overhead] tiny layers ...", flush=True)
     results["overhead"] = run_overhead(sizes, args.device)
     if args.device == "cpu" and not args.no_distributed and sizes.distributed:

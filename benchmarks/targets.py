@@ -98,6 +98,16 @@ def _evaluate(results: dict) -> Iterator[dict[str, object]]:
     always = _local(results, 8, "always")
     over = always["step_s"] / r8["step_s"] - 1 if always and r8 else None
     yield _row("MLP M=8 recompute overhead (always / never - 1)", over, "<= 0.35", over is not None and over <= 0.35)
+    yardstick = {r["workload"]: r for r in results.get("yardstick", [])}
+    for name, gain_goal in (("mlp", 1.5), ("transformer", 1.3), ("amoebanet", 1.3)):
+        row = yardstick.get(name)
+        m = row["M"] if row else 4
+        over = row and row["overhead"]["K=1"]
+        yield _row(f"{name} M={m}: engine K=1 / plain gradient accumulation (overhead)", over, "<= 1.05",
+                   over is not None and over <= 1.05)
+        gain = row and row["gain"]["K=2"]
+        yield _row(f"{name} M={m}: plain gradient accumulation / engine K=2 (gain)", gain, f">= {gain_goal}x",
+                   gain is not None and gain >= gain_goal, "x")
     per = results.get("overhead", {}).get("overhead_per_action_us")
     yield _row("scheduling overhead per action", per, "<= 100 us", per is not None and per <= 100, "us")
     m = memory_m(results)

@@ -16,11 +16,10 @@ each difference when a deterministic cell differs or a table changed shape.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/check_results.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.check_results", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import argparse
 import re

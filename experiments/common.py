@@ -1,7 +1,8 @@
 """Shared helpers of the experiment scripts: configs, arguments, provenance, markdown tables, wandb.
 
 Every script takes ``--out DIR`` (where the markdown, JSON and PNG files go;
-default ``results/``), ``--tiny`` (a seconds-long smoke run at toy sizes) and
+default a fresh ``logs/experiments/<script>/<date>_<time>/``, so that only
+``--out results`` replaces a committed result), ``--tiny`` (a seconds-long smoke run at toy sizes) and
 ``--wandb`` (also log the table and plots to an offline wandb run under DIR).
 Its settings come from Hydra ``experiment=`` configs (``conf/experiment/paper_*.yaml``,
 composed with ``compose_experiment``; the script-only settings are in their
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 from benchmarks.bench_common import git_commit
 from omegaconf import DictConfig, OmegaConf
+
+from gpipe_lab.bench.launch import fresh_out
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -62,7 +65,9 @@ def parser(description: str, experiments: Sequence[str] = (), multirun: bool = F
     with ``multirun`` also ``--from-multirun DIR [DIR ...]`` (gpipe-train -m output).
     """
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--out", type=Path, default=RESULTS, help="output directory (default: results/)")
+    p.add_argument("--out", type=Path, default=fresh_out(ROOT / "logs" / "experiments"),
+                   help="output directory (default: a fresh logs/experiments/<script>/<time>/; "
+                        "--out results replaces the committed results)")
     p.add_argument("--tiny", action="store_true", help="seconds-long smoke run at toy sizes")
     p.add_argument("--wandb", action="store_true", help="log the table and plots to wandb (offline)")
     if experiments and selectable:
@@ -145,13 +150,6 @@ def provenance(argv: Sequence[str] | None = None) -> str:
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     return (f"_Generated {now} at commit `{git_commit()}` on {platform.node()} ({cpu}, {os.cpu_count()} CPU cores, {gpu}), "
             f"torch {torch.__version__}, by `python {shlex.join(command + argv[1:])}`._")
-
-
-def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A GitHub markdown table."""
-    lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def write(out: Path, name: str, markdown: str, data: object | None = None) -> Path:

@@ -17,17 +17,18 @@ each action took than its layers sleep (per-action engine cost and sleep oversho
 
 from __future__ import annotations
 
-if not __package__:  # run as a file: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/emulated_scaling.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.emulated_scaling", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import statistics
 
-from experiments.common import md_table, parser, provenance, write
+from experiments.common import parser, provenance, write
 from experiments.throughput_lib import hop_seconds, measure_step
+from gpipe_lab.bench import Progress
 from gpipe_lab.bench.emulated import balanced, emulated_workload
+from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.bench.workloads import Workload
 
 
@@ -66,8 +67,11 @@ def main() -> None:
         args.layers, args.forward_ms, args.partitions, args.chunks, args.steps = 4, 40.0, 2, 4, 1
     k, m = args.partitions, args.chunks
     work = UniformEmulated(args.layers, args.forward_ms, args.batch)
+    progress = Progress(2, "emulated_scaling", note=f"writing to {args.out}")
     one, _, _ = measure_step(work, 1, m, args.steps)  # type: ignore[arg-type]
+    progress.done(f"K=1 M={m}")
     many, timeline, balance = measure_step(work, k, m, args.steps)  # type: ignore[arg-type]
+    progress.done(f"K={k} M={m}")
     ideal = k * m / (m + k - 1)
     speedup = one / many
     hop = hop_seconds(timeline)

@@ -17,20 +17,20 @@ warm-up, the token budgets).
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python experiments/nmt_scaling.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/nmt_scaling.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.nmt_scaling", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
-import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.common import configs, log_wandb, md_table, parser, provenance, write
+from experiments.common import configs, log_wandb, parser, provenance, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.nmt_lib import RunResult, train_translation
+from gpipe_lab.bench import Progress
+from gpipe_lab.bench.markdown import md_table
 
 EXPERIMENTS = ["paper_nmt_deep", "paper_nmt_wide", "paper_nmt_batch"]
 SIZE_KEYS = ("num_layers", "d_model", "ffn_dim", "num_heads")
@@ -158,9 +158,16 @@ def main() -> None:
     deep, wide, batch_cfg = (cfgs[n] for n in EXPERIMENTS)
     steps, seed = int(deep.trainer.max_steps), deep.seed
     shapes = {name: {k: c.model[k] for k in SIZE_KEYS} for name, c in (("deep", deep), ("wide", wide))}
-    depth = {name: train(c, batch_size=c.data.batch_size) for name, c in (("deep", deep), ("wide", wide))}
     budgets = list(batch_cfg.experiment.tokens_per_batch)
-    batch = {b: train(batch_cfg, tokens_per_batch=b, batch_size=None) for b in budgets}
+    progress = Progress(2 + len(budgets), "nmt_scaling", note=f"writing to {args.out}")
+    depth = {}
+    for name, c in (("deep", deep), ("wide", wide)):
+        depth[name] = train(c, batch_size=c.data.batch_size)
+        progress.done(f"{name} model")
+    batch = {}
+    for b in budgets:
+        batch[b] = train(batch_cfg, tokens_per_batch=b, batch_size=None)
+        progress.done(f"deep model, {b} tokens per batch")
     d_header = ["model (ours)", "shape", "params", "val NLL", "BLEU", "paper (1.3B, 102 languages)"]
     d_rows = [[name, shapes[name], f"{r.params:,}", f"{r.val_nll:.3f}", f"{r.bleu:.2f}", PAPER_DEPTH[name]]
               for name, r in depth.items()]

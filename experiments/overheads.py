@@ -23,20 +23,18 @@ Shares are of the total stage-time K x wall:
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python experiments/overheads.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/overheads.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.overheads", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import dataclasses
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
-from experiments.common import configs, log_wandb, md_table, parser, provenance, write
+from experiments.common import configs, log_wandb, parser, provenance, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.throughput_lib import (
     SIMULATOR_TEXT,
@@ -49,7 +47,8 @@ from experiments.throughput_lib import (
     uncontended,
     workload_of,
 )
-from gpipe_lab.bench import WorkloadSpec, time_call
+from gpipe_lab.bench import Progress, WorkloadSpec, time_call
+from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.planner.cost_model import CostModel
 from gpipe_lab.plotting.timeline import plot_timeline
 
@@ -161,13 +160,16 @@ def main() -> None:
                 f"rerun on a quiet machine before quoting. {SIMULATOR_TEXT} "
                 f"Settings: `conf/experiment/{EXPERIMENT}.yaml`.")
         overhead = engine_overhead()
+        progress = Progress(len(e.workloads) * (1 + len(e.chunks)), "overheads", note=f"writing to {args.out}")
         for label, block in e.workloads.items():
             work = workload_of(block, str(label))
             cost = workload_cost(work, list(e.chunks), e.repeat, overhead)
+            progress.done(f"{label}: per-layer times for the simulator")
             for m in e.chunks:
                 row, png = breakdown(work, m, e.steps, cost, args.out, e.partitions)
                 rows.append(row)
                 images.append(png)
+                progress.done(f"{label} M={m}")
 
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{value:.1%}"

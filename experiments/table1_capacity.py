@@ -12,19 +12,19 @@ search range) are the ``experiment`` block of ``conf/experiment/paper_table1_cap
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python experiments/table1_capacity.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/table1_capacity.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.table1_capacity", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.common import configs, fmt_bytes, fmt_count, log_wandb, md_table, parser, provenance, write
+from experiments.common import configs, fmt_bytes, fmt_count, log_wandb, parser, provenance, write
+from gpipe_lab.bench import Progress
+from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.planner.capacity import GiB, Plan, best_plan, layer_records
 
 EXPERIMENT = "paper_table1_capacity"
@@ -225,10 +225,14 @@ def main() -> None:
     a, t = cfg.amoebanet, cfg.transformer
     a_counts: dict = {}
     t_counts: dict = {}
+    progress = Progress(3, "table1_capacity", note=f"writing to {args.out}")
     a_head, a_rows = amoebanet_table(a, a_counts)
+    progress.done("AmoebaNet-D columns")
     t_head, t_rows = transformer_table(t, t_counts)
+    progress.done("Transformer-L columns")
     ms = sorted({*cfg.microbatch_sweep})
     m_head, m_rows = microbatch_sensitivity(a, [m for m in ms if a.batch % m == 0])
+    progress.done("micro-batch sensitivity")
     a_micro = a.microbatches or a.batch
     t_micro = t.microbatches or t.batch
     md = [

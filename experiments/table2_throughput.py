@@ -24,26 +24,24 @@ samples/s) instead of measuring.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python experiments/table2_throughput.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/table2_throughput.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.table2_throughput", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import argparse
-import sys
 from pathlib import Path
 
-from experiments.common import log_wandb, md_table, provenance, throughput_rows_from_command_line, write
+from experiments.common import log_wandb, provenance, throughput_rows_from_command_line, write
 from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
+from experiments.throughput_grid import run_grids
 from experiments.throughput_lib import (
     SIMULATOR_TEXT,
     emulation_settings,
-    run_grid,
     simulator_findings,
     tiny_overrides,
-    workload_of,
 )
+from gpipe_lab.bench.markdown import md_table
 
 PAPER = {  # (model, M) -> K=2, K=4, K=8
     ("amoeba", 1): (1, 1.13, 1.38), ("amoeba", 4): (1.07, 1.26, 1.72), ("amoeba", 32): (1.21, 1.84, 3.48),
@@ -137,13 +135,9 @@ def measured_table(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], li
     """Run the configured grids; returns rows, the table, and the markdown describing it."""
     rows, header, table, notes = [], None, [], []
     works = []
-    for cfg in cfgs.values():
-        e = cfg.experiment
-        work = workload_of(e)
+    for e, work, grid in run_grids(cfgs.values(), Path(__file__).stem, args.gpu, f"writing to {args.out}"):
         works.append(work)
         emulated_k, emulated_ms = emulation_settings(e)
-        grid = run_grid(work, list(e.measured_k), list(e.simulated_k), list(e.chunks), e.steps, e.repeat, args.gpu,
-                        emulated_k, emulated_ms)
         rows += grid
         meas, sim = normalized(grid, "measured_sps"), normalized(grid, "simulated_sps")
         emu = normalized(grid, "emulated_sps")

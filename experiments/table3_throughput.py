@@ -17,26 +17,24 @@ PCI-E link. ``--from-multirun`` builds the table from gpipe-train runs instead.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python experiments/table3_throughput.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/table3_throughput.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.table3_throughput", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import argparse
-import sys
 from pathlib import Path
 
-from experiments.common import log_wandb, md_table, provenance, throughput_rows_from_command_line, write
+from experiments.common import log_wandb, provenance, throughput_rows_from_command_line, write
 from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
+from experiments.throughput_grid import run_grids
 from experiments.throughput_lib import (
     SIMULATOR_TEXT,
     emulation_settings,
-    run_grid,
     simulator_findings,
     tiny_overrides,
-    workload_of,
 )
+from gpipe_lab.bench.markdown import md_table
 
 PAPER = {"amoeba": (1, 1.7, 2.7), "transformer": (1, 1.8, 3.3)}
 NAMES = {"amoeba": "AmoebaNet-D(18, 128)", "transformer": "Transformer-24"}
@@ -89,13 +87,9 @@ def measured(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], list[str
     """Run the configured grids; returns rows, the table and the markdown around it."""
     rows, table, validation, works = [], [], [], []
     emulated_ms = 0.0
-    for cfg in cfgs.values():
-        e = cfg.experiment
-        work = workload_of(e)
+    for e, work, grid in run_grids(cfgs.values(), Path(__file__).stem, args.gpu, f"writing to {args.out}"):
         works.append(work)
         emulated_k, emulated_ms = emulation_settings(e)
-        grid = run_grid(work, list(e.measured_k), list(e.simulated_k), list(e.chunks), e.steps, e.repeat, args.gpu,
-                        emulated_k, emulated_ms)
         rows += grid
         r = {row["K"]: row for row in grid if row["M"] == max(e.chunks)}
         cells = []

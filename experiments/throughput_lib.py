@@ -3,9 +3,9 @@
 ``measure_step`` runs ``GPipe`` (one thread per stage) for a few steps, timed by
 ``gpipe_lab.bench``'s timer, and keeps the median step time and the timeline of
 the median step; given an ``EmulatedSpec`` its stages sleep instead of computing.
-``run_grid`` fits the planner's ``CostModel`` (fixed + per-sample per layer, alone
+``timed_cost_model`` fits the planner's ``CostModel`` (fixed + per-sample per layer, alone
 and beside a second busy stage, from ``layer_timing.layer_times``; engine overhead
-per action; hand-over per hop) once and predicts every cell of a grid with it.
+per action; hand-over per hop); ``throughput_grid`` predicts every cell of a grid with it.
 """
 
 from __future__ import annotations
@@ -130,59 +130,6 @@ def error(predicted: float | None, measured: float | None) -> float | None:
     return None if predicted is None or not measured else (predicted - measured) / measured
 
 
-def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], chunks: list[int],
-             steps: int = 3, repeat: int = 3, gpu: bool = False, emulated_k: list[int] | None = None,
-             emulated_ms: float = 0.0) -> list[dict]:
-    """Measure (K in ``measured_k``), measure on emulated devices (K in ``emulated_k``, their mini-batch
-    forward taking ``emulated_ms``) and simulate (every K) each M.
-
-    Timed once, simulated many: per-layer times at every micro-batch size of the grid (and at 8x the
-    micro-batch when the grid has one M: fixed + per-sample needs two sizes), alone and beside a
-    second stage (when the grid has K >= 2), the engine's
-    per-action overhead and the median hand-over of the measured K >= 2 steps are measured once; the
-    cost model fitted from them predicts every cell. With ``gpu`` every K this machine has GPUs for is
-    measured on ``cuda:0..K-1``.
-
-    Returns one row per (K, M): measured / emulated / simulated seconds and samples/s (None where not
-    run), the simulator's error against each, bubbles, the balance and the timelines.
-    """
-    model = work.model()
-    emulated_k = list(emulated_k or [])
-    fit_chunks = set(chunks) if len(set(chunks)) > 1 else {*chunks, max(1, min(chunks) // 8)}
-    sizes = [work.batch // m for m in sorted(fit_chunks)]
-    all_k = set(measured_k) | set(simulated_k)
-    real: dict[tuple[int, int], tuple[float, Timeline, list[int]]] = {}
-    for m in chunks:
-        for k in sorted(all_k):
-            devices = gpu_devices(k) if gpu else None
-            if k in measured_k or devices:
-                real[(k, m)] = measure_step(work, k, m, steps, devices=devices)
-    hops = [hop_seconds(tl) for (k, _), (_, tl, _) in real.items() if k > 1]
-    cost = timed_cost_model(work, sizes, repeat, engine_overhead(), statistics.median(hops) if hops else 0.0,
-                            contended=max(all_k, default=1) > 1)
-    emu = EmulatedSpec(work, emulated_ms) if emulated_k else None
-    rows = []
-    for m in chunks:
-        for k in sorted(all_k | set(emulated_k)):
-            measured, timeline, balance = real.get((k, m), (None, None, work.balance(model, k)))
-            pred = cost.predict(balance, m, work.batch)
-            alone = uncontended(cost).predict(balance, m, work.batch).step_time
-            row = {"workload": work.name, "K": k, "M": m, "batch": work.batch, "balance": balance,
-                   "measured_s": measured, "simulated_s": pred.step_time, "hop_s": cost.handover,
-                   "simulated_alone_s": alone, "sim_alone_error": error(alone, measured),
-                   "overhead_s": cost.action_overhead, "sim_error": error(pred.step_time, measured),
-                   "measured_sps": None if measured is None else work.batch / measured,
-                   "simulated_sps": work.batch / pred.step_time,
-                   "measured_bubble": None if timeline is None else timeline.measured_bubble(),
-                   "simulated_bubble": pred.bubble, "timeline": timeline, "sim_timeline": pred.timeline,
-                   "emulated_s": None, "emulated_sps": None, "emulated_sim_s": None, "emulated_error": None,
-                   "emulated_bubble": None}
-            if emu is not None and k in emulated_k:
-                row.update(emulated_cell(emu, k, m, steps))
-            rows.append(row)
-    return rows
-
-
 def uncontended(cost: CostModel) -> CostModel:
     """``cost`` with stages that never slow each other (its alone times only)."""
     return dataclasses.replace(cost, contended=None)
@@ -208,15 +155,6 @@ def simulator_findings(rows: list[dict], error_key: str = "sim_error", alone_key
                      f"{len(cells)} (largest error {max(plain, key=abs):+.1%})")
         lines.append(line + ".")
     return "\n".join(lines)
-
-
-def emulated_cell(emu: EmulatedSpec, partitions: int, chunks: int, steps: int) -> dict[str, float | None]:
-    """One (K, M) step on emulated devices: seconds, samples/s, bubble, and the simulator's prediction
-    from the devices' exact costs (the difference is the engine's hand-over and scheduling cost)."""
-    seconds, timeline, balance = measure_step(emu, partitions, chunks, steps)  # type: ignore[arg-type]
-    pred = emulated_cost_model(emu).predict(balance, chunks, emu.batch)
-    return {"emulated_s": seconds, "emulated_sps": emu.batch / seconds, "emulated_sim_s": pred.step_time,
-            "emulated_error": error(pred.step_time, seconds), "emulated_bubble": timeline.measured_bubble()}
 
 
 def emulation_settings(e: Any) -> tuple[list[int], float]:

@@ -17,19 +17,19 @@ K / M, ``trainer.max_steps`` and the ``experiment`` block: seeds, clip threshold
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python experiments/trainability.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/trainability.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.trainability", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import statistics
-import sys
 from pathlib import Path
 
-from experiments.common import RESULTS, configs, log_wandb, md_table, parser, provenance, write
+from experiments.common import RESULTS, configs, log_wandb, parser, provenance, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.nmt_lib import diverged, spikes, train_translation
+from gpipe_lab.bench import Progress
+from gpipe_lab.bench.markdown import md_table
 
 EXPERIMENT = "paper_trainability"
 #: ``--tiny``: a 2 + 2-layer model, one seed, 4 steps.
@@ -197,11 +197,15 @@ def main() -> None:
     seeds, steps, lr, clip = list(e.seeds), int(cfg.trainer.max_steps), float(cfg.optimizer.lr), float(e.logit_clip)
     size = {k: cfg.model[k] for k in SIZE_KEYS}
     runs: dict[str, list] = {}
+    progress = Progress(len(variants(clip)) * len(seeds), "trainability", note=f"writing to {args.out}")
     for name, options in variants(clip).items():
-        runs[name] = [train_translation(steps, seed=s, lr=lr, batch_size=d.batch_size, num_train=d.num_train,
-                                        num_val=d.num_val, partitions=cfg.pipeline.partitions,
-                                        chunks=cfg.pipeline.chunks, eval_batches=e.eval_batches, **size, **options)
-                      for s in seeds]
+        runs[name] = []
+        for s in seeds:
+            runs[name].append(train_translation(
+                steps, seed=s, lr=lr, batch_size=d.batch_size, num_train=d.num_train, num_val=d.num_val,
+                partitions=cfg.pipeline.partitions, chunks=cfg.pipeline.chunks, eval_batches=e.eval_batches,
+                **size, **options))
+            progress.done(f"{name}, seed {s}")
     header = ["variant", "diverged / seeds", "final train loss (last 10 steps)", "val NLL", "BLEU",
               "grad-norm spikes / run", "max grad norm", "largest abs logit", "non-finite steps"]
     table = []

@@ -16,16 +16,17 @@ for the setting in ``conf/experiment/paper_trainability.yaml``.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/trainability_search.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.trainability_search", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import time
 
-from experiments.common import md_table, parser, provenance, write
+from experiments.common import parser, provenance, write
 from experiments.nmt_lib import diverged, train_translation
+from gpipe_lab.bench import Progress
+from gpipe_lab.bench.markdown import md_table
 
 #: Settings tried in order: deeper, narrower, post-norm, larger learning rates, no warm-up.
 GRID: list[dict] = [
@@ -44,7 +45,7 @@ TINY_GRID: list[dict] = [{"num_layers": 2, "d_model": 16, "ffn_dim": 32, "num_he
                           "lr": 0.01, "steps": 2}]
 
 
-def run_setting(setting: dict, seeds: tuple[int, ...], num_train: int) -> dict:
+def run_setting(setting: dict, seeds: tuple[int, ...], num_train: int, progress: Progress | None = None) -> dict:
     """Train the baseline at ``setting`` once per seed; returns the divergence count and per-seed facts."""
     model = {k: v for k, v in setting.items() if k not in ("lr", "steps")}
     runs = []
@@ -55,6 +56,8 @@ def run_setting(setting: dict, seeds: tuple[int, ...], num_train: int) -> dict:
                      "nonfinite": r.nonfinite_steps, "final_loss": r.losses[-1] if r.losses else None,
                      "max_logit": max(r.max_logits, default=0.0), "max_grad_norm": max(r.grad_norms, default=0.0),
                      "seconds": r.seconds})
+        if progress is not None:
+            progress.done(f"{setting} seed {seed}")
     return {"setting": setting, "diverged": sum(r["diverged"] for r in runs), "runs": runs}
 
 
@@ -66,10 +69,12 @@ def main() -> None:
     args = p.parse_args()
     grid, seeds = (TINY_GRID, SEEDS[:1]) if args.tiny else (GRID[args.first:], SEEDS)
     start, tried, found = time.process_time(), [], None
+    progress = Progress(len(grid) * len(seeds), "trainability_search",
+                        note=f"at most; stops at the first setting that diverges; writing to {args.out}")
     for setting in grid:
         if (time.process_time() - start) / 60 > args.budget_min:
             break
-        tried.append(run_setting(setting, seeds, 800 if args.tiny else 3000))
+        tried.append(run_setting(setting, seeds, 800 if args.tiny else 3000, progress))
         print(tried[-1]["setting"], "diverged", tried[-1]["diverged"], "of", len(seeds), flush=True)
         if tried[-1]["diverged"] >= 2:
             found = tried[-1]

@@ -15,13 +15,11 @@ datasets' rows are filled when their files exist under ``data.root``.
 
 from __future__ import annotations
 
-if not __package__:  # run as a file, ``python experiments/transfer.py``: rerun as the module, from the root
-    import os
-    import sys
+if not __package__:  # started as a file (``python experiments/transfer.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "experiments.transfer", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
-import sys
 from pathlib import Path
 
 import torch
@@ -32,11 +30,11 @@ from experiments.common import (
     compose_experiment,
     experiment_names,
     log_wandb,
-    md_table,
     parser,
     provenance,
     write,
 )
+from gpipe_lab.bench import Progress, md_table
 from gpipe_lab.data import Cutout, build_datamodule
 from gpipe_lab.models import build
 from gpipe_lab.pipeline import GPipe
@@ -171,7 +169,11 @@ def main() -> None:
     cfg = load_config(args.experiment, overrides)
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = 1 if args.tiny else args.seeds
-    results = [run(cfg, args.out, s) for s in range(seeds)]
+    progress = Progress(seeds, "transfer", note=f"writing to {args.out}")
+    results = []
+    for s in range(seeds):
+        results.append(run(cfg, args.out, s))
+        progress.done(f"seed {s}: pretrain, fine-tune, from scratch")
     mean = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
     label = cfg.transfer.dataset_label
     header = ["dataset", "config", "paper top-1 (AmoebaNet-B, ImageNet-pretrained)", "ours: pretrained",

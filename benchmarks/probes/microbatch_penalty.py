@@ -9,26 +9,21 @@ forward+backward on the full batch (1024 rows) and as M micro-batches
 
 from __future__ import annotations
 
-if not __package__:  # run as a file: rerun as the module, from the repository root
-    import os
-    import sys
+if not __package__:  # started as a file (``python benchmarks/probes/microbatch_penalty.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
 
-    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.probes.microbatch_penalty", *sys.argv[1:]])
+    rerun_as_module(__file__)
 
 import sys
 
 import torch
 
-from benchmarks.bench_common import SIZES, make_workload, prepare_process
+from benchmarks.bench_common import probe_mlp
 from gpipe_lab.bench import time_rounds
 
 
 def main() -> None:
-    chunks = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 7
-    prepare_process()
-    torch.set_num_threads(1)
-    work = make_workload("mlp", SIZES["quick"])
+    chunks, rounds, work = probe_mlp(sys.argv[1:])
     model, x, y, loss_fn = work.module, work.inputs, work.targets, work.loss_fn
 
     def forward_full() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+import gpipe_lab.config_schema  # noqa: F401  (registers the generated config nodes)
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
 
 LOGGERS = ("wandb", "csv", "none")
@@ -31,10 +32,6 @@ EXTENSION_KEYS = ("transfer",)
 
 class ConfigError(ValueError):
     """A config that cannot run; the message starts with the key."""
-
-
-#: The schema of ``conf/pipeline/`` is the engine's own options dataclass (one default per option).
-PipelineConfig = PipelineOptions
 
 
 @dataclass

@@ -25,6 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from gpipe_lab.saved_bytes import SavedBytes, storage_keys
+
 __all__ = ["COST_KINDS", "MEASURED_KINDS", "layer_costs", "measure_layers", "parameter_costs",
            "untouched"]
 
@@ -45,23 +47,11 @@ def _nbytes(value: Any) -> int:
 
 
 def _saved_bytes(layer: nn.Module, value: Any) -> tuple[Any, int]:
-    """Run ``layer`` with grad; count the bytes autograd saves that are not its parameters."""
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters() if not p.is_meta}
-    seen: set[int] = set()
-    total = 0
-
-    def pack(t: Tensor) -> Tensor:
-        nonlocal total
-        if id(t) in seen or (not t.is_meta and t.requires_grad and
-                             t.untyped_storage().data_ptr() in params):
-            return t
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Run ``layer`` with grad; the bytes autograd saves that are activations (``SavedBytes``)."""
+    counter = SavedBytes(storage_keys(layer.parameters()))
+    with torch.enable_grad(), counter.hooks():
         out = layer(value)
-    return out, total
+    return out, counter.total
 
 
 def measure_layers(module: nn.Sequential, sample: Any, kind: str) -> list[float]:

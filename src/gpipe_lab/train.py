@@ -29,6 +29,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+import gpipe_lab.config_schema  # noqa: F401  (registers the generated config nodes)
 from gpipe_lab.config import ConfigError, trainer_devices, validate_callbacks, validate_pipeline
 from gpipe_lab.continuation import continue_run
 from gpipe_lab.data import build_datamodule as build_named_datamodule

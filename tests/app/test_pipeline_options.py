@@ -1,5 +1,5 @@
-"""One definition per option: ``conf/pipeline/`` is ``PipelineOptions`` (same keys, same defaults
-but the default run's documented choices), the optimizer and the task come from ``_target_``."""
+"""One definition per option: ``conf/pipeline/`` is generated from ``PipelineOptions`` (every key
+and default) plus the default run's own choices; the optimizer and the task come from ``_target_``."""
 
 from __future__ import annotations
 
@@ -19,11 +19,16 @@ from helpers.app import make_config
 APP_CHOICES = {"partitions": 2, "cost": "flops"}
 
 
-def test_pipeline_yaml_lists_every_option_with_its_one_default() -> None:
+def test_pipeline_yaml_holds_only_the_default_runs_choices() -> None:
     yaml = OmegaConf.to_container(OmegaConf.load(f"{CONFIG_DIR}/pipeline/default.yaml"))
+    assert yaml.pop("defaults") == ["schema", "_self_"]
+    assert yaml == APP_CHOICES
+
+
+def test_composed_pipeline_is_the_dataclass_defaults_and_the_choices() -> None:
+    composed = OmegaConf.to_container(make_config().pipeline)
     defaults = {f.name: getattr(PipelineOptions(), f.name) for f in fields(PipelineOptions)}
-    assert set(yaml) == set(defaults)
-    assert {k: v for k, v in yaml.items() if v != defaults[k]} == APP_CHOICES
+    assert composed == {**defaults, **APP_CHOICES}
 
 
 def test_validate_returns_the_options_the_strategy_takes() -> None:

@@ -34,3 +34,27 @@ def test_broadcast_payload_holds_no_device_tensor() -> None:
     moved = to_cpu(real)
     assert moved[0].device.type == "cpu" and not moved[0].requires_grad
     assert pickle.loads(pickle.dumps(moved))[1]["a"][0].shape == (1,)
+
+
+def test_two_ranks_on_one_gpu_are_refused_by_name() -> None:
+    from gpipe_lab.pipeline.distributed.resolve import local_rank_device
+
+    assert local_rank_device("1", 2) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=2 but this process sees 2 CUDA device\(s\).*"
+                                         r"--nproc-per-node=2.*device='cuda'"):
+        local_rank_device("2", 2)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK='x' is not an integer"):
+        local_rank_device("x", 2)
+
+
+def test_the_nccl_default_device_follows_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert resolve_device(None) == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # used to wrap around onto cuda:0, shared with rank 0
+    with pytest.raises(ValueError, match="LOCAL_RANK=1 but this process sees 1 CUDA device"):
+        resolve_device(None)

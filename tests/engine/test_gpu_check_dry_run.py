@@ -1,46 +1,97 @@
-"""benchmarks/gpu_check.py --dry-run: every section wired on the CPU, PASS each, both reports written."""
+"""benchmarks/gpu_check.py --dry-run: every section wired on the CPU, each in its own process."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from benchmarks import gpu_check
+from benchmarks.gpu_check_engine import Context
+from benchmarks.gpu_check_probes import order_violations
+
+from gpipe_lab.pipeline.timeline import Event
 
 
 def test_dry_run_wires_every_section(tmp_path: Path) -> None:
     """Run as the README says, a file (from another directory): it reruns itself as the module."""
     script = Path(gpu_check.__file__)
     done = subprocess.run([sys.executable, str(script), "--dry-run", "--two-gpus", "--out", str(tmp_path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     names = [s[0] for s in gpu_check.SECTIONS] + [gpu_check.TWO_GPUS[0]]
+    assert {"backward_probe", "race", "launch_bound", "copy_overlap", "leak", "amp_fp16"} <= set(names)
     assert list(report["sections"]) == names
     assert {r["status"] for r in report["sections"].values()} == {"PASS"}, report
-    assert report["dry_run"] is True and report["sections"]["correctness"]["runs"] > 0
+    sections = report["sections"]
+    assert report["dry_run"] is True and sections["correctness"]["runs"] > 0
+    assert sections["race"]["amplifying_sleeps"] > 0 and sections["copy_overlap"]["hand_overs"] > 0
+    assert sections["amp_fp16"]["inf_step_skipped"] and sections["amp_fp16"]["scale_backed_off"]
+    assert len(sections["launch_bound"]["configs"]) == 4 and len(sections["leak"]["readings"]) == 3
     md = (tmp_path / "gpu_check.md").read_text()
     assert all(f"## {name}: PASS" in md for name in names)
     assert "CPU figures, not GPU ones" in md
 
 
-def test_a_failing_section_is_reported_and_the_rest_still_run(tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(ctx: object) -> dict:
-        raise RuntimeError("boom")
+# Sections for the runner's own test, run in the check's child processes (importable by this module's name).
+def raises(ctx: Context) -> dict:
+    raise RuntimeError("boom")
 
-    monkeypatch.setattr(gpu_check, "SECTIONS", [("broken", broken, 5), *gpu_check.SECTIONS[1:2]])
+
+def hangs(ctx: Context) -> dict:
+    threading.Event().wait()  # never set: only the runner's kill ends this
+    return {"status": "PASS"}
+
+
+def dies(ctx: Context) -> dict:
+    os._exit(3)
+
+
+def reads_the_report(ctx: Context) -> dict:
+    assert ctx.out is not None
+    done = json.loads((ctx.out / "gpu_check.json").read_text())["sections"]
+    return {"status": "PASS", "already_written": {name: r["status"] for name, r in done.items()}}
+
+
+def test_a_failing_hanging_or_dying_section_loses_only_itself(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    here = __name__
+    monkeypatch.setattr(gpu_check, "SECTIONS", [("raises", f"{here}:raises", 30),
+                                                ("hangs", f"{here}:hangs", 3),
+                                                ("dies", f"{here}:dies", 30),
+                                                ("reads", f"{here}:reads_the_report", 30)])
+    # what this module imports, without Lightning: each child then imports only this module
+    monkeypatch.setattr(gpu_check, "PRELOAD", ["benchmarks.gpu_check_probes"])
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 1
     sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
-    assert sections["broken"]["status"] == "FAIL" and "boom" in sections["broken"]["error"]
-    assert sections["host_syncs"]["status"] == "PASS"
+    assert sections["raises"]["status"] == "FAIL" and "boom" in sections["raises"]["error"]
+    assert sections["hangs"]["status"] == "FAIL" and "over its cap of 3 s" in sections["hangs"]["error"]
+    assert sections["dies"]["status"] == "FAIL" and "exit code 3" in sections["dies"]["error"]
+    # the report was on disk, with every earlier section, before the last section ran
+    assert sections["reads"]["already_written"] == {"raises": "FAIL", "hangs": "FAIL", "dies": "FAIL"}
+
+
+def test_hand_offs_out_of_order_are_named() -> None:
+    ok = [Event(0, "F", 0, 0.0, 1.0), Event(1, "F", 0, 1.0, 2.0), Event(1, "B", 0, 2.0, 3.0),
+          Event(0, "B", 0, 3.0, 4.0)]
+    assert order_violations(ok) == []
+    early = [Event(0, "F", 0, 0.0, 1.0), Event(1, "F", 0, 0.5, 2.0), Event(1, "B", 0, 2.0, 3.0),
+             Event(0, "B", 0, 2.5, 4.0)]
+    assert [v.split(" started")[0] for v in order_violations(early)] == ["F(1,0)", "B(0,0)"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_without_cuda_a_real_run_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         gpu_check.main(["--out", str(tmp_path)])
+
+
+def test_the_one_gpu_sections_fit_in_eight_minutes_with_start_up() -> None:
+    # 20 s left for the section server's imports
+    assert sum(cap for _, _, cap in gpu_check.SECTIONS) <= 8 * 60 - 20

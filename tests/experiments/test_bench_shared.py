@@ -5,6 +5,8 @@ No duration is asserted: only what the timer calls, in which order, and what it 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -58,3 +60,76 @@ def test_preset_specs_build_the_same_workload_twice_with_a_flops_balance():
     images = WorkloadSpec("a", "amoebanet_d_tiny", {"num_layers": 3, "num_filters": 8, "image_size": 16}, 4).build()
     assert images.balance == [len(images.module)] and images.targets.dtype == torch.int64
     assert images.loss_fn(images.module(images.inputs), images.targets).item() > 0
+
+
+def test_a_script_started_as_a_file_reruns_as_its_module_from_any_folder(tmp_path):
+    import subprocess
+    import sys
+
+    package = tmp_path / "repo" / "scripts_pkg" / "inner"
+    package.mkdir(parents=True)
+    for folder in (package, package.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "job.py").write_text(
+        "if not __package__:\n    from gpipe_lab.bench.launch import rerun_as_module\n\n"
+        "    rerun_as_module(__file__)\nimport sys\nfrom scripts_pkg import inner\n"
+        "print(__spec__.name, inner.__name__, sys.argv[1:])\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run([sys.executable, str(package / "job.py"), "a=1", "--x"], cwd=elsewhere,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "scripts_pkg.inner.job scripts_pkg.inner ['a=1', '--x']"
+
+
+def test_launch_refuses_a_file_outside_a_package(tmp_path):
+    from gpipe_lab.bench.launch import module_of
+
+    with pytest.raises(ValueError, match="not inside a package"):
+        module_of(tmp_path / "alone.py")
+
+
+def test_markdown_table_formats_cells_and_names_a_ragged_row():
+    from gpipe_lab.bench import md_table
+
+    assert md_table(["a", "b"], [[1, None]], lambda c: "-" if c is None else str(c)) == \
+        "| a | b |\n|---|---|\n| 1 | - |"
+    with pytest.raises(ValueError, match="row 1 has 1 cells; the header has 2"):
+        md_table(["a", "b"], [[1, 2], [3]])
+
+
+def test_progress_prints_a_line_per_job_with_the_time_left():
+    import io
+
+    from gpipe_lab.bench import Progress
+
+    now = [100.0]
+    out = io.StringIO()
+    progress = Progress(4, "t2", stream=out, clock=lambda: now[0], note="writing to /x")
+    now[0] += 10
+    assert progress.done("K=2 M=4") == "[t2] 1/4 K=2 M=4: 10.0 s; 10 s so far, about 30 s left"
+    now[0] += 110
+    assert progress.done("K=1 M=1") == "[t2] 2/4 K=1 M=1: 110.0 s; 2 min 0 s so far, about 2 min 0 s left"
+    now[0] += 3600
+    progress.done("c")
+    assert progress.done("d").endswith("1 h 2 min so far, done")
+    assert out.getvalue().splitlines()[0] == "[t2] 4 jobs; writing to /x"
+    with pytest.raises(ValueError, match="total=-1"):
+        Progress(-1, "x", stream=out)
+
+
+def test_each_run_gets_a_fresh_output_folder_unless_told_where(tmp_path):
+    import datetime
+
+    from experiments.common import ROOT, parser
+
+    from gpipe_lab.bench.launch import fresh_out
+
+    when = datetime.datetime(2026, 1, 2, 3, 4, 5)
+    first = fresh_out(tmp_path, "table2", when)
+    assert first == tmp_path / "table2" / "2026-01-02_03-04-05"
+    first.mkdir(parents=True)
+    assert fresh_out(tmp_path, "table2", when) == tmp_path / "table2" / "2026-01-02_03-04-05-1"
+    default = parser("x").parse_args([]).out
+    assert default.is_relative_to(ROOT / "logs" / "experiments") and not default.exists()
+    assert parser("x").parse_args(["--out", "results"]).out == Path("results")

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from benchmarks import bench_app, bench_gloo, bench_memory, report, run, targets
+from benchmarks import bench_app, bench_gloo, bench_memory, bench_yardstick, report, run, targets
 from benchmarks import bench_common as common
 
 TARGET_KEYS = {"name", "value", "unit", "goal", "status"}
@@ -31,7 +31,8 @@ def smoke(tmp_path_factory):
 def test_outputs_exist(smoke):
     out, _ = smoke
     md = (out / "benchmarks.md").read_text()
-    for heading in ("## Targets", "## Throughput, local transport", "## Scheduling overhead", "## Memory"):
+    for heading in ("## Targets", "## Against plain PyTorch", "## Throughput, local transport",
+                    "## Scheduling overhead", "## Memory"):
         assert heading in md
     assert "cores" in md and "torch" in md and "--smoke" in md
     for png in ("throughput.png", "bubble.png", "memory.png"):
@@ -40,7 +41,7 @@ def test_outputs_exist(smoke):
 
 def test_json_structure(smoke):
     _, res = smoke
-    assert {"meta", "local", "memory", "overhead", "targets", "notes", "gloo"} <= set(res)
+    assert {"meta", "local", "memory", "overhead", "targets", "notes", "gloo", "yardstick"} <= set(res)
     assert {"date", "command", "machine", "mode", "load_before", "load_after"} <= set(res["meta"])
     assert res["meta"]["mode"] == "smoke"
     assert set(res["local"]) == {"mlp", "transformer", "amoebanet"}
@@ -60,7 +61,7 @@ def test_json_structure(smoke):
     assert res["overhead"]["actions"] == 2 * 2 * res["overhead"]["microbatches"]
     for t in res["targets"]:
         assert set(t) == TARGET_KEYS and t["status"] in ("PASS", "MISS", "N/A")
-    assert len(res["targets"]) == 30
+    assert len(res["targets"]) == 36
     for schedule in ("gpipe-bw", "zb-h1", "zb-h2"):
         assert any(t["name"].startswith(f"MLP M=8 {schedule} (distributed transport)") for t in res["targets"])
     mlp_local = {r["schedule"] for r in res["local"]["mlp"]["rows"]}
@@ -69,6 +70,33 @@ def test_json_structure(smoke):
         assert {(r["framework"], r["schedule"]) for r in res["gloo"] if r["workload"] == "mlp"} >= {
             ("torch", "gpipe"), ("torch", "1f1b"), ("ours", "gpipe"), ("ours", "1f1b"), ("ours", "gpipe-bw"),
             ("ours", "zb-h1"), ("ours", "zb-h2")}
+
+
+def test_yardstick_rows_are_ratios_of_one_run_and_targets_read_them(smoke):
+    _, res = smoke
+    assert [r["workload"] for r in res["yardstick"]] == ["mlp"]  # smoke: the MLP only
+    for r in res["yardstick"]:
+        steps = r["step_s"]
+        assert set(steps) == {"plain", *bench_yardstick.ENGINES} and min(steps.values()) > 0
+        assert r["M"] == 4 and r["batch"] > 0
+        assert r["overhead"]["K=1"] == pytest.approx(steps["K=1"] / steps["plain"])
+        assert r["gain"]["K=2, no replay"] == pytest.approx(steps["plain"] / steps["K=2, no replay"])
+        row = next(t for t in res["targets"] if t["name"].startswith(f"{r['workload']} M=4: engine K=1"))
+        assert row["value"] == round(r["overhead"]["K=1"], 4) and row["status"] in ("PASS", "MISS")
+    unmeasured = [t for t in res["targets"] if t["name"].startswith(("transformer M=4", "amoebanet M=4"))]
+    assert len(unmeasured) == 4 and {t["status"] for t in unmeasured} == {"N/A"}
+
+
+def test_plain_gradient_accumulation_computes_the_engines_gradients():
+    sizes = common.SIZES["smoke"]
+    plain = common.make_workload("mlp", sizes, partitions=1)
+    bench_yardstick.plain_step(plain, 4, "cpu")()
+    piped = common.make_workload("mlp", sizes, partitions=2)
+    bench_yardstick.engine(piped, 4, "cpu", random_replay=True).train_step(piped.inputs, piped.targets,
+                                                                           piped.loss_fn)
+    for (name, a), b in zip(plain.module.named_parameters(), piped.module.parameters()):
+        assert a.grad is not None and b.grad is not None, name
+        assert (a.grad - b.grad).abs().max() <= 1e-5 * max(1.0, b.grad.abs().max().item()), name
 
 
 def _peak(rows, m, schedule, checkpoint, stage):

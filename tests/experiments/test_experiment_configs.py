@@ -90,7 +90,8 @@ def test_table1_reads_the_planner_settings(tmp_path: Path, scripts: object) -> N
 
 def fake_grid(calls: list) -> object:
     def run_grid(work: object, measured_k: list, simulated_k: list, chunks: list, steps: int, repeat: int,
-                 gpu: bool = False, emulated_k: list | None = None, emulated_ms: float = 0.0) -> list[dict]:
+                 gpu: bool = False, emulated_k: list | None = None, emulated_ms: float = 0.0,
+                 progress: object = None) -> list[dict]:
         calls.append((work, measured_k, simulated_k, chunks, steps, repeat, emulated_k, emulated_ms))
         emulated_k = emulated_k or []
         return [{"workload": work.name, "K": k, "M": m, "batch": work.batch, "balance": [1] * k,
@@ -111,7 +112,9 @@ def fake_grid(calls: list) -> object:
 def test_throughput_scripts_run_what_their_configs_say(script: str, tmp_path: Path, scripts: object,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     module, calls = scripts(script), []
-    monkeypatch.setattr(module, "run_grid", fake_grid(calls))
+    import experiments.throughput_grid as grid  # the scripts run their grids through run_grids
+
+    monkeypatch.setattr(grid, "run_grid", fake_grid(calls))
     run_main(module, monkeypatch, "--tiny", "--out", str(tmp_path), "model.num_filters=16",
              "experiment.chunks=[1,32]", "experiment.steps=2")
     assert [c[0].name for c in calls] == ["amoeba", "transformer"]

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from gpipe_lab.lightning import GPipeStrategy
-from gpipe_lab.lightning.strategy import place_outside
+from gpipe_lab.lightning.placement import place_outside
 from helpers.strategy import TinyData, TinyRegressor, trainer
 
 

@@ -3,8 +3,9 @@ CPU); losses equal the local transport's, clipping uses the global norm across s
 the checkpoint written by two processes resumes in one process at another K; a metric computed
 from the outputs (last stage only) reaches global rank 0, where the loggers write. The layers
 are built in ``configure_model`` (on meta): each rank allocates only its own stage. The same
-launched script then checks the non-finite policy on both ranks (``skip`` and ``raise``): one
-launch, since each costs seconds of Lightning imports per rank."""
+launched script then checks the non-finite policy on both ranks (``skip``, a 16-mixed overflow
+under the GradScaler, ``raise``): one launch, since each costs seconds of Lightning imports
+per rank."""
 
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ s = GPipeStrategy(partitions=2, chunks=4, transport="distributed", seed=0, timeo
 t = trainer(s, devices=2, max_steps=4, gradient_clip_val=0.05)  # clipping is a collective: skipped alike
 t.fit(m, TinyData())
 out["skip"] = [s.pipe.skipped_steps, m.optimizer_steps, m.losses, float(t.callback_metrics["train/skipped_steps"])]
+import torch
+from lightning.pytorch.plugins import MixedPrecision
+m = Faulty(where="backward")  # stage 0's gradients are inf at BAD_STEP; stage 1's are finite
+s = GPipeStrategy(partitions=2, chunks=4, transport="distributed", seed=0, timeout=60)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+t = trainer(s, devices=2, max_steps=5, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+t.fit(m, TinyData())
+out["amp"] = [m.optimizer_steps, s.precision_plugin.scaler.get_scale()]
 t = trainer(GPipeStrategy(partitions=2, chunks=4, transport="distributed", seed=0, timeout=60), devices=2,
             max_steps=4)
 try:
@@ -102,7 +111,8 @@ def test_distributed_transport_matches_local_and_resumes(launched: Path) -> None
 @pytest.mark.distributed
 def test_distributed_strategy_skips_and_raises_on_every_rank(launched: Path) -> None:
     """``nonfinite="skip"`` skips the same step on both ranks (equal to the local transport);
-    ``"raise"`` raises the engine's error naming the step and the stage on both."""
+    under a ``GradScaler`` (16-mixed) an inf on stage 0 only makes BOTH ranks skip the step and
+    back off; ``"raise"`` raises the engine's error naming the step and the stage on both."""
     local = Faulty()
     trainer(GPipeStrategy(partitions=2, chunks=4, seed=0, nonfinite="skip"), max_steps=4,
             gradient_clip_val=0.05).fit(local, TinyData())
@@ -112,5 +122,6 @@ def test_distributed_strategy_skips_and_raises_on_every_rank(launched: Path) -> 
         assert (skipped, steps, logged) == (1, 3, 1.0), rank
         good = [0, 1, 3]
         assert [losses[i] for i in good] == pytest.approx([local.losses[i] for i in good], abs=1e-5), rank
+        assert out["amp"] == [4, 128.0], rank  # both ranks skip the overflowing step and back off once
         assert out["raise"] == ("NonFiniteError: step 2: gradients of stage 0 are not finite "
                                 "(set nonfinite='skip' to skip such steps)"), rank

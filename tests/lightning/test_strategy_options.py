@@ -3,14 +3,17 @@ them, and attaches to the module only through public methods (no patching, no pr
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-from gpipe_lab.lightning import GPipeStrategy, PipelineModule
+from gpipe_lab.lightning import DistributedGPipeStrategy, GPipeStrategy, LocalGPipeStrategy, PipelineModule
 from gpipe_lab.lightning.engine import PipelineEngine
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
@@ -102,3 +105,38 @@ def test_outputs_are_gathered_only_for_a_log_train_that_reads_them(module_type: 
     t.fit(module, TinyData())
     assert asked == [gathered, gathered]
     assert "train/loss" in t.callback_metrics  # the real loss is logged either way
+
+
+def test_the_transport_picks_the_strategy_type() -> None:
+    local, distributed = GPipeStrategy(partitions=2), GPipeStrategy(PipelineOptions(transport="distributed"))
+    assert type(local) is LocalGPipeStrategy and isinstance(local, GPipeStrategy)
+    assert type(distributed) is DistributedGPipeStrategy and isinstance(distributed, DDPStrategy)
+    assert type(GPipeStrategy(PipelineOptions(transport="distributed"), transport="local")) is LocalGPipeStrategy
+    assert type(StrategyRegistry.get("gpipe")) is LocalGPipeStrategy
+    assert type(copy.deepcopy(distributed)) is DistributedGPipeStrategy
+
+
+def test_keywords_are_options_and_unknown_ones_are_refused() -> None:
+    with pytest.raises(OptionError, match=r"^acelerator: unknown pipeline option; allowed: partitions, "):
+        GPipeStrategy(acelerator="cpu")
+    with pytest.raises(ValueError, match=r"process_group_backend='gloo': only the distributed transport"):
+        GPipeStrategy(process_group_backend="gloo")
+    strategy = GPipeStrategy(PipelineOptions(chunks=3), stage_devices=["cpu", "cpu"], balance=(4, 4))
+    assert (strategy.options.devices, strategy.options.balance, strategy.chunks) == (["cpu", "cpu"], [4, 4], 3)
+
+
+#: A value other than the default for every option (``transport``: the other transport's tests).
+NON_DEFAULT = dict(partitions=2, balance=[2, 2, 2, 3], chunks=2, checkpoint="never", schedule="interleaved-1f1b",
+                   virtual_stages=2, deferred_batch_norm=True, cost="flops", seed=11, devices=["cpu", "cpu"],
+                   threads_per_stage=1, timeout=77.0, nonfinite="skip", random_replay=False,
+                   compile={"backend": "eager"}, track_memory=False, retain_cpu_memory=False)
+
+
+def test_every_option_given_to_the_strategy_reaches_the_engine() -> None:
+    assert set(NON_DEFAULT) | {"transport"} == {f.name for f in fields(PipelineOptions)}, "a new option: add it"
+    defaults = PipelineOptions()
+    assert all(getattr(defaults, k) != v for k, v in NON_DEFAULT.items())
+    strategy = GPipeStrategy(PipelineOptions(**NON_DEFAULT))
+    trainer(strategy, max_steps=1).fit(TinyRegressor(), TinyData())
+    reached = strategy.pipe.options
+    assert replace(reached, devices=[str(d) for d in reached.devices]) == strategy.options

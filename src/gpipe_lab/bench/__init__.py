@@ -1,11 +1,35 @@
-"""What the benchmarks and the paper experiments share: their workloads and their timer.
+"""What the benchmarks and the paper experiments share: their workloads, their timer, their tables.
 
 ``benchmarks/`` and ``experiments/`` are script packages run from the repository
 root (``python -m benchmarks.run``); the definitions both need live here, once.
+The names below are imported on first use, so that ``gpipe_lab.bench.launch``
+(which a script runs before anything else) does not load torch.
 """
 
-from gpipe_lab.bench.emulated import EmulatedLayer, EmulatedSpec, emulated_module, emulated_workload
-from gpipe_lab.bench.timing import Timing, time_call, time_rounds
-from gpipe_lab.bench.workloads import Workload, WorkloadSpec, mlp, mlp_module, tiny_linear
+from __future__ import annotations
 
-__all__ = ["EmulatedLayer", "EmulatedSpec", "Timing", "emulated_module", "emulated_workload", "Workload", "WorkloadSpec", "mlp", "mlp_module", "time_call", "time_rounds", "tiny_linear"]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "EmulatedLayer": "emulated", "EmulatedSpec": "emulated", "emulated_module": "emulated",
+    "emulated_workload": "emulated", "Timing": "timing", "time_call": "timing", "time_rounds": "timing",
+    "Workload": "workloads", "WorkloadSpec": "workloads", "mlp": "workloads", "mlp_module": "workloads",
+    "tiny_linear": "workloads", "md_table": "markdown", "Progress": "progress",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    """Import a shared name from its module on first use.
+
+    Raises:
+        AttributeError: a name this package does not define.
+    """
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'gpipe_lab.bench' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"gpipe_lab.bench.{home}"), name)
+    globals()[name] = value
+    return value

@@ -44,35 +44,24 @@ class PipelineEngine(Protocol):
         """Per stage: parameter bytes and the last step's peak activation bytes."""
 
 
-def _common(options: PipelineOptions) -> dict[str, Any]:
-    """Keyword arguments both front doors take, from the options."""
-    kwargs: dict[str, Any] = dict(
-        balance=options.balance, partitions=None if options.balance else options.num_stages,
-        chunks=options.chunks, checkpoint=options.checkpoint, schedule=options.schedule,
-        deferred_batch_norm=options.deferred_batch_norm, cost=options.cost, seed=options.seed,
-        timeout=options.timeout, nonfinite=options.nonfinite, retain_cpu_memory=options.retain_cpu_memory,
-        compile=options.compile)
-    if options.virtual_stages != 1:  # only interleaved schedules take it
-        kwargs["virtual_stages"] = options.virtual_stages
-    return kwargs
-
-
 def build_local_engine(layers: nn.Sequential, options: PipelineOptions,
                        devices: Sequence[torch.device] | None, init_fn: InitFn | None = None) -> PipelineEngine:
-    """``GPipe`` over ``layers``: a thread per stage on ``devices`` (``None``: the engine's choice).
+    """``GPipe`` over ``layers`` with every option: a thread per stage on ``devices`` (``None``:
+    ``options.devices``, else the engine's choice).
 
     ``init_fn(index, layer)`` initializes a layer built on ``meta`` once it is on its device.
 
     Raises:
         ValueError, TypeError: what the engine raises for options that cannot run on ``layers``.
     """
-    return GPipe(layers, devices=devices, threads_per_stage=options.threads_per_stage,  # type: ignore[return-value]
-                 track_memory=options.track_memory, init_fn=init_fn, **_common(options))
+    if devices is not None:
+        options = options.replace(devices=list(devices))
+    return GPipe(layers, options=options, init_fn=init_fn)  # type: ignore[return-value]
 
 
 def build_distributed_engine(layers: nn.Sequential, options: PipelineOptions, device: torch.device,
                              data_parallel_size: int, init_fn: InitFn | None = None) -> PipelineEngine:
-    """``DistributedGPipe``: this rank's stage of ``layers`` on ``device``; a collective.
+    """``DistributedGPipe`` with every option: this rank's stage of ``layers`` on ``device``; a collective.
 
     ``init_fn(index, layer)`` initializes this rank's layers built on ``meta``.
 
@@ -81,5 +70,5 @@ def build_distributed_engine(layers: nn.Sequential, options: PipelineOptions, de
     """
     from gpipe_lab.pipeline.distributed import DistributedGPipe
 
-    return DistributedGPipe(layers, device=device, data_parallel_size=data_parallel_size,  # type: ignore[return-value]
-                            init_fn=init_fn, **_common(options))
+    return DistributedGPipe(layers, options=options, device=device,  # type: ignore[return-value]
+                            data_parallel_size=data_parallel_size, init_fn=init_fn)

@@ -42,6 +42,8 @@ class PipelineRunner(Protocol):
 
     def run_manual(self, batch: Any) -> Tensor: ...
 
+    def clip_grad_norm(self, optimizer: Any, max_norm: float) -> None: ...
+
 
 class PipelineModule(pl.LightningModule):
     """Base class of the pipelined LightningModules (see the module docstring)."""
@@ -158,10 +160,22 @@ class PipelineModule(pl.LightningModule):
             self.manual_backward(loss)
             clip = self.trainer.gradient_clip_val
             if clip:
-                self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+                self.configure_gradient_clipping(optimizer, clip, self.trainer.gradient_clip_algorithm or "norm")
             optimizer.step()  # type: ignore[union-attr]
             return None
         return self.pipeline_loss(batch)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's hook; under a ``GPipeStrategy`` clipping by norm takes the norm over EVERY
+        stage (in the distributed transport the stages' squared norms are summed across ranks).
+
+        An override that calls ``self.clip_gradients`` clips each rank by its own stage's norm.
+        """
+        if self.pipeline is not None and gradient_clip_val and (gradient_clip_algorithm or "norm") == "norm":
+            self.pipeline.clip_grad_norm(optimizer, float(gradient_clip_val))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def evaluate(self, batch: Any, prefix: str) -> dict[str, Tensor]:
         """Loss (and subclass metrics) of a validation / test batch through ``forward``."""

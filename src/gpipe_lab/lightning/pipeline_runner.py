@@ -28,10 +28,10 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 
 from gpipe_lab.lightning.engine import PipelineEngine
-from gpipe_lab.lightning.metric_sharing import log_train_shared
 from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.lightning.scaling import active_scaler, unscale_loss
 
@@ -88,12 +88,22 @@ class PipelineRunnerMixin:
 
     pipe: PipelineEngine | None
     precision_plugin: Any
-    _precision_hooks: list[Any]
-    _pending: Any
-    _skip_pending: bool
     nonfinite: str
-    last_loss: Tensor | None
-    last_batch_size: tuple[int, int]
+
+    def init_runner(self) -> None:
+        """The runner's state: nothing pending, nothing run yet."""
+        self._precision_hooks: list[Any] = []
+        self._pending: Any = None
+        self._skip_pending = False
+        self._scheduled_loss: Tensor | None = None
+        self.last_loss: Tensor | None = None
+        self.last_batch_size: tuple[int, int] = (0, 0)
+
+    def release_runner(self) -> None:
+        """Remove the per-layer precision hooks installed in ``setup``."""
+        for handle in self._precision_hooks:
+            handle.remove()
+        self._precision_hooks = []
 
     def _module(self) -> PipelineModule:
         module = self.lightning_module
@@ -117,8 +127,9 @@ class PipelineRunnerMixin:
         return torch.zeros((), device=self.root_device, requires_grad=True)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if getattr(closure_loss, "_gpipe_done", False):
-            return closure_loss  # manual optimization: pipeline_loss already ran the schedule
+        if closure_loss is self._scheduled_loss:  # manual optimization: pipeline_loss ran the schedule
+            self._scheduled_loss = None
+            return closure_loss
         if self._pending is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         batch, self._pending = self._pending, None
@@ -140,7 +151,7 @@ class PipelineRunnerMixin:
     def run_manual(self, batch: Any) -> Tensor:
         """``PipelineModule.pipeline_loss`` under this strategy: the schedule, then the loss."""
         loss = self.run_pipeline(batch, 1.0).clone()
-        loss._gpipe_done = True  # type: ignore[attr-defined]
+        self._scheduled_loss = loss  # its manual_backward is a no-op: its gradients are in place
         return loss
 
     def run_pipeline(self, batch: Any, scale: float) -> Tensor:
@@ -177,13 +188,19 @@ class PipelineRunnerMixin:
         if pipe.last_step_skipped:
             self._skip_pending = True
         # Lightning allows self.log in the strategy's backward hook (same options as training_step).
-        if self.is_distributed and self.num_stages > 1:  # type: ignore[attr-defined]
-            log_train_shared(module, pipe, real, outputs, targets)
-        else:
-            module.log_train(real, outputs, targets)
+        self.log_train(module, real, outputs, targets)
         if self.nonfinite == "skip":
             module.log("train/skipped_steps", float(pipe.skipped_steps))
         return real
+
+    def log_train(self, module: PipelineModule, loss: Tensor, outputs: Any, targets: Any) -> None:
+        """``module.log_train`` of one mini-batch (the distributed transport shares the last stage's)."""
+        module.log_train(loss, outputs, targets)
+
+    def clip_grad_norm(self, optimizer: Any, max_norm: float) -> None:
+        """Clip the gradients of ``optimizer`` by the norm over every stage (``PipelineModule``'s
+        ``configure_gradient_clipping``); here, every stage's gradients are in this process."""
+        self.precision_plugin.clip_gradients(optimizer, max_norm, GradClipAlgorithmType.NORM)
 
     def _engine(self) -> PipelineEngine:
         if self.pipe is None:

@@ -1,7 +1,9 @@
 """Interrupt and resume ``gpipe-train``: checkpoints that resume bitwise, Ctrl-C, ``init_from``.
 
-``ResumableCheckpoint`` (a ``ModelCheckpoint``) writes ``<dir>/last.ckpt`` (and keeps
-``save_top_k`` numbered ``epoch=E-step=S.ckpt`` copies) at the end of a training batch only:
+``ResumableCheckpoint`` (a ``ModelCheckpoint``, which names the files from its ``dirpath``
+and ``filename`` arguments) writes ``<dir>/last.ckpt`` (and keeps ``save_top_k`` numbered
+``epoch=E-step=S.ckpt`` copies) through ``trainer.save_checkpoint`` at the end of a
+training batch only:
 
 - every ``every_n_train_steps`` optimizer steps (``callbacks.checkpoint_every_n_steps``);
 - at the final step (``max_steps`` or the last batch of ``max_epochs``);
@@ -28,7 +30,6 @@ checkpoint with other batches, and an exception can leave a step half done.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import sys
 import threading
@@ -38,42 +39,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 
 from gpipe_lab.lightning.init_from import load_initial_weights
+from gpipe_lab.lightning.rng_states import RNG_KEY, rng_states, set_rng_states
 
 __all__ = ["ResumableCheckpoint", "load_initial_weights", "resolve_ckpt_path", "resume_command"]
-
-RNG_KEY = "gpipe_lab_rng_states"
-
-
-def rng_states() -> dict[str, Any]:
-    """The global RNG states (torch CPU and CUDA, ``random``, numpy when installed), as
-    tensors and plain Python values (Lightning loads checkpoints with ``weights_only=True``)."""
-    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = np.random.get_state()  # plain types: weights_only loads them
-        states["numpy"] = [str(name), torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)]
-    except ImportError:  # pragma: no cover - numpy is a torch dependency in practice
-        pass
-    return states
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    if "torch" in states:
-        torch.set_rng_state(states["torch"])
-    if "python" in states:
-        random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-    if "numpy" in states:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = states["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
 class ResumableCheckpoint(ModelCheckpoint):
@@ -89,10 +60,13 @@ class ResumableCheckpoint(ModelCheckpoint):
 
     def __init__(self, dirpath: str | Path, every_n_train_steps: int | None = None, save_top_k: int = 1,
                  handle_sigint: bool = True, **kwargs: Any) -> None:
-        super().__init__(dirpath=str(dirpath), every_n_train_steps=every_n_train_steps or None,
-                         every_n_epochs=0, save_top_k=save_top_k, save_last=True,
+        # ModelCheckpoint names the files; it saves nothing by itself (no trigger, no save_last):
+        # every save is a batch-end one, made by save_now
+        super().__init__(dirpath=str(dirpath), every_n_epochs=0, save_top_k=save_top_k, save_last=False,
                          enable_version_counter=False, **kwargs)
+        self.every_n_train_steps = every_n_train_steps or 0
         self.handle_sigint = handle_sigint
+        self._saved_at_step = -1
         self.interrupt_requested = False
         self._stop_pending = False
         self._previous_handler: Any = None
@@ -120,7 +94,7 @@ class ResumableCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ Ctrl-C
     def _install_handler(self, trainer: pl.Trainer) -> None:
         self.interrupt_requested = self._stop_pending = False
-        if (not self.handle_sigint or trainer.world_size != 1 or getattr(trainer.strategy, "is_distributed", False)
+        if (not self.handle_sigint or trainer.world_size != 1 or isinstance(trainer.strategy, DDPStrategy)
                 or threading.current_thread() is not threading.main_thread()):
             return
         self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
@@ -181,25 +155,42 @@ class ResumableCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        stepped = trainer.global_step > self._step_at_batch_start  # not inside an accumulation window
-        if not stepped or not (self.interrupt_requested or self.is_final_step(trainer)):
-            return
-        if self._last_global_step_saved != trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
-            candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+        step = trainer.global_step
+        stepped = step > self._step_at_batch_start  # not inside an accumulation window
+        periodic = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0
+        due = periodic or self.interrupt_requested or self.is_final_step(trainer)
+        if stepped and due and step != self._saved_at_step and not trainer.fast_dev_run:
+            self.save_now(trainer)
         if self.interrupt_requested:
             self._stop_pending = True
 
-    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+    def save_now(self, trainer: pl.Trainer) -> None:
+        """Write ``epoch=E-step=S.ckpt`` (unless ``save_top_k=0``) and ``last.ckpt``; a collective.
+
+        Names come from ``format_checkpoint_name`` (the ``filename`` argument); with
+        ``save_top_k=1`` the previous numbered copy is removed.
+        """
+        metrics = {"epoch": torch.tensor(trainer.current_epoch), "step": torch.tensor(trainer.global_step)}
+        if self.save_top_k != 0:
+            numbered = self.format_checkpoint_name(metrics)
+            self._write(trainer, numbered)
+            previous = self.best_model_path  # the last numbered copy (restored from a resumed checkpoint)
+            same_dir = bool(previous) and Path(previous).parent == Path(numbered).parent
+            if self.save_top_k == 1 and same_dir and previous != numbered:
+                trainer.strategy.remove_checkpoint(previous)
+            self.best_model_path = numbered
+        self.last_model_path = self.format_checkpoint_name(metrics, filename=self.CHECKPOINT_NAME_LAST)
+        self._write(trainer, self.last_model_path)
+        self._saved_at_step = trainer.global_step
+
+    @staticmethod
+    def _write(trainer: pl.Trainer, filepath: str) -> None:
         """Write to ``<file>.partial`` first, then rename: a kill never leaves a truncated file."""
         partial = f"{filepath}.partial"
-        super()._save_checkpoint(trainer, partial)
+        trainer.save_checkpoint(partial)
         if trainer.is_global_zero:
             os.replace(partial, filepath)
         trainer.strategy.barrier("ResumableCheckpoint.replace")
-        self._last_checkpoint_saved = filepath
 
 
 def resume_command(last: Path) -> str:

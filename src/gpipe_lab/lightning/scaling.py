@@ -5,9 +5,9 @@ the scaler unscales, finds the inf, skips that optimizer step and backs the
 scale off, and ``update`` runs every step. So the engine's own non-finite
 policy is switched off while a scaler is active (``engine_nonfinite``), and in
 distributed runs each rank's inf verdict is summed over every rank before the
-step (``agree_on_overflow``), so all stages skip together and their scales stay
-equal. Reading the scale for the logged loss would wait for the device, so the
-loss is unscaled by a device tensor (``unscale_loss``).
+step (``agreeing_precision``: torch's ``ShardedGradScaler``), so all stages skip
+together and their scales stay equal. Reading the scale for the logged loss would
+wait for the device, so the loss is unscaled by a device tensor (``unscale_loss``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
 def active_scaler(precision_plugin: Any) -> Any:
@@ -35,38 +37,21 @@ def unscale_loss(loss: Tensor, scaler: Any) -> Tensor:
     return loss / scaler.scale(torch.ones((), device=loss.device, dtype=torch.float32))
 
 
-def agree_on_overflow(scaler: Any, group: Any = None) -> None:
-    """Make ``scaler.unscale_`` sum its inf verdict over the ranks of ``group`` (all by default).
+def agreeing_precision(precision_plugin: Any) -> Any:
+    """``precision_plugin``, or for ``16-mixed`` with a ``GradScaler`` a ``MixedPrecision`` whose
+    scaler sums each rank's inf verdict over every process before the step.
 
-    Each rank's optimizer holds only its stage's parameters; without agreement
-    one stage would step while another skips. Like torch's sharded scaler, the
-    per-device verdicts ``unscale_`` records are replaced by the global one.
-
-    Raises:
-        RuntimeError: this torch's ``GradScaler`` does not keep per-optimizer
-            verdicts where expected (its internals changed).
+    Each rank's optimizer holds only its stage's parameters (and data-parallel replicas average
+    gradients scaled by their own scale): without agreement one stage would step while another
+    skips, and the scales would drift apart. torch's ``ShardedGradScaler`` all-reduces the
+    verdict over its ``process_group`` (here every process), also on a rank without gradients.
+    The new scaler starts from the given one's scale and growth settings.
     """
-    if getattr(scaler, "_gpipe_agreeing", False):
-        return
-    original = scaler.unscale_
-
-    def unscale_(optimizer: Any) -> None:
-        original(optimizer)
-        states = getattr(scaler, "_per_optimizer_states", None)
-        if states is None or "found_inf_per_device" not in states[id(optimizer)]:
-            raise RuntimeError("GradScaler keeps no per-optimizer inf verdicts here; cannot agree across "
-                               "pipeline ranks (unsupported torch version)")
-        found = states[id(optimizer)]["found_inf_per_device"]
-        device = scaler._scale.device
-        total = torch.zeros(1, device=device, dtype=torch.float32)
-        for flag in found.values():
-            total += flag.to(device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(total, group=group)
-        if not found:  # this rank holds no gradient: it still takes part in the verdict
-            found[device] = total
-        for key, flag in found.items():
-            found[key] = total.to(flag.device)
-
-    scaler.unscale_ = unscale_
-    scaler._gpipe_agreeing = True
+    scaler = active_scaler(precision_plugin)
+    if not isinstance(precision_plugin, MixedPrecision) or scaler is None or isinstance(scaler, ShardedGradScaler):
+        return precision_plugin
+    agreeing = ShardedGradScaler(precision_plugin.device, init_scale=scaler.get_scale(),
+                                 growth_factor=scaler.get_growth_factor(),
+                                 backoff_factor=scaler.get_backoff_factor(),
+                                 growth_interval=scaler.get_growth_interval(), process_group=dist.group.WORLD)
+    return MixedPrecision(precision_plugin.precision, precision_plugin.device, scaler=agreeing)

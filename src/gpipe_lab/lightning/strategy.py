@@ -1,54 +1,77 @@
 """``GPipeStrategy``: Lightning runs a ``PipelineModule`` through the GPipe engine.
 
-This module holds the strategy's arguments, setup and collectives. How a mini-batch
-runs through the pipeline (and the gradient-zeroing trap of automatic optimization)
-is in ``pipeline_runner``; the distributed half (processes, process groups,
-checkpoints across stages) in ``distributed_support``.
+``GPipeStrategy(options=...)`` builds the strategy of ``options.transport``:
 
-Transports: ``"local"`` (one process, a worker thread per stage, the engine's
-``GPipe``) and ``"distributed"`` (one process per stage, ``DistributedGPipe``).
+- ``"local"``: ``LocalGPipeStrategy`` (``local_strategy``), one process, a worker thread per
+  stage, the engine's ``GPipe``;
+- ``"distributed"``: ``DistributedGPipeStrategy`` (``distributed_strategy``), one process per
+  stage and data-parallel replica, built on Lightning's ``DDPStrategy`` (launching, process
+  groups, reduce, barrier), the engine's ``DistributedGPipe``.
+
+This module holds what both share: the options, setup and teardown around the engine, the
+meta-device init context. How a mini-batch runs through the pipeline is in ``pipeline_runner``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import fields
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor, nn
+from torch import nn
 
-from gpipe_lab.lightning.distributed_support import DistributedMixin
-from gpipe_lab.lightning.engine import PipelineEngine, build_local_engine
+from gpipe_lab.lightning.engine import PipelineEngine
 from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.lightning.pipeline_runner import PipelineRunnerMixin
-from gpipe_lab.lightning.scaling import active_scaler, agree_on_overflow, engine_nonfinite
+from gpipe_lab.lightning.scaling import engine_nonfinite
 from gpipe_lab.pipeline import Timeline
-from gpipe_lab.pipeline.devices import normalize_device
-from gpipe_lab.pipeline.materialize import is_meta, reset_module
+from gpipe_lab.pipeline.materialize import is_meta
 from gpipe_lab.pipeline.options import TRANSPORTS, OptionViews, PipelineOptions
 
-__all__ = ["TRANSPORTS", "GPipeStrategy"]
+OPTION_NAMES = frozenset(f.name for f in fields(PipelineOptions))
+
+__all__ = ["TRANSPORTS", "GPipeStrategy", "pipeline_options"]
 
 
-class GPipeStrategy(OptionViews, PipelineRunnerMixin, DistributedMixin, ParallelStrategy):
+def pipeline_options(options: PipelineOptions | None, stage_devices: Sequence[Any] | None,
+                     overrides: dict[str, Any]) -> PipelineOptions:
+    """``options`` (default ``PipelineOptions()``) with ``overrides`` and the ``stage_devices`` alias, checked.
+
+    Raises:
+        TypeError: ``options`` is not a ``PipelineOptions``.
+        OptionError: an unknown option name, or a value that cannot run, naming it.
+    """
+    if options is not None and not isinstance(options, PipelineOptions):
+        raise TypeError(f"options must be a PipelineOptions, got {type(options).__name__}")
+    changes = dict(overrides)
+    if stage_devices is not None:
+        changes["devices"] = [str(d) for d in stage_devices]
+    if isinstance(changes.get("balance"), Sequence) and not isinstance(changes["balance"], str):
+        changes["balance"] = list(changes["balance"])
+    return (options or PipelineOptions()).replace(**changes).check()
+
+
+class GPipeStrategy(OptionViews, PipelineRunnerMixin, ParallelStrategy):
     """Pipeline-parallel training of a ``PipelineModule`` (registered as ``"gpipe"``).
+
+    ``GPipeStrategy(...)`` returns a ``LocalGPipeStrategy`` or a ``DistributedGPipeStrategy``
+    according to ``options.transport``; both are ``GPipeStrategy``s.
 
     Args:
         options: every pipeline setting (``PipelineOptions``: K or the balance, M, the
             re-materialization mode, the schedule, the transport, the non-finite policy, ...).
-        partitions, balance, chunks, checkpoint, schedule, virtual_stages, transport,
-            deferred_batch_norm, cost, seed, threads_per_stage, timeout, nonfinite, compile: the
-            ``PipelineOptions`` field of that name, over ``options`` when given (not ``None``).
-            ``threads_per_stage`` sets the intra-op threads of each CPU stage: a thread of the
-            local transport, or a rank's process of the distributed one.
         stage_devices: alias of ``PipelineOptions.devices``: local transport only, one device
             per stage (default: the Trainer's devices when there are K of them, else CUDA when
             enough GPUs, else CPU).
         process_group_backend: distributed transport: ``gloo``/``nccl`` (default by device).
-        Other arguments: as for Lightning's ``ParallelStrategy``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            as for Lightning's strategies (the Trainer fills them in).
+        **option_overrides: ``PipelineOptions`` fields over ``options``
+            (``GPipeStrategy(partitions=2, chunks=4)``), applied by ``options.replace``.
 
     With ``nonfinite="skip"`` a mini-batch whose loss or gradients are NaN/inf gets no
     optimizer step (nor does its accumulation window); ``train/skipped_steps`` counts them.
@@ -61,39 +84,53 @@ class GPipeStrategy(OptionViews, PipelineRunnerMixin, DistributedMixin, Parallel
     holds the whole model. ``trainer.init_module(empty_init=False)`` builds on the host.
 
     Raises:
-        OptionError: (a ``ValueError``) an option with a value that cannot run, naming it.
+        OptionError: (a ``ValueError``) an unknown option name or a value that cannot run, naming it.
         TypeError: ``options`` is not a ``PipelineOptions``.
+        ValueError: ``process_group_backend`` with the local transport.
     """
 
     strategy_name = "gpipe"
+    #: transport name -> the strategy type that runs it (filled by the subclasses).
+    by_transport: ClassVar[dict[str, type[GPipeStrategy]]] = {}
 
-    def __init__(self, options: PipelineOptions | None = None, *, partitions: int | None = None,
-                 balance: Sequence[int] | None = None, chunks: int | None = None,
-                 checkpoint: str | None = None, schedule: str | None = None,
-                 virtual_stages: int | None = None, transport: str | None = None,
-                 deferred_batch_norm: bool | None = None, cost: Any = None, seed: int | None = None,
-                 stage_devices: Sequence[str] | None = None, threads_per_stage: int | None = None,
-                 timeout: float | None = None, nonfinite: str | None = None,
-                 compile: bool | dict | None = None, process_group_backend: str | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if options is not None and not isinstance(options, PipelineOptions):
-            raise TypeError(f"options must be a PipelineOptions, got {type(options).__name__}")
-        aliases = dict(partitions=partitions, balance=list(balance) if balance is not None else None,
-                       chunks=chunks, checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual_stages,
-                       transport=transport, deferred_batch_norm=deferred_batch_norm, cost=cost, seed=seed,
-                       devices=[str(d) for d in stage_devices] if stage_devices is not None else None,
-                       threads_per_stage=threads_per_stage, timeout=timeout, nonfinite=nonfinite,
-                       compile=compile)
-        given = {k: v for k, v in aliases.items() if v is not None}
-        self.options = (options or PipelineOptions()).replace(**given).check()
-        self._skip_pending = False
-        self._process_group_backend = process_group_backend
-        self._num_nodes = 1
+    def __init_subclass__(cls, transport: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if transport is not None:
+            GPipeStrategy.by_transport[transport] = cls
+
+    def __new__(cls, options: PipelineOptions | None = None, *, stage_devices: Sequence[Any] | None = None,
+                **kwargs: Any) -> GPipeStrategy:
+        if cls is GPipeStrategy:  # the type of the transport; unpickling names the type itself
+            overrides = {k: v for k, v in kwargs.items() if k in OPTION_NAMES}
+            cls = GPipeStrategy.by_transport[pipeline_options(options, stage_devices, overrides).transport]
+        return super().__new__(cls)
+
+    def __init__(self, options: PipelineOptions | None = None, *, stage_devices: Sequence[Any] | None = None,
+                 process_group_backend: str | None = None, accelerator: Any = None, parallel_devices: Any = None,
+                 cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
+                 **option_overrides: Any) -> None:
+        self.options = pipeline_options(options, stage_devices, option_overrides)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, **self.transport_arguments(process_group_backend))
         self.pipe: PipelineEngine | None = None
-        self._pending: Any = None
-        self._precision_hooks: list[Any] = []
-        self.last_loss: Tensor | None = None
-        self.last_batch_size: tuple[int, int] = (0, 0)
+        self.init_runner()
+
+    def transport_arguments(self, process_group_backend: str | None) -> dict[str, Any]:
+        """Keyword arguments of the Lightning base strategy that depend on the transport."""
+        raise NotImplementedError
+
+    def build_engine(self, layers: nn.Sequential, options: PipelineOptions) -> PipelineEngine:
+        """The engine over ``layers`` for this transport."""
+        raise NotImplementedError
+
+    def module_stays_in_place(self) -> bool:
+        """Whether teardown leaves the module where it is: when some layers are still on ``meta``."""
+        module = self.lightning_module
+        return isinstance(module, nn.Module) and is_meta(module)
+
+    def prepare_precision(self) -> None:
+        """Adapt the precision plugin to the transport before it is used (default: as given)."""
 
     # ------------------------------------------------------------------ options, read-only
     # (chunks, checkpoint, schedule, virtual_stages, nonfinite, timeout: from OptionViews)
@@ -114,31 +151,21 @@ class GPipeStrategy(OptionViews, PipelineRunnerMixin, DistributedMixin, Parallel
         """Alias of ``options.devices``."""
         return self.options.devices
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def is_distributed(self) -> bool:
-        return self.transport == "distributed"
-
+    # ------------------------------------------------------------------ reports
     @property
     def num_stages(self) -> int:
         """K: pipeline ranks (threads or processes); each holds ``virtual_stages`` chunks."""
         return self.pipe.num_stages if self.pipe is not None else self.options.num_stages
 
     @property
-    def root_device(self) -> torch.device:
-        if self.is_distributed:
-            return self._distributed_root_device()
-        if self.pipe is not None:
-            return self.pipe.devices[0]  # type: ignore[attr-defined]
-        devices = self._local_devices()
-        return devices[0] if devices else torch.device("cpu")
-
-    @property
     def output_device(self) -> torch.device:
         """Device of the last stage (where the loss and the outputs live)."""
-        if self.pipe is not None and not self.is_distributed:
-            return self.pipe.devices[-1]  # type: ignore[attr-defined]
         return self.root_device
+
+    @property
+    def data_parallel_size(self) -> int:
+        """D: replicas of the whole pipeline."""
+        return 1
 
     @property
     def timeline(self) -> Timeline | None:
@@ -151,20 +178,7 @@ class GPipeStrategy(OptionViews, PipelineRunnerMixin, DistributedMixin, Parallel
 
     def step_report(self) -> tuple[Timeline | None, list[dict[str, int]]]:
         """Timeline and per-stage memory of the whole pipeline; a collective in distributed."""
-        if not self.is_distributed or self.pipe is None or self.pipe.timeline is None:
-            return self.timeline, self.memory()
-        return self.pipe.gather_timeline(), self._gather_memory()  # type: ignore[attr-defined]
-
-    def _local_devices(self) -> list[torch.device] | None:
-        if self.stage_devices is not None:
-            return [normalize_device(d) for d in self.stage_devices]
-        devices = self.parallel_devices or []
-        if devices and all(d.type == "cuda" for d in devices):
-            if len(devices) < self.num_stages:
-                raise ValueError(f"{self.num_stages} pipeline stages need {self.num_stages} devices; the "
-                                 f"Trainer has {len(devices)}: set trainer.devices={self.num_stages}")
-            return list(devices[: self.num_stages])
-        return None
+        return self.timeline, self.memory()
 
     # ------------------------------------------------------------------ setup
     @contextmanager
@@ -181,105 +195,41 @@ class GPipeStrategy(OptionViews, PipelineRunnerMixin, DistributedMixin, Parallel
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
 
-    def model_to_device(self) -> None:
-        """Every stage on its own device, the module's other tensors on the root device.
-
-        Moving the whole module to the root device first would need the whole
-        model's memory on one GPU.
-        """
-        assert self.model is not None
-        if self.pipe is None:
-            self.model.to(self.root_device)
-            return
-        if self.is_distributed:  # the engine placed this rank's layers; the others are meta
-            place_outside(self.model, self._module().configure_layers(), self.root_device)
-            return
-        for part, device in zip(self.pipe.partitions, self.pipe.devices):
-            part.to(device)
-        place_outside(self.model, self.pipe.module, self.root_device)
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Load weights after the pipeline exists (its stages own the real parameters)."""
+        return True
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self.prepare_precision()
         module = self._module()
         self.model = self.precision_plugin.convert_module(self.model)
         layers = module.configure_layers()
         self._enter_precision_in_stages(layers)
         if self.pipe is None:  # the engine puts (or allocates) each stage on its own device
-            self.pipe = self._build_pipeline(layers)
+            # under a GradScaler the scaler decides what an overflow does, not the engine's policy
+            nonfinite = engine_nonfinite(self.options.nonfinite, self.precision_plugin)
+            self.pipe = self.build_engine(layers, self.options.replace(nonfinite=nonfinite))
         self.model_to_device()  # also a later fit/validate: teardown moved the module to CPU
         module.attach_pipeline(self)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if self.is_distributed:
-            self._install_global_clipping()
-            if active_scaler(self.precision_plugin) is not None:
-                agree_on_overflow(self.precision_plugin.scaler)
-
-    def _build_pipeline(self, layers: nn.Sequential) -> PipelineEngine:
-        if self.is_distributed:
-            return self._build_distributed_pipeline(layers)
-        # under a GradScaler the scaler decides what an overflow does, not the engine's policy
-        options = self.options.replace(nonfinite=engine_nonfinite(self.options.nonfinite, self.precision_plugin))
-        return build_local_engine(layers, options, self._local_devices(), self._module().init_layer)
-
-    # ------------------------------------------------------------------ collectives
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if self.is_distributed:
-            return self._distributed_reduce(tensor, group, reduce_op)
-        return tensor
-
-    def barrier(self, name: str | None = None) -> None:
-        if self.is_distributed:
-            self._distributed_barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self._distributed_broadcast(obj, src) if self.is_distributed else obj
 
     def teardown(self) -> None:
         module = self.lightning_module
         if isinstance(module, PipelineModule):
             module.attach_pipeline(None)
-        for handle in self._precision_hooks:
-            handle.remove()
-        self._precision_hooks = []
-        if self.is_distributed or (isinstance(module, nn.Module) and is_meta(module)):  # layers left on meta (other stages'): no module.cpu()
-            self.precision_plugin.teardown()
-            assert self.accelerator is not None
-            self.accelerator.teardown()
-            self.checkpoint_io.teardown()
+        self.release_runner()
+        if not self.module_stays_in_place():
+            super().teardown()  # Lightning's: moves the module and the optimizer state to the CPU
             return
-        super().teardown()
-
-
-def place_outside(root: nn.Module, inner: nn.Module, device: torch.device) -> None:
-    """Move the parameters and buffers of ``root`` that ``inner`` does not hold to ``device``.
-
-    ``inner``'s tensors stay where they are; parameters keep their identity. A module of
-    ``root`` built on ``meta`` is allocated on ``device`` and reset (``reset_parameters``).
-
-    Raises:
-        ValueError: a module outside ``inner`` holds meta tensors and has no
-            ``reset_parameters`` / ``reset_running_stats`` to initialize them.
-    """
-    inside = {id(t) for t in (*inner.parameters(), *inner.buffers())}
-    for name, m in root.named_modules():
-        own = [t for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)) if id(t) not in inside]
-        if any(t.is_meta for t in own):
-            with torch.no_grad():
-                m.to_empty(device=device, recurse=False)
-                if not reset_module(m):
-                    raise ValueError(f"module {name or type(root).__name__!r} ({type(m).__name__}) was built on "
-                                     "the meta device outside the pipelined layers and has no reset_parameters() "
-                                     "to initialize it: build it in __init__ (on the host), not in configure_model")
-    for m in root.modules():
-        for p in m.parameters(recurse=False):
-            if id(p) not in inside and p.device != device:
-                torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(device), p.requires_grad))
-        for name, b in list(m.named_buffers(recurse=False)):
-            if id(b) not in inside and b.device != device:
-                setattr(m, name, b.to(device))
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
 
 StrategyRegistry.register("gpipe", GPipeStrategy, description="GPipe pipeline parallelism",

@@ -10,8 +10,8 @@ from gpipe_lab.pipeline.dropout import StageDropout, convert_dropout
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.gpipe import GPipe
 from gpipe_lab.pipeline.materialize import seeded_init
-from gpipe_lab.pipeline.nonfinite import NONFINITE_POLICIES, NonFiniteError, all_finite
-from gpipe_lab.pipeline.options import CHECKPOINT_MODES, OptionError, PipelineOptions
+from gpipe_lab.pipeline.nonfinite import NonFiniteError, all_finite
+from gpipe_lab.pipeline.options import CHECKPOINT_MODES, NONFINITE_POLICIES, OptionError, PipelineOptions
 from gpipe_lab.pipeline.partition import balance_by_cost, layer_costs
 from gpipe_lab.pipeline.profiling import balance_by_size, balance_by_time
 from gpipe_lab.pipeline.random_replay import UnreplayableRandomError

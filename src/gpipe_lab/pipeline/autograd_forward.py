@@ -1,13 +1,14 @@
 """``pipe(x)`` as a differentiable module call, torchgpipe-style.
 
-In training mode with gradients enabled, ``pipe(x)`` runs the forward half of the
-fill-drain schedule with graphs kept (or re-materialized later, per ``checkpoint``)
-and returns the joined output through ``_PipelineOutput``. Its backward hands each
-micro-batch's output gradient to the last stage and runs the backward half of
-fill-drain over the channel, so stages still back-propagate in parallel; the
-parameters' gradients accumulate and the input gets its gradient. Deferred
-BatchNorm statistics are committed at the end of the forward (a training-mode
-forward is one mini-batch, as one ``nn.BatchNorm`` call on the whole batch).
+In training mode with gradients enabled, ``pipe(x)`` runs the core's public
+``forward_half`` (fill-drain's forward half, graphs kept or re-materialized later
+per ``checkpoint``) and returns the joined output through ``_PipelineOutput``. Its
+backward hands each micro-batch's output gradient to ``backward_half``, which runs
+fill-drain's backward half through the executor, so stages still back-propagate in
+parallel, each on its own thread; the parameters' gradients accumulate, the input
+gets its gradient, and the non-finite policy applies as after ``train_step``.
+Deferred BatchNorm statistics are committed at the end of the forward (a
+training-mode forward is one mini-batch, as one ``nn.BatchNorm`` call on the whole batch).
 
 Schedules that need the loss inside the pipeline (1F1B, zero-bubble, ...) cannot
 run this way: their ``pipe(x)`` output refuses ``backward`` with a clear error.
@@ -20,59 +21,44 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gpipe_lab.pipeline.batching import checkpointed_microbatches
-from gpipe_lab.pipeline.channel import StepFeed
 from gpipe_lab.pipeline.core import PipelineCore
-from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, split, unwrap
+from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, unwrap
 from gpipe_lab.pipeline.schedules import FILL_DRAIN
-from gpipe_lab.pipeline.stage import StepPlan
 
 
 class _PipelineOutput(torch.autograd.Function):
-    """Forward: the pipeline's forward half. Backward: its fill-drain backward half."""
+    """Forward: the core's ``forward_half``. Backward: its ``backward_half``."""
 
     @staticmethod
-    def forward(ctx: Any, core: PipelineCore, anchor: Tensor, was_tensor: bool,  # noqa: D102
-                *inputs: Tensor) -> Any:
-        M = core._num_microbatches(inputs, None)
-        plan = StepPlan(core.step_count, M, checkpointed_microbatches(core.options.checkpoint, M))
-        first = core.runtimes[0].device
-        # each micro-batch's input is a leaf of its own, so stage 0 hands back its gradient
-        micro = [tuple(t.detach().to(first).requires_grad_(t.requires_grad) for t in mb)
-                 for mb in split(inputs, M, "inputs")]
-        with torch.enable_grad():
-            _, outputs = core._execute(StepFeed(micro, was_tensor), plan, "forward", keep_outputs=True)
-        core._commit_batch_norm()  # running statistics move in the forward, as nn.BatchNorm's do
-        ctx.core, ctx.plan, ctx.micro, ctx.generation = core, plan, micro, core.generation
+    def forward(ctx: Any, core: PipelineCore, shape: list[bool], anchor: Tensor,  # noqa: D102
+                was_tensor: bool, *inputs: Tensor) -> Any:
+        half = core.forward_half(inputs, was_tensor)
+        shape.append(half.output_was_tensor)  # how to unwrap the outputs, for the caller
+        ctx.core, ctx.half = core, half
         ctx.devices = [t.device for t in inputs]
-        parts = [core.runtimes[len(core.runtimes) - 1].outputs[i][0] for i in range(M)]
-        ctx.sizes = [p[0].shape[0] for p in parts]
-        result = as_tuple(outputs, "pipeline output")
+        result = as_tuple(half.outputs, "pipeline output")
         return result[0] if len(result) == 1 else result
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> Any:  # noqa: D102
-        core, plan, micro = ctx.core, ctx.plan, ctx.micro
-        if core is None:
+        # Runs on the autograd engine's thread for the output's device (for CUDA, its device
+        # worker); the stage threads back-propagate on their own threads (``executor``).
+        core, half = ctx.core, ctx.half
+        if half is None:
             raise RuntimeError("the backward of a pipe(x) output can run once (retain_graph is not supported)")
-        if core.generation != ctx.generation:
-            raise RuntimeError("the pipeline ran another step (pipe(x) or train_step) before this output's "
-                               "backward; back-propagate each pipe(x) output before the next call")
-        per_output = [None if g is None else torch.split(g, ctx.sizes) for g in grads]
+        ctx.half = None
+        per_output = [None if g is None else torch.split(g, half.sizes) for g in grads]
         output_grads = [tuple(None if g is None else g[i] for g in per_output)
-                        for i in range(plan.num_microbatches)]
-        feed = StepFeed(None, False, output_grads=output_grads)
-        core._execute(feed, plan, "backward", keep_outputs=False, fresh=False)
-        core.step_count += 1
+                        for i in range(half.plan.num_microbatches)]
+        core.backward_half(half, output_grads)
         input_grads = []
         for j, device in enumerate(ctx.devices):
-            pieces = [mb[j].grad for mb in micro]
+            pieces = [mb[j].grad for mb in half.leaves]
             if any(p is None for p in pieces):
                 input_grads.append(None)
             else:
                 input_grads.append(join([(p,) for p in pieces])[0].to(device))
-        ctx.core = ctx.micro = None
-        return (None, None, None, *input_grads)
+        return (None, None, None, None, *input_grads)
 
 
 class _RefuseBackward(torch.autograd.Function):
@@ -117,20 +103,20 @@ def pipeline_forward(core: PipelineCore, inputs: Value) -> Value:
     """
     values = as_tuple(inputs, "inputs")
     if not wants_graph(core, values):
-        outputs = core._forward_only(inputs)
+        outputs = core.forward_only(inputs)
         assert outputs is not None
         return outputs
     if core.options.schedule not in FILL_DRAIN:
-        outputs = core._forward_only(inputs)
+        outputs = core.forward_only(inputs)
         assert outputs is not None
         return refuse_backward(outputs, (
             f"schedule {core.options.schedule!r} needs the loss inside the pipeline, so pipe(x).backward() "
             f"cannot run it; use pipe.train_step(x, y, loss_fn), or schedule='gpipe' for pipe(x).backward()"))
     anchor = torch.zeros((), requires_grad=True)  # puts the call in the graph even if x needs no grad
-    out = _PipelineOutput.apply(core, anchor, isinstance(inputs, Tensor), *values)
+    shape: list[bool] = []
+    out = _PipelineOutput.apply(core, shape, anchor, isinstance(inputs, Tensor), *values)
     parts = out if isinstance(out, tuple) else (out,)
-    was_tensor = core.runtimes[len(core.runtimes) - 1].outputs[0][1]
-    return unwrap(tuple(parts), was_tensor)
+    return unwrap(tuple(parts), shape[0])
 
 
 __all__ = ["pipeline_forward", "refuse_backward", "wants_graph"]

@@ -17,10 +17,13 @@ micro-batch-normalized inputs).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 from gpipe_lab.pipeline.context import is_recomputing
 
@@ -59,12 +62,13 @@ class DeferredBatchNorm(_BatchNorm):
     def _accumulate(self, x: Tensor) -> None:
         """Add one micro-batch's per-channel sums, without a float64 copy of ``x``.
 
-        ``var_mean`` reads ``x`` once in its own dtype (accumulating in float32 for
-        16-bit inputs); only the per-channel results are widened to float64.
+        ``var_mean`` reads ``x`` once, in float32 for a 16-bit input (whose own-dtype
+        result would round the statistics to 16 bits, where ``nn.BatchNorm`` keeps
+        float32); only the per-channel results are widened to float64.
         """
         dims = [d for d in range(x.dim()) if d != 1]
         n = x.numel() // x.shape[1]
-        var, mean = torch.var_mean(x, dim=dims, correction=0)
+        var, mean = torch.var_mean(x.float() if x.element_size() < 4 else x, dim=dims, correction=0)
         mean64 = mean.to(self.sum.dtype)
         self.sum += mean64 * n
         self.sum_squares += (var.to(self.sum.dtype) + mean64 * mean64) * n
@@ -102,18 +106,17 @@ class DeferredBatchNorm(_BatchNorm):
     def convert(cls, module: nn.Module) -> nn.Module:
         """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` (in place; returns the root).
 
-        The new layer reuses the original's parameter objects and copies its
-        running statistics, so an optimizer built on the module keeps working.
+        The new layer reuses the original's parameter and running-statistics tensors
+        (dtype included), so an optimizer built on the module keeps working.
         """
         if isinstance(module, _BatchNorm) and not isinstance(module, cls) and module.track_running_stats:
             with torch.device(module.running_mean.device):  # meta stays meta: nothing allocated
                 bn = cls(module.num_features, module.eps, module.momentum, module.affine)
             if module.affine:
                 bn.weight, bn.bias = module.weight, module.bias
-            if not module.running_mean.is_meta:
-                bn.running_mean.copy_(module.running_mean)
-                bn.running_var.copy_(module.running_var)
-                bn.num_batches_tracked.copy_(module.num_batches_tracked)
+            # the original buffers themselves: their dtype too (a float64 model keeps float64 statistics)
+            bn.running_mean, bn.running_var = module.running_mean, module.running_var
+            bn.num_batches_tracked = module.num_batches_tracked
             bn.train(module.training)
             return bn
         for name, child in list(module.named_children()):
@@ -132,3 +135,27 @@ def commit_forward(module: nn.Module) -> int:
     Returns the number of layers whose running statistics changed.
     """
     return sum(m.commit() for m in module.modules() if isinstance(m, DeferredBatchNorm))
+
+
+def running_stat_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers of ``module`` whose training-mode forward moves running statistics
+    (``nn.BatchNorm*``, ``nn.InstanceNorm*`` with ``track_running_stats``; not the deferred kind)."""
+    return [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats
+            and not isinstance(m, DeferredBatchNorm)]
+
+
+@contextmanager
+def running_stats_untouched(layers: list[nn.Module]) -> Iterator[None]:
+    """Undo, on exit, what the enclosed forward did to ``layers``' buffers.
+
+    A re-materialized forward replays a micro-batch whose first forward already
+    updated the running statistics; a second update would count it twice.
+    """
+    saved = [(m, {n: b.clone() for n, b in m.named_buffers(recurse=False)}) for m in layers if m.training]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, buffers in saved:
+                for n, b in m.named_buffers(recurse=False):
+                    b.copy_(buffers[n])

@@ -1,10 +1,14 @@
-"""How the engine core talks to a stage's neighbours, and the one walk of a rank's actions.
+"""The transport interface (an endpoint) and the body of one action, shared by both transports.
 
-A *channel* moves boundary values between stages; the core never knows whether
-they cross threads (``local.LocalChannel``) or processes
-(``distributed.p2p_channel.P2PChannel``). A channel runs the action lists of the
-pipeline ranks it hosts (every rank locally, its own under torch.distributed),
-each through ``run_actions``, so an action does the same thing in both transports:
+The engine core runs a step through the one executor (``executor.Executor``),
+which walks each hosted rank's action list and takes every incoming value from
+one keyed mailbox (``mailbox.Mailbox``). A transport is only an *endpoint*: it
+sends a value to the stage that consumes it (``send``), turns a delivered item
+into values the receiving rank can use (``receive``), and sums a vector over
+every rank (``share``). ``local.LocalChannel`` hands values over between
+threads; ``distributed.p2p_channel.P2PChannel`` over torch.distributed.
+
+What an action does (``run_action``), the same in both transports:
 
 * ``F``: the first stage reads its micro-batch, others receive the activation;
   compute; send the output to the next stage;
@@ -12,41 +16,30 @@ each through ``run_actions``, so an action does the same thing in both transport
   last stage has its loss, or the caller's gradient in ``pipe(x).backward()``);
   compute; send the input gradient to the previous stage;
 * ``W``: the deferred weight gradients.
+
+Which message an action consumes and produces comes from the schedule walker's
+one dependency rule (``schedules.incoming`` / ``schedules.outgoing``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
 from gpipe_lab.pipeline.devices import move_target
+from gpipe_lab.pipeline.errors import PipelineTimeoutError
+from gpipe_lab.pipeline.mailbox import Mailbox
 from gpipe_lab.pipeline.microbatch import to_device
-from gpipe_lab.pipeline.schedules import Action, Schedule
+from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule, incoming, outgoing
 from gpipe_lab.pipeline.stage import StageRuntime
 
 Values = tuple[Tensor | None, ...]
-MessageKey = tuple[str, int, int]  # ("F" activation | "B" gradient, destination stage, micro-batch)
-
-
-def incoming(action: Action, num_stages: int) -> MessageKey | None:
-    """The message an action consumes (None: it reads local data)."""
-    if action.kind == "F" and action.stage > 0:
-        return ("F", action.stage, action.microbatch)
-    if action.kind == "B" and action.stage < num_stages - 1:
-        return ("B", action.stage, action.microbatch)
-    return None
-
-
-def outgoing(action: Action, num_stages: int) -> MessageKey | None:
-    """The message an action produces (None: the end of the pipeline)."""
-    if action.kind == "F" and action.stage < num_stages - 1:
-        return ("F", action.stage + 1, action.microbatch)
-    if action.kind == "B" and action.stage > 0:
-        return ("B", action.stage - 1, action.microbatch)
-    return None
+RankDevices = Sequence[tuple[int, torch.device]]
 
 
 @dataclass
@@ -63,28 +56,52 @@ class StepFeed:
 
 
 class Endpoint(Protocol):
-    """One rank's side of a channel during a step."""
+    """A transport, as the executor drives it. One step at a time; ``open`` begins one."""
 
-    def receive(self, key: MessageKey, action: Action) -> tuple[Values, bool]:
-        """The value ``key`` for ``action`` (blocking; the wait is the channel's to record)."""
-
-    def send(self, key: MessageKey, values: Values, was_tensor: bool) -> None:
-        """Hand ``values`` to the stage named in ``key``."""
-
-
-class Channel(Protocol):
-    """The transport under the engine core."""
-
-    #: pipeline ranks whose action lists this channel runs in this process
+    #: pipeline ranks whose action lists run in this process
     ranks: list[int]
     #: True when every stage is in this process (the loss is whole here)
     holds_all_stages: bool
+    #: seconds one wait may last (mailbox, sends, collectives); settable between steps
+    timeout: float
+    #: intra-op threads of a CPU rank's thread (``None``: the process's setting)
+    threads_per_rank: int | None
+    #: per hosted stage, the most micro-batches it held at once in the last step (the executor's count)
+    peak_live: dict[int, int]
 
     def prepare(self, schedule: Schedule) -> Any:
-        """Whatever the channel derives once per schedule (the core caches it)."""
+        """Whatever the endpoint derives once per schedule (the core caches it)."""
 
-    def run(self, schedule: Schedule, prepared: Any, feed: StepFeed, sync_gradients: bool) -> None:
-        """Run the hosted ranks' lists; raise the first failure, annotated, after stopping."""
+    def open(self, prepared: Any, mailbox: Mailbox, ranks: RankDevices) -> None:
+        """Begin a step: deliver the values sent to the hosted ranks into ``mailbox``."""
+
+    def rank_context(self, rank: int, device: torch.device) -> AbstractContextManager[Any]:
+        """Entered by a rank's thread around its whole list (e.g. its compute stream)."""
+
+    def send(self, key: MessageKey, values: Values, was_tensor: bool, sender: StageRuntime) -> None:
+        """Start handing ``values`` to the stage named in ``key``."""
+
+    def receive(self, item: tuple, receiver: StageRuntime) -> tuple[Values, bool]:
+        """The values of a mailbox item, ready for ``receiver``'s device and stream."""
+
+    def poll(self) -> None:
+        """Called while a rank waits; raises if another process stopped the step."""
+
+    def timed_out(self, key: MessageKey, action: Action, peer: int, done: Sequence[Action | None],
+                  waiting: Sequence[Action | None]) -> PipelineTimeoutError:
+        """The error of a wait for ``key`` (sent by rank ``peer``) that reached the timeout."""
+
+    def undelivered(self, key: MessageKey, action: Action, peer: int, cause: BaseException) -> BaseException:
+        """The error of a wait for ``key`` whose delivery from rank ``peer`` failed."""
+
+    def stage_done(self, runtime: StageRuntime) -> None:
+        """A stage ran its last backward of a step that synchronizes gradients."""
+
+    def close(self, ranks: RankDevices, ok: bool, sync_gradients: bool) -> None:
+        """End the step: with ``ok`` wait for what is in flight; else only drop it (never raises)."""
+
+    def fail(self, exc: BaseException, stage: int, action: Action | None) -> BaseException:
+        """The error to raise for ``exc`` (annotated with where it happened; announced to other ranks)."""
 
     def share(self, vector: Tensor) -> Tensor:
         """``vector`` summed over every rank of every replica (identity when all is local)."""
@@ -93,53 +110,39 @@ class Channel(Protocol):
         """Tell the other ranks that this one fails before its first action."""
 
 
-def run_actions(actions: Sequence[Action], runtimes: Mapping[int, StageRuntime], endpoint: Endpoint,
-                feed: StepFeed, num_stages: int,
-                after: Callable[[int, Action], None] | None = None) -> None:
-    """Run one rank's actions in order; ``after(i, action)`` follows each one.
-
-    Raises:
-        ValueError: the first stage got no inputs.
-        Exception: what a layer or the channel raised (the caller annotates it).
-    """
-    for i, action in enumerate(actions):
-        run_action(action, runtimes[action.stage], endpoint, feed, num_stages)
-        if after is not None:
-            after(i, action)
+Receive = Callable[[MessageKey, Action], tuple[Values, bool]]
 
 
-def run_action(action: Action, runtime: StageRuntime, endpoint: Endpoint, feed: StepFeed,
+def run_action(action: Action, runtime: StageRuntime, receive: Receive, endpoint: Endpoint, feed: StepFeed,
                num_stages: int) -> None:
-    """One F, B or W of one stage (see the module docstring).
+    """One F, B or W of one stage (see the module docstring); ``receive`` waits for a message.
 
     Raises:
         ValueError: the first stage got no inputs.
     """
     mb = action.microbatch
-    key = incoming(action, num_stages)
+    key, out = incoming(action, num_stages), outgoing(action, num_stages)
     if action.kind == "F":
         if key is None:
             if feed.inputs is None:
                 raise ValueError("this rank runs the first stage but got no inputs")
             values, was_tensor = to_device(feed.inputs[mb], runtime.device), feed.input_was_tensor
         else:
-            values, was_tensor = endpoint.receive(key, action)
+            values, was_tensor = receive(key, action)
         target = (move_target(feed.targets[mb], runtime.device)
-                  if feed.targets is not None and runtime.is_last else None)
+                  if feed.targets is not None and out is None else None)
         outputs, out_tensor = runtime.forward(mb, values, was_tensor, target)
-        out = outgoing(action, num_stages)
         if out is not None:
-            endpoint.send(out, outputs, out_tensor)
+            endpoint.send(out, outputs, out_tensor, runtime)
     elif action.kind == "B":
         runtime.rematerialize(mb)  # overlaps the wait for the gradient
         grads: Values | None = None
         if key is not None:
-            grads = endpoint.receive(key, action)[0]
+            grads = receive(key, action)[0]
         elif feed.output_grads is not None:
             grads = tuple(None if g is None else g.to(runtime.device) for g in feed.output_grads[mb])
         grads_in = runtime.backward(mb, grads)
-        out = outgoing(action, num_stages)
         if out is not None:
-            endpoint.send(out, grads_in, False)
+            endpoint.send(out, grads_in, False, runtime)
     else:
         runtime.weight_backward(mb)

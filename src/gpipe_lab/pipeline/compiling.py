@@ -15,7 +15,6 @@ split-backward schedules are refused with ``compile`` (``split_backward_error``)
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,30 +26,9 @@ from gpipe_lab.pipeline.context import current_generator
 from gpipe_lab.pipeline.options import OptionError
 from gpipe_lab.pipeline.random_replay import UnreplayableRandomError, _current_layer, _dropout_probability
 
-__all__ = ["CompiledStage", "DrawCheck", "compile_kwargs", "split_backward_error"]
+__all__ = ["CompiledStage", "DrawCheck", "split_backward_error"]
 
 _SEEDED = torch.Tag.nondeterministic_seeded
-
-
-def compile_kwargs(value: object, key: str = "compile") -> dict[str, Any] | None:
-    """``torch.compile``'s keyword arguments for a ``compile`` option; ``None``: do not compile.
-
-    Raises:
-        ValueError: ``value`` is not a bool or a mapping of ``torch.compile`` keywords
-            (the message names ``key``, the value and the allowed keywords).
-    """
-    if value is False or value is None:
-        return None
-    if value is True:
-        return {}
-    allowed = [p for p in inspect.signature(torch.compile).parameters if p != "model"]
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{key}: must be true, false or a dict of torch.compile keywords "
-                         f"({', '.join(allowed)}), got {value!r}")
-    unknown = sorted(str(k) for k in value if k not in allowed)
-    if unknown:
-        raise ValueError(f"{key}: {unknown[0]!r} is not a torch.compile keyword; allowed: {', '.join(allowed)}")
-    return dict(value)
 
 
 class DrawCheck(TorchDispatchMode):

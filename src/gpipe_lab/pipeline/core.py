@@ -1,10 +1,13 @@
 """The engine core: one step of a pipeline, whatever carries the tensors between stages.
 
 Both front doors (``GPipe``: threads; ``DistributedGPipe``: one process per stage)
-are this class plus a channel (``channel.Channel``). The core owns the step: its
-micro-batching (min(chunks, batch) micro-batches), the loss weights, the schedule
-(cached per micro-batch count), handing each hosted rank's action list to the
-channel, the non-finite policy with its deferred-BatchNorm commit, and the timeline.
+are this class plus a transport endpoint (``channel.Endpoint``). The core owns the
+step: its micro-batching (min(chunks, batch) micro-batches), the loss weights, the
+schedule (cached per micro-batch count), running the hosted ranks' action lists
+through the one executor (``executor.Executor``), the non-finite policy with its
+deferred-BatchNorm commit, and the timeline. ``pipe(x)``'s differentiable path
+(``autograd_forward``) runs through the public ``forward_half`` / ``backward_half``
+(``half_steps``), so it gets the same policy as ``train_step``.
 """
 
 from __future__ import annotations
@@ -23,27 +26,28 @@ from gpipe_lab.pipeline.batching import (
     make_feed,
     microbatch_count,
 )
-from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
-from gpipe_lab.pipeline.channel import Channel, StepFeed
-from gpipe_lab.pipeline.compiling import CompiledStage, compile_kwargs, split_backward_error
+from gpipe_lab.pipeline.channel import Endpoint, StepFeed
+from gpipe_lab.pipeline.compiling import CompiledStage, split_backward_error
+from gpipe_lab.pipeline.executor import Executor, step_timeline
+from gpipe_lab.pipeline.half_steps import HalfSteps
 from gpipe_lab.pipeline.microbatch import Value, join, unwrap
-from gpipe_lab.pipeline.nonfinite import NonFiniteError, describe_problem, verdict_vector
-from gpipe_lab.pipeline.options import OptionViews, PipelineOptions
+from gpipe_lab.pipeline.options import OptionViews, PipelineOptions, compile_kwargs
 from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs
 from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
-from gpipe_lab.pipeline.timeline import Event, Timeline
+from gpipe_lab.pipeline.step_policy import StepPolicy
+from gpipe_lab.pipeline.timeline import Timeline
 
 LossFn = Callable[[object, object], Tensor]
 
 
-class PipelineCore(OptionViews, nn.Module):
+class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
     """The step shared by every front door; a front door calls ``_start_core`` once built."""
 
     options: PipelineOptions
     runtimes: dict[int, StageRuntime]
-    channel: Channel
+    channel: Endpoint
 
-    def _start_core(self, options: PipelineOptions, runtimes: dict[int, StageRuntime], channel: Channel,
+    def _start_core(self, options: PipelineOptions, runtimes: dict[int, StageRuntime], channel: Endpoint,
                     num_ranks: int, dp_size: int = 1) -> None:
         """Attach the step to built stages.
 
@@ -65,6 +69,7 @@ class PipelineCore(OptionViews, nn.Module):
             if compiling is not None:
                 runtime.compiled = CompiledStage(compiling)
         self.channel = channel
+        self.executor = Executor(channel, runtimes)
         self._num_ranks = num_ranks
         self._dp_size = dp_size
         self._schedules: dict[tuple[int, str], tuple[Schedule, Any]] = {}
@@ -88,11 +93,12 @@ class PipelineCore(OptionViews, nn.Module):
     @timeout.setter
     def timeout(self, seconds: float) -> None:
         self.options = self.options.replace(timeout=seconds).check()
-        self.channel.timeout = float(seconds)  # type: ignore[attr-defined]
+        self.channel.timeout = float(seconds)  # every wait reads it there: mailbox, sends, all-reduces
 
     @property
-    def _num_virtual(self) -> int:
-        return self._num_ranks * self.options.virtual_stages
+    def _last(self) -> StageRuntime | None:
+        """The last (virtual) stage, if this process holds it."""
+        return self.runtimes.get(self._num_virtual - 1)
 
     # ------------------------------------------------------------ the step
     def _num_microbatches(self, inputs: object, targets: object) -> int:
@@ -111,8 +117,7 @@ class PipelineCore(OptionViews, nn.Module):
         return self._schedules[key]
 
     def _feed(self, inputs: Value | None, targets: object, num_microbatches: int) -> StepFeed:
-        return make_feed(inputs, targets, num_microbatches, 0 in self.runtimes,
-                         self._num_virtual - 1 in self.runtimes)
+        return make_feed(inputs, targets, num_microbatches, 0 in self.runtimes, self._last is not None)
 
     def _execute(self, feed: StepFeed, plan: StepPlan, kind: str, keep_outputs: bool,
                  fresh: bool = True) -> tuple[Tensor | None, Value | None]:
@@ -131,25 +136,15 @@ class PipelineCore(OptionViews, nn.Module):
                 runtime.begin(plan, keep_outputs)
             self.generation += 1
             self._step_start = time.perf_counter()
-        timeline = Timeline(self._num_ranks, start=self._step_start)
         try:
-            self.channel.run(lists, prepared, feed, sync_gradients=kind != "forward")
+            self.executor.run(lists, prepared, feed, sync_gradients=kind != "forward")
         except BaseException:
             self._reset_batch_norm()
             raise
         finally:
-            timeline.end = time.perf_counter()
-            K = self._num_ranks
-            timeline.events = sorted((Event(e.stage % K, e.kind, e.microbatch, e.start, e.end)
-                                      for r in self.runtimes.values() for e in r.events),
-                                     key=lambda e: e.start)
-            timeline.num_microbatches = plan.num_microbatches
-            if any(r.clock is not None for r in self.runtimes.values()):
-                runtimes = list(self.runtimes.values())
-                timeline.device_source = lambda: [Event(e.stage % K, e.kind, e.microbatch, e.start, e.end)
-                                                  for r in runtimes for e in r.device_events()]
-            self.timeline = timeline
-        last = self.runtimes.get(self._num_virtual - 1)
+            self.timeline = step_timeline(self.runtimes, self._num_ranks, self._step_start,
+                                          plan.num_microbatches)
+        last = self._last
         loss = outputs = None
         if last is not None and last.losses:
             loss = torch.stack([last.losses[i] for i in sorted(last.losses)]).sum()
@@ -160,7 +155,7 @@ class PipelineCore(OptionViews, nn.Module):
 
     def _loss_weights(self, inputs: object, targets: object, num_microbatches: int,
                       loss_normalizer: Normalizer | None) -> list[float]:
-        if self._num_virtual - 1 not in self.runtimes:
+        if self._last is None:
             return []
         if targets is None and not self.channel.holds_all_stages:
             raise ValueError("this rank runs the last stage: train_step needs targets")
@@ -200,50 +195,25 @@ class PipelineCore(OptionViews, nn.Module):
             raise
         with torch.enable_grad():
             loss, outputs = self._execute(feed, plan, "train", return_outputs)
-        modules = {j: r.module for j, r in self.runtimes.items()}
-        device = next(iter(self.runtimes.values())).device if loss is None else loss.device
-        shared = self.channel.share(verdict_vector(loss, modules, self._num_virtual, self._dp_size,
-                                                   self.options.nonfinite != "ignore", device))
-        whole = self.channel.holds_all_stages and loss is not None
-        total = loss if whole else shared[0].clone()
-        self._apply_policy(describe_problem(shared, self._num_ranks, self.options.virtual_stages,
-                                            loss if whole else None))
+        total = self._judge(loss)
         if not self.last_step_skipped:
             self._commit_batch_norm()
         self.step_count += 1
         return (total, outputs) if return_outputs else total  # type: ignore[return-value]
 
-    def _forward_only(self, inputs: Value | None) -> Value | None:
-        """The pipelined output without building a graph (on the rank holding the last stage)."""
+    def forward_only(self, inputs: Value | None) -> Value | None:
+        """The pipelined output without building a graph (on the rank holding the last stage).
+
+        Raises:
+            TypeError, ValueError: inputs that are not tensors or cannot be split.
+            Exception: whatever a layer raised, with its stage and micro-batch in the message.
+        """
         M = self._num_microbatches(inputs, None)
         plan = StepPlan(self.step_count, M, frozenset(), grad_enabled=False)
         with torch.no_grad():
             _, outputs = self._execute(self._feed(inputs, None, M), plan, "forward", True)
+        self.step_count += 1  # every call is a step of its own: the next one draws fresh random numbers
         self._commit_batch_norm()  # a training-mode forward is one mini-batch, as for nn.BatchNorm
         return outputs
 
-    def _apply_policy(self, problem: str | None) -> None:
-        """Raise, or skip the step (drop the gradients), on every rank alike."""
-        self.last_step_skipped = False
-        if problem is None:
-            return
-        self._reset_batch_norm()
-        if self.options.nonfinite == "raise":
-            raise NonFiniteError(f"step {self.step_count}: {problem} (set nonfinite='skip' to skip such steps)")
-        for runtime in self.runtimes.values():
-            runtime.module.zero_grad(set_to_none=True)
-        self.skipped_steps += 1
-        self.last_step_skipped = True
-
-    def _batch_norms(self) -> list[DeferredBatchNorm]:
-        found = {id(m): m for r in self.runtimes.values() for m in r.module.modules()
-                 if isinstance(m, DeferredBatchNorm)}
-        return list(found.values())
-
-    def _commit_batch_norm(self) -> None:
-        for m in self._batch_norms():
-            m.commit()
-
-    def _reset_batch_norm(self) -> None:
-        for m in self._batch_norms():
-            m.reset_accumulators()
+    _forward_only = forward_only  # DistributedGPipe.forward's name for it

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["move_target", "normalize_device", "resolve_devices"]
+__all__ = ["move_target", "normalize_device", "resolve_devices", "to_device"]
 
 
 def normalize_device(device: str | torch.device) -> torch.device:
@@ -55,10 +55,23 @@ def resolve_devices(devices: Sequence[str | torch.device] | None, partitions: in
     return [normalize_device(d) for d in list(devices)[:partitions]]
 
 
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` on ``device``; a copy to the CPU is blocking, so it can be read at once.
+
+    A non-blocking copy to a GPU is ordered on that GPU's stream before any use
+    there. A non-blocking copy from a GPU to the CPU returns before the data has
+    arrived, and the host reads it with nothing to wait on: it is only made
+    blocking there.
+    """
+    if tensor.device == device:
+        return tensor
+    return tensor.to(device, non_blocking=torch.device(device).type != "cpu")
+
+
 def move_target(target: object, device: torch.device) -> object:
     """``target`` with its tensors on ``device`` (tuples, lists and dicts walked; the rest as is)."""
     if isinstance(target, Tensor):
-        return target if target.device == device else target.to(device, non_blocking=True)
+        return to_device(target, device)
     if isinstance(target, tuple):
         return tuple(move_target(t, device) for t in target)
     if isinstance(target, list):

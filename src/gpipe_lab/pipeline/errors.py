@@ -33,15 +33,17 @@ def annotate(exc: BaseException, stage: int, action: Action | None) -> BaseExcep
 
 
 class PipelineTimeoutError(TimeoutError):
-    """A stage waited too long; the message holds every stage's schedule position."""
+    """A wait lasted longer than the timeout (a limit per wait, not per step): a stage's wait for
+    a neighbour, or the caller's wait for stages none of which progressed. The message holds
+    every stage's schedule position."""
 
     def __init__(self, timeout: float, done: Sequence[Action | None],
-                 waiting: Sequence[Action | None]) -> None:
+                 waiting: Sequence[Action | None], what: str = "a stage waited for a neighbour") -> None:
         lines = [
             f"  stage {k}: last completed {done[k] or 'nothing'}, waiting on {waiting[k] or 'nothing (finished)'}"
             for k in range(len(done))
         ]
-        super().__init__(f"pipeline step exceeded its timeout of {timeout:g} s; schedule state:\n"
+        super().__init__(f"{what} longer than the timeout of {timeout:g} s; schedule state:\n"
                          + "\n".join(lines))
         self.done = list(done)
         self.waiting = list(waiting)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,51 +31,28 @@ from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.local import LocalChannel
 from gpipe_lab.pipeline.materialize import InitFn, build_module, place_layers
 from gpipe_lab.pipeline.microbatch import Value
-from gpipe_lab.pipeline.nonfinite import NONFINITE_POLICIES, NonFiniteError
-from gpipe_lab.pipeline.options import CHECKPOINT_MODES, PipelineOptions, merged_options
-from gpipe_lab.pipeline.partition import balance_by_cost, check_balance, layer_costs, split_module
+from gpipe_lab.pipeline.nonfinite import NonFiniteError
+from gpipe_lab.pipeline.options import (
+    CHECKPOINT_MODES,
+    NONFINITE_POLICIES,
+    OptionError,
+    PipelineOptions,
+    merged_options,
+)
+from gpipe_lab.pipeline.partition import resolve_balance, split_module
 from gpipe_lab.pipeline.stage import StageRuntime
 
 __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "GPipe", "NonFiniteError", "checkpointed_microbatches",
            "resolve_devices"]
 
 
-def resolve_balance(module: nn.Sequential, options: PipelineOptions) -> list[int]:
-    """Layers per chunk: K·v entries, from ``balance`` or balanced over ``partitions`` by ``cost``.
-
-    Raises:
-        ValueError: no balance nor partitions, more chunks than layers, a balance that
-            does not cover the layers or is not a multiple of ``virtual_stages``.
-    """
-    v = options.virtual_stages
-    if options.balance is None:
-        if options.partitions is None:
-            raise ValueError("give either balance=[layers per partition] or partitions=K")
-        chunks = options.partitions * v
-        if chunks > len(module):
-            per = "" if v == 1 else f" × virtual_stages={v}"
-            raise ValueError(f"partitions={options.partitions}{per} is more than the module's "
-                             f"{len(module)} layers")
-        return balance_by_cost(layer_costs(module, options.cost), chunks)
-    balance = check_balance(options.balance, len(module))
-    if len(balance) % v:
-        raise ValueError(f"balance {balance} has {len(balance)} entries, not a multiple of "
-                         f"virtual_stages={v} (give one entry per chunk: K·v)")
-    return balance
-
-
 class GPipe(PipelineCore):
     """Pipeline-parallel wrapper of an ``nn.Sequential`` (local transport: one thread per rank).
 
-    Every option is a ``PipelineOptions`` field: pass ``options=PipelineOptions(...)``
-    and/or the keywords below (a keyword given overrides the same field of ``options``):
-    ``balance`` (layers per partition, K·v entries) or ``partitions`` (K, balanced by
-    ``cost``), ``devices`` (one per rank), ``chunks`` (M, default 4), ``checkpoint``,
-    ``schedule``, ``virtual_stages`` (v chunks per rank, rank k holding chunks
-    k, k+K, ...), ``deferred_batch_norm``, ``cost``, ``seed``, ``threads_per_stage``,
-    ``timeout``, ``nonfinite`` (``raise``/``skip``/``ignore`` a NaN/inf step),
-    ``track_memory``, ``retain_cpu_memory``, ``compile`` (``torch.compile`` each stage: ``True``
-    or a dict of its keywords). See ``PipelineOptions`` for each.
+    Every option is a ``PipelineOptions`` field: pass ``options=PipelineOptions(...)``,
+    and/or any field as a keyword (``partitions=2, chunks=8``), which overrides that field
+    of ``options``; ``balance`` may also come second, as in torchgpipe. With
+    ``virtual_stages`` v, rank k holds chunks k, k+K, ... See ``PipelineOptions`` for each.
 
     ``module`` may be built on the ``meta`` device (or be a factory, called under
     ``torch.device("meta")``): each stage's layers are then allocated on the stage's own
@@ -94,28 +72,24 @@ class GPipe(PipelineCore):
     """
 
     def __init__(self, module: nn.Sequential | Callable[[], nn.Sequential], balance: Sequence[int] | None = None,
-                 partitions: int | None = None, devices: Sequence[str | torch.device] | None = None,
-                 chunks: int | None = None, checkpoint: str | None = None, schedule: str | None = None,
-                 deferred_batch_norm: bool | None = None, cost: object = None, seed: int | None = None,
-                 threads_per_stage: int | None = None, timeout: float | None = None,
-                 nonfinite: str | None = None, track_memory: bool | None = None,
-                 retain_cpu_memory: bool | None = None, virtual_stages: int | None = None,
-                 compile: bool | dict | None = None, options: PipelineOptions | None = None,
-                 init_fn: InitFn | None = None) -> None:
+                 *, options: PipelineOptions | None = None, init_fn: InitFn | None = None,
+                 **option_overrides: Any) -> None:
         super().__init__()
-        opts = merged_options(options, balance=None if balance is None else list(balance),
-                              partitions=partitions, devices=None if devices is None else list(devices),
-                              chunks=chunks, checkpoint=checkpoint, schedule=schedule,
-                              deferred_batch_norm=deferred_batch_norm, cost=cost, seed=seed,
-                              threads_per_stage=threads_per_stage, timeout=timeout, nonfinite=nonfinite,
-                              track_memory=track_memory, retain_cpu_memory=retain_cpu_memory,
-                              virtual_stages=virtual_stages, compile=compile).check()
+        if isinstance(module, nn.Sequential) and len(module) == 0:
+            # torchgpipe runs GPipe(nn.Sequential(), []) as the identity; a pipeline here has >= 1 stage
+            raise ValueError("the module has no layers: a pipeline needs at least one; for the identity "
+                             "(what torchgpipe makes of an empty nn.Sequential) pass "
+                             "nn.Sequential(nn.Identity()) with balance=[1]")
+        if balance is not None:
+            option_overrides["balance"] = balance
+        opts = merged_options(options, option_overrides).check()
+        if opts.transport != "local":
+            raise OptionError(f"transport: GPipe runs the local transport (a thread per stage), got "
+                              f"{opts.transport!r}; use DistributedGPipe for a process per stage")
         if not isinstance(module, nn.Module) and callable(module):
             module = build_module(module)
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe needs an nn.Sequential, got {type(module).__name__}")
-        if len(module) == 0:
-            raise ValueError("the module has no layers")
         v = opts.virtual_stages
         balance = resolve_balance(module, opts)
         K = len(balance) // v

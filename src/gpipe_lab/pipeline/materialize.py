@@ -12,7 +12,10 @@ only this rank's chunks). Three ways in:
   only the local layers are materialized (``to_empty``) and initialized, by
   ``init_fn(layer_index, layer)`` or by ``reset_parameters()`` under the seed
   ``seed + layer_index``. ``seeded_init(model, seed)`` applies the same rule to
-  an unpipelined model, which then starts from identical weights.
+  an unpipelined model, which then starts from identical weights *on the same
+  device type*: a CUDA generator draws other numbers than the CPU's from the
+  same seed, so to compare a GPU pipeline with a CPU copy, initialize on the
+  CPU (build the real module there) and move it.
 * a factory (a callable returning the ``nn.Sequential``): called under
   ``torch.device("meta")``, then as above. Nothing of a giant model is ever
   allocated outside its own rank.
@@ -63,9 +66,16 @@ def reset_layer(layer: nn.Module) -> None:
 
 
 def init_layer(index: int, layer: nn.Module, seed: int, init_fn: InitFn | None) -> None:
-    """Initialize one layer deterministically from (seed, global layer index)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + index)
+    """Initialize one layer deterministically from (seed, global layer index).
+
+    Only the generators of the layer's own devices are seeded, and all are restored
+    after (``torch.manual_seed`` would reseed every CUDA generator for good).
+    """
+    cuda = sorted({t.device.index for t in [*layer.parameters(), *layer.buffers()] if t.is_cuda})
+    with torch.random.fork_rng(devices=cuda):
+        torch.random.default_generator.manual_seed(seed + index)
+        for d in cuda:
+            torch.cuda.default_generators[d].manual_seed(seed + index)
         if init_fn is not None:
             init_fn(index, layer)
         else:
@@ -73,7 +83,10 @@ def init_layer(index: int, layer: nn.Module, seed: int, init_fn: InitFn | None) 
 
 
 def seeded_init(module: nn.Sequential, seed: int, init_fn: InitFn | None = None) -> nn.Sequential:
-    """Initialize a whole model exactly like the meta path initializes its partitions."""
+    """Initialize a whole model exactly like the meta path initializes its partitions.
+
+    Equal weights need the same device type as the partitions (see the module docstring).
+    """
     with torch.no_grad():
         for i, layer in enumerate(module):
             init_layer(i, layer, seed, init_fn)

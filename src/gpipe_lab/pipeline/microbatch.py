@@ -39,6 +39,23 @@ def as_tuple(value: object, where: str) -> tuple[Tensor, ...]:
     )
 
 
+def final_output(value: object, microbatch: int) -> tuple[Tensor, ...]:
+    """The last partition's output as a tuple of tensors, for the calls that join it.
+
+    Raises:
+        TypeError: it is not a tensor nor a tuple of tensors (``train_step`` without
+            ``return_outputs`` takes any value its ``loss_fn`` reads).
+    """
+    try:
+        return as_tuple(value, "")
+    except TypeError:
+        raise TypeError(
+            f"the last partition's output (micro-batch {microbatch}) is a {type(value).__name__}; "
+            "pipe(x) and train_step(..., return_outputs=True) join it across micro-batches, so it must "
+            "be a tensor or a tuple of tensors (train_step(x, y, loss_fn) takes any value loss_fn reads)"
+        ) from None
+
+
 def unwrap(values: tuple[Tensor, ...], was_tensor: bool) -> Value:
     """Give a layer back the shape of value it produced: a tensor or a tuple."""
     return values[0] if was_tensor else values
@@ -83,8 +100,12 @@ def join(microbatches: Sequence[tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
 
 
 def to_device(values: tuple[Tensor, ...], device: torch.device) -> tuple[Tensor, ...]:
-    """Move a tuple of tensors to ``device`` (a no-op for tensors already there)."""
-    return tuple(t if t.device == device else t.to(device, non_blocking=True) for t in values)
+    """Move a tuple of tensors to ``device`` (a no-op for tensors already there).
+
+    Blocking to the CPU: a non-blocking GPU-to-CPU copy could be read before it lands.
+    """
+    blocking = torch.device(device).type == "cpu"
+    return tuple(t if t.device == device else t.to(device, non_blocking=not blocking) for t in values)
 
 
 def nbytes(values: Sequence[Tensor]) -> int:

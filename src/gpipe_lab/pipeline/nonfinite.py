@@ -6,7 +6,11 @@ rank (locally: nothing to sum), so all ranks read the same verdict::
 
     slot 0       this replica's loss share (loss / D)
     slot 1       > 0 if some rank's loss is NaN/inf
-    slot 2 + j   > 0 if (virtual) stage j's gradients are NaN/inf somewhere
+    slot 2       the loss's dtype, as its index in LOSS_DTYPES (each of the D holders adds 1/D)
+    slot 3 + j   > 0 if (virtual) stage j's gradients are NaN/inf somewhere
+
+The vector is float64 on every rank, so a float64 model's loss crosses unrounded, and every
+rank returns the loss in the dtype the last stage computed it in.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
+from gpipe_lab.pipeline.devices import to_device
 
 
 class NonFiniteError(FloatingPointError):
@@ -29,7 +33,8 @@ def nonfinite_flag(tensors: Iterable[Tensor | None]) -> Tensor | None:
     Each tensor's minimum and maximum are read (``aminmax``: one pass, no
     tensor-sized temporary); NaN propagates through both and an infinity is one
     of them, and unlike a sum they cannot overflow on large finite values.
-    Tensors on several devices are combined on the first one's. ``None`` entries
+    Tensors on several devices are combined on the first one's (a GPU flag reaches a
+    CPU first tensor by a blocking copy). ``None`` entries
     are skipped; returns ``None`` when nothing is left.
     """
     present = [t for t in tensors if t is not None and t.numel() > 0]
@@ -39,7 +44,7 @@ def nonfinite_flag(tensors: Iterable[Tensor | None]) -> Tensor | None:
     extremes = []
     for t in present:
         low, high = torch.aminmax(t.detach())
-        extremes.append(torch.stack([low, high]).float().to(device, non_blocking=True))
+        extremes.append(to_device(torch.stack([low, high]).float(), device))
     return ~torch.isfinite(torch.cat(extremes)).all()
 
 
@@ -47,6 +52,17 @@ def all_finite(tensors: Iterable[Tensor | None]) -> bool:
     """Whether every element of every tensor is finite (``None`` entries are skipped); one host sync."""
     flag = nonfinite_flag(tensors)
     return flag is None or not bool(flag)
+
+
+#: the dtypes a loss is returned in (slot 2 names one; others come back as float32)
+LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+#: slots before the per-stage flags
+_FLAGS = 3
+
+
+def loss_dtype(values: Sequence[float]) -> torch.dtype:
+    """The loss's dtype named by slot 2 of the summed vector's host copy."""
+    return LOSS_DTYPES[round(values[2])]
 
 
 def verdict_vector(loss: Tensor | None, modules: Mapping[int, nn.Module], num_chunks: int,
@@ -57,16 +73,18 @@ def verdict_vector(loss: Tensor | None, modules: Mapping[int, nn.Module], num_ch
     ``device`` from device-side flags only: nothing here waits for the device;
     ``read_verdict`` is the step's one read.
     """
-    slots: list[Tensor] = [torch.zeros((), device=device)] * (2 + num_chunks)
+    slots: list[Tensor] = [torch.zeros((), device=device, dtype=torch.float64)] * (_FLAGS + num_chunks)
     if loss is not None:
-        slots[0] = (loss.detach().float() / dp_size).to(device)
+        slots[0] = (loss.detach().double() / dp_size).to(device)
+        code = LOSS_DTYPES.index(loss.dtype) if loss.dtype in LOSS_DTYPES else 0
+        slots[2] = torch.tensor(code / dp_size, dtype=torch.float64, device=device)
     if check:
         if loss is not None:
-            slots[1] = (~torch.isfinite(loss.detach()).all()).float().to(device)
+            slots[1] = (~torch.isfinite(loss.detach()).all()).double().to(device)
         for j, module in modules.items():
             flag = nonfinite_flag(p.grad for p in module.parameters())
             if flag is not None:
-                slots[2 + j] = flag.float().to(device, non_blocking=True)
+                slots[_FLAGS + j] = to_device(flag.double(), device)
     return torch.stack(slots)
 
 
@@ -90,5 +108,5 @@ def describe_problem(shared: Tensor | Sequence[float], num_stages: int, virtual_
     if values[1] > 0:
         value = values[0] if loss is None else loss.item()
         return f"loss is {value} (computed on stage {name(num_stages * virtual_stages - 1)})"
-    bad = [j for j in range(len(values) - 2) if values[2 + j] > 0]
+    bad = [j for j in range(len(values) - _FLAGS) if values[_FLAGS + j] > 0]
     return f"gradients of stage {name(bad[0])} are not finite" if bad else None

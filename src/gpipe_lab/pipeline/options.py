@@ -8,10 +8,15 @@ engine, ``pipeline.chunks`` for the app (``check(prefix="pipeline.")``).
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
+
+import torch
+
+from gpipe_lab.pipeline.schedules import SCHEDULES
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
@@ -81,8 +86,6 @@ class PipelineOptions:
         Raises:
             OptionError: naming ``prefix + key``, the value and what is allowed.
         """
-        from gpipe_lab.pipeline.schedules import SCHEDULES
-
         def fail(key: str, what: str) -> None:
             raise OptionError(f"{prefix}{key}: {what}, got {getattr(self, key)!r}")
 
@@ -119,7 +122,6 @@ class PipelineOptions:
                 or not (self.timeout > 0 and math.isfinite(self.timeout)):
             fail("timeout", "must be a finite number of seconds > 0")
         if self.compile is not False and self.compile is not True:
-            from gpipe_lab.pipeline.compiling import compile_kwargs
             try:
                 compile_kwargs(self.compile)
             except ValueError as error:
@@ -136,36 +138,64 @@ class PipelineOptions:
         return int(self.partitions or 1)
 
     def replace(self, **changes: Any) -> PipelineOptions:
-        """A copy with ``changes`` applied (unknown names raise ``OptionError``)."""
+        """A copy with ``changes`` applied; a sequence given for ``balance`` or ``devices`` is
+        stored as a list (devices as strings, e.g. ``"cuda:1"``).
+
+        Raises:
+            OptionError: a name that is not a field, naming the allowed ones.
+        """
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
         if unknown:
             raise OptionError(f"{unknown[0]}: unknown pipeline option; allowed: "
                               f"{', '.join(f.name for f in fields(self))}")
+        for key, convert in (("balance", lambda x: x), ("devices", str)):
+            value = changes.get(key)
+            if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+                changes[key] = [convert(x) for x in value]
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def merged_options(options: PipelineOptions | None, **given: Any) -> PipelineOptions:
-    """``options`` (default ``PipelineOptions()``) with every keyword that is not ``None`` applied.
+def compile_kwargs(value: object, key: str = "compile") -> dict[str, Any] | None:
+    """``torch.compile``'s keyword arguments for a ``compile`` option; ``None``: do not compile.
 
     Raises:
-        OptionError: ``options`` is not a ``PipelineOptions``, or an unknown keyword.
+        ValueError: ``value`` is not a bool or a mapping of ``torch.compile`` keywords
+            (the message names ``key``, the value and the allowed keywords).
+    """
+    if value is False or value is None:
+        return None
+    if value is True:
+        return {}
+    allowed = [p for p in inspect.signature(torch.compile).parameters if p != "model"]
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key}: must be true, false or a dict of torch.compile keywords "
+                         f"({', '.join(allowed)}), got {value!r}")
+    unknown = sorted(str(k) for k in value if k not in allowed)
+    if unknown:
+        raise ValueError(f"{key}: {unknown[0]!r} is not a torch.compile keyword; allowed: {', '.join(allowed)}")
+    return dict(value)
+
+
+def merged_options(options: PipelineOptions | None, overrides: dict[str, Any]) -> PipelineOptions:
+    """``options`` (default ``PipelineOptions()``) with the keyword ``overrides`` applied.
+
+    The one place where the front doors' convenience keywords meet the options: a keyword
+    is a field name, its value replaces that field (``None`` included).
+
+    Raises:
+        OptionError: ``options`` is not a ``PipelineOptions``, or a keyword is not a field.
     """
     if options is not None and not isinstance(options, PipelineOptions):
         raise OptionError(f"options: must be a PipelineOptions, got {type(options).__name__}")
     base = options if options is not None else PipelineOptions()
-    return base.replace(**{k: v for k, v in given.items() if v is not None})
-
-
-def option_names() -> list[str]:
-    """The ``pipeline.*`` keys, in declaration order."""
-    return [f.name for f in fields(PipelineOptions)]
+    return base.replace(**overrides)
 
 
 __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "TRANSPORTS", "OptionError", "PipelineOptions",
-           "merged_options", "option_names"]
+           "compile_kwargs", "merged_options"]
 
 
 def _view(name: str, doc: str) -> property:

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from torch import nn
 
 from gpipe_lab.measure import layer_costs, parameter_costs
+from gpipe_lab.pipeline.options import PipelineOptions
 
-__all__ = ["balance_by_cost", "check_balance", "layer_costs", "parameter_costs", "split_module"]
+__all__ = ["balance_by_cost", "check_balance", "layer_costs", "parameter_costs", "resolve_balance",
+           "split_module"]
 
 
 def _greedy_parts(costs: Sequence[float], partitions: int, limit: float) -> list[int] | None:
@@ -82,6 +84,32 @@ def check_balance(balance: Sequence[int], num_layers: int) -> list[int]:
             f"use partitions=K for an automatic balance"
         )
     return balance
+
+
+def resolve_balance(module: nn.Sequential, options: PipelineOptions,
+                    default_partitions: int | None = None) -> list[int]:
+    """Layers per chunk (K·v entries): ``options.balance`` checked against the module, or
+    ``options.partitions`` (else ``default_partitions``) × ``virtual_stages`` chunks balanced
+    by ``options.cost``. Both front doors cut the module here.
+
+    Raises:
+        ValueError: no balance nor partitions, more chunks than layers, a balance that does
+            not cover the layers or whose length is not a multiple of ``virtual_stages``.
+    """
+    v = options.virtual_stages
+    if options.balance is not None:
+        balance = check_balance(options.balance, len(module))
+        if len(balance) % v:
+            raise ValueError(f"balance {balance} has {len(balance)} entries, not a multiple of "
+                             f"virtual_stages={v} (give one entry per chunk: K·v)")
+        return balance
+    partitions = options.partitions if options.partitions is not None else default_partitions
+    if partitions is None:
+        raise ValueError("give either balance=[layers per partition] or partitions=K")
+    if partitions * v > len(module):
+        per = "" if v == 1 else f" × virtual_stages={v}"
+        raise ValueError(f"partitions={partitions}{per} is more than the module's {len(module)} layers")
+    return balance_by_cost(layer_costs(module, options.cost), partitions * v)
 
 
 def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:

@@ -7,8 +7,9 @@ every stage runs its own backward, in parallel with the others.
 
 Re-materialization: a checkpointed micro-batch runs its forward without
 building a graph and keeps only its boundary input; its backward first replays
-the forward with the same generator (identical dropout masks), then
-back-propagates.
+the forward with the same generator (identical dropout masks) and the first
+forward's autocast state, restoring the running statistics the replay moves,
+then back-propagates.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gpipe_lab.pipeline.checkpointing import checkpointing
+from gpipe_lab.pipeline.batchnorm import running_stat_layers, running_stats_untouched
+from gpipe_lab.pipeline.checkpointing import AutocastState, autocast_as, autocast_state, checkpointing
 from gpipe_lab.pipeline.compiling import CompiledStage
 from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
 from gpipe_lab.pipeline.device_timing import DeviceClock
-from gpipe_lab.pipeline.microbatch import as_tuple, unwrap
+from gpipe_lab.pipeline.microbatch import as_tuple, final_output, unwrap
 from gpipe_lab.pipeline.timeline import Event
 from gpipe_lab.pipeline.weight_gradients import (
     SplitPlan,
@@ -35,12 +37,9 @@ from gpipe_lab.pipeline.weight_gradients import (
     plan_split,
     split_weight_backward,
 )
+from gpipe_lab.saved_bytes import SavedBytes, storage_keys
 
 LossFn = Callable[[object, object], Tensor]
-
-
-def _unpack(t: Tensor) -> Tensor:
-    return t
 
 
 @dataclass
@@ -74,6 +73,7 @@ class _Saved:
     # the forward drew no random number: its replay, on the same inputs, draws none either,
     # so it runs without the per-op replay mode (which costs a Python call per op)
     drew_nothing: bool = False
+    autocast: AutocastState | None = None  # the first forward's, for its replay (checkpointed only)
 
     def clear(self) -> None:
         """Drop the graph. With memory tracking the graph holds the pack hook, whose closure holds
@@ -101,7 +101,8 @@ class StageRuntime:
         self.outputs: dict[int, tuple[tuple[Tensor, ...], bool]] = {}
         self.keep_outputs = False
         self._saved: dict[int, _Saved] = {}
-        self._param_storages: set[int] = set()
+        self._param_storages: frozenset[int] = frozenset()
+        self._norms: list[nn.Module] = []
         self.live_bytes = 0
         self.peak_bytes = 0
         self.track_memory = True
@@ -121,7 +122,8 @@ class StageRuntime:
         self.live_bytes = self.peak_bytes = 0
         if self.clock is not None:
             self.clock.begin()
-        self._param_storages = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        self._param_storages = storage_keys([*self.module.parameters(), *self.module.buffers()])
+        self._norms = running_stat_layers(self.module)
 
     def abort(self) -> None:
         """Free what a failed step left behind."""
@@ -159,36 +161,27 @@ class StageRuntime:
              recomputing: bool) -> tuple[tuple[Tensor, ...], bool]:
         """Apply the partition (and the loss on the last stage), counting saved bytes."""
         saved = self._saved[mb]
-        # boundary inputs are counted on their own; weights are leaves that require grad
-        seen = {id(t) for t in inputs}
-        params = self._param_storages
+        def count(n: int) -> None:
+            saved.saved_bytes += n
+            self._add_bytes(n)
 
-        def pack(t: Tensor) -> Tensor:
-            # count the tensor's own elements (a micro-batch is a view of the whole batch:
-            # its storage is larger), once per tensor; views of weights are not activations
-            if id(t) not in seen and not (t.requires_grad and
-                                          (t.is_leaf or t.untyped_storage().data_ptr() in params)):
-                seen.add(id(t))
-                n = t.numel() * t.element_size()
-                saved.saved_bytes += n
-                self.live_bytes += n
-                if self.live_bytes > self.peak_bytes:
-                    self.peak_bytes = self.live_bytes
-            return t
-
-        hooks = (torch.autograd.graph.saved_tensors_hooks(pack, _unpack) if self.track_memory
+        # boundary inputs are counted on their own; the rule is the lab's one (gpipe_lab.saved_bytes)
+        hooks = (SavedBytes(self._param_storages, inputs, count).hooks() if self.track_memory
                  else nullcontext())
         # every micro-batch gets its generator: any layer may draw from current_generator()
         replay = self.replay_random and not (recomputing and saved.drew_nothing)
         with microbatch_context(self._generator(mb), recomputing, replay) as mode, hooks, \
-                checkpointing(mb in self.plan.checkpointed):
+                checkpointing(mb in self.plan.checkpointed and not recomputing):
             x = unwrap(inputs, was_tensor)
             # the module is read at each call: a front end may wrap it (autocast) after construction
             out = self.module(x) if self.compiled is None else self.compiled(self.module, x)
-            outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
             out_is_tensor = isinstance(out, Tensor)
+            if not self.is_last:
+                outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
+            elif self.plan.loss_fn is None or (self.keep_outputs and not recomputing):
+                outputs = final_output(out, mb)
             if self.is_last and self.plan.loss_fn is not None:
-                loss = self.plan.loss_fn(unwrap(outputs, out_is_tensor), target)
+                loss = self.plan.loss_fn(out, target)  # any value loss_fn reads, a dict included
                 if not isinstance(loss, Tensor) or loss.numel() != 1:
                     raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
                                     f"of shape {getattr(loss, 'shape', None)}")
@@ -222,6 +215,8 @@ class StageRuntime:
         self._saved[mb] = saved
         self._add_bytes(sum(t.numel() * t.element_size() for t in inputs))
         checkpointed = mb in self.plan.checkpointed
+        if checkpointed:
+            saved.autocast = autocast_state()
         with torch.set_grad_enabled(grad and not checkpointed):
             outputs, out_is_tensor = self._run(mb, inputs, was_tensor, target, recomputing=False)
         if not grad:
@@ -240,7 +235,8 @@ class StageRuntime:
         saved = self._saved[mb]
         if saved.outputs is None:
             start = self._start()
-            with torch.enable_grad():
+            # the replay sees its first forward's state: autocast as then, running statistics not moved again
+            with torch.enable_grad(), autocast_as(saved.autocast), running_stats_untouched(self._norms):
                 saved.outputs, _ = self._run(mb, saved.inputs, saved.was_tensor, saved.target,
                                              recomputing=True)
             self._record("R", mb, start)

@@ -69,6 +69,10 @@ class CudaStreams:
         self._copy: dict[int, torch.cuda.Stream] = {}
 
     def _streams(self, rank: int, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        return self.streams_of(rank, device)
+
+    def streams_of(self, rank: int, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """A rank's (compute, copy) streams on its CUDA device, made once, on first use."""
         if rank not in self._compute:
             self._compute[rank] = torch.cuda.Stream(device)
             self._copy[rank] = torch.cuda.Stream(device)

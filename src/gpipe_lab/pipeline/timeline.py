@@ -43,17 +43,20 @@ class Timeline:
         """The same step with GPU stages' actions timed by CUDA events, not host times.
 
         On a GPU the host times bracket kernel launches only; this waits for the
-        device once and returns the actions as the device ran them (CPU stages keep
-        their host times). Without GPU stages, the timeline itself.
+        device once and returns the actions as the device ran them. A GPU stage
+        keeps no host event: its host ``wait`` events measure when the host thread
+        blocked, not when the device idled, so on the device timeline a GPU stage's
+        idle time is the gaps between its actions (``waiting()`` counts none for
+        it). CPU stages keep their host events, waits included. Without GPU
+        stages, the timeline itself.
         """
         if self.device_source is None:
             return self
         device = self.device_source()
         if not device:
             return self
-        timed = {(e.stage, e.kind, e.microbatch) for e in device}
-        events = sorted([e for e in self.events if (e.stage, e.kind, e.microbatch) not in timed
-                         or e.kind == "wait"] + device, key=lambda e: e.start)
+        on_gpu = {e.stage for e in device}
+        events = sorted([e for e in self.events if e.stage not in on_gpu] + device, key=lambda e: e.start)
         end = max([self.end] + [e.end for e in events])
         return Timeline(self.num_stages, self.start, end, events, self.num_microbatches)
 

@@ -2,9 +2,9 @@
 
 Per-layer facts are measured on the ``meta`` device (nothing is allocated): a
 ``saved_tensors_hooks`` pack hook sees every tensor autograd keeps for backward;
-tensors sharing a parameter's storage are dropped, the rest are deduplicated by
-storage and split into the layer's saved inputs, saved outputs and other
-internals, per sample (one-sample batches). Records are cached by (layer
+they are counted by the lab's one rule (``gpipe_lab.saved_bytes``: parameters
+and buffers excluded, each distinct view once) and split by storage into the
+layer's saved inputs, saved outputs and other internals, per sample (one-sample batches). Records are cached by (layer
 structure, input shapes); a Transformer measures one layer, AmoebaNet one cell
 per distinct shape (``layer_records``).
 
@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from gpipe_lab.models import build, example_input
 from gpipe_lab.pipeline.partition import balance_by_cost
+from gpipe_lab.saved_bytes import SavedBytes, storage_key, storage_keys
 
 __all__ = ["LayerMemory", "PartitionMemory", "Plan", "GiB", "layer_records", "plan_memory",
            "best_plan", "max_transformer_layers", "max_amoebanet_filters", "RMSPROP_BYTES_PER_PARAM"]
@@ -111,25 +112,15 @@ def _measure(layer: nn.Module, inputs: object, loss: bool) -> tuple[LayerMemory,
     per-channel statistics, independent of the batch, are left out): PyTorch's
     meta BatchNorm is a slow Python kernel.
     """
-    state = list(layer.parameters()) + list(layer.buffers())
-    param_storages = {p.untyped_storage()._cdata for p in state}
+    counter = SavedBytes(storage_keys([*layer.parameters(), *layer.buffers()]))
     ins = _tensors(inputs)
-    in_keys = [t.untyped_storage()._cdata for t in ins]
-    saved: dict[int, int] = {}
-    keep: list[Tensor] = []
-
-    def pack(t: Tensor) -> Tensor:
-        key = t.untyped_storage()._cdata
-        if key not in param_storages:
-            saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
-            keep.append(t)
-        return t
+    in_keys = [storage_key(t) for t in ins]
 
     norms = [m for m in layer.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     for m in norms:
         m.forward = _batchnorm_stand_in.__get__(m)  # type: ignore[method-assign]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with counter.hooks():
             output = layer(inputs)
             if loss:  # the loss's saved tensors (log-softmax output) belong to the last layer
                 logits = output.reshape(-1, output.shape[-1])
@@ -139,7 +130,8 @@ def _measure(layer: nn.Module, inputs: object, loss: bool) -> tuple[LayerMemory,
         for m in norms:
             del m.forward
     outs = _tensors(output)
-    out_keys = [t.untyped_storage()._cdata for t in outs]
+    out_keys = [storage_key(t) for t in outs]
+    saved = counter.by_storage()
     passthrough = tuple(next((i for i, t in enumerate(ins) if t is o),
                              next((-2 - j for j, t in enumerate(outs[:n]) if t is o), -1))
                         for n, o in enumerate(outs))

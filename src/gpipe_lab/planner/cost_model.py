@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpipe_lab.pipeline.gpipe import checkpointed_microbatches
-from gpipe_lab.pipeline.schedule import get_schedule
+from gpipe_lab.pipeline.schedules import get_schedule
 from gpipe_lab.planner.contention import predict_contended
 from gpipe_lab.planner.simulator import Prediction, StageCosts, predict_step
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpipe_lab.pipeline.distributed.distributed_gpipe import DistributedGPipe
-from gpipe_lab.pipeline.distributed.resolve import nccl_failure_settings
+from gpipe_lab.pipeline.distributed.resolve import local_rank_device, nccl_failure_settings
 from gpipe_lab.pipeline.schedules import analytic_bubble
 
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":  # before the process group: its communicators bind to the current device
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(local_rank_device(os.environ.get("LOCAL_RANK", "0"), torch.cuda.device_count()))
     dist.init_process_group(backend, timeout=nccl_failure_settings())
     if backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,8 @@ from gpipe_lab.pipeline.distributed.grad_sync import BUCKET_BYTES, GradientSync
 from gpipe_lab.pipeline.distributed.p2p_channel import P2PChannel
 from gpipe_lab.pipeline.distributed.resolve import (
     bind_device,
-    resolve_balance,
     resolve_device,
+    resolve_stages,
     shared_seed,
     to_cpu,
 )
@@ -38,7 +39,7 @@ from gpipe_lab.pipeline.distributed.topology import build_topology, connect_link
 from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.microbatch import Value
-from gpipe_lab.pipeline.options import PipelineOptions, merged_options
+from gpipe_lab.pipeline.options import OptionError, PipelineOptions, merged_options
 from gpipe_lab.pipeline.stage import StageRuntime
 from gpipe_lab.pipeline.timeline import Event, Timeline
 
@@ -46,8 +47,8 @@ from gpipe_lab.pipeline.timeline import Event, Timeline
 class DistributedGPipe(PipelineCore):
     """Pipeline (K ranks) × data parallel (D replicas) training of an ``nn.Sequential``.
 
-    Options are ``GPipe``'s (``options=PipelineOptions(...)`` and/or keywords, a
-    keyword overriding its field); in addition ``device`` (default ``cuda:<local
+    Options are ``GPipe``'s (``options=PipelineOptions(...)`` and/or any field as a
+    keyword, overriding it); in addition ``device`` (default ``cuda:<local
     rank>`` with NCCL, else CPU), ``data_parallel_size`` (default world size / K),
     ``init_fn`` for meta-built layers and ``bucket_bytes`` for the gradient
     all-reduce. ``module`` may be built on ``meta`` or be a factory. With
@@ -66,34 +67,32 @@ class DistributedGPipe(PipelineCore):
     """
 
     def __init__(self, module: nn.Module | Callable[[], nn.Module], balance: Sequence[int] | None = None,
-                 partitions: int | None = None, chunks: int | None = None, checkpoint: str | None = None,
-                 schedule: str | None = None, deferred_batch_norm: bool | None = None, cost: object = None,
-                 seed: int | None = None, device: str | torch.device | None = None,
-                 data_parallel_size: int | None = None, timeout: float | None = None,
-                 virtual_stages: int | None = None, init_fn: InitFn | None = None,
-                 bucket_bytes: int = BUCKET_BYTES, nonfinite: str | None = None,
-                 retain_cpu_memory: bool | None = None, track_memory: bool | None = None,
-                 compile: bool | dict | None = None, options: PipelineOptions | None = None) -> None:
+                 *, options: PipelineOptions | None = None, device: str | torch.device | None = None,
+                 data_parallel_size: int | None = None, init_fn: InitFn | None = None,
+                 bucket_bytes: int = BUCKET_BYTES, **option_overrides: Any) -> None:
         super().__init__()
-        opts = merged_options(options, balance=None if balance is None else list(balance),
-                              partitions=partitions, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
-                              deferred_batch_norm=deferred_batch_norm, cost=cost, seed=seed, timeout=timeout,
-                              virtual_stages=virtual_stages, nonfinite=nonfinite,
-                              retain_cpu_memory=retain_cpu_memory, track_memory=track_memory,
-                              compile=compile).check()
+        if balance is not None:
+            option_overrides["balance"] = balance
+        opts = merged_options(options, option_overrides).check()
         v = opts.virtual_stages
         full = build_module(module)
-        balance, num_stages = resolve_balance(full, opts.balance, opts.partitions, v, opts.cost,
-                                              data_parallel_size)
+        balance, num_stages = resolve_stages(full, opts, data_parallel_size)
         self.topo = topo = build_topology(num_stages, v, data_parallel_size)
         self.balance = balance
+        if device is None and opts.devices is not None:
+            if len(opts.devices) != num_stages:
+                raise OptionError(f"devices: {opts.devices} has {len(opts.devices)} entries for {num_stages} "
+                                  f"pipeline stages; give one per stage (or device= for this rank)")
+            device = opts.devices[topo.stage_index]
         self.device = resolve_device(device)
+        if self.device.type == "cpu" and opts.threads_per_stage is not None:
+            torch.set_num_threads(opts.threads_per_stage)  # this process is one stage
         bind_device(self.device)  # the main thread's collectives run on this rank's GPU, not cuda:0
         connect_links(topo, self.device)
         if self.device.type == "cpu" and opts.retain_cpu_memory:
             retain_freed_memory()
         self.seed = shared_seed(opts.seed, self.device)
-        opts = opts.replace(balance=list(balance), partitions=num_stages, seed=self.seed)
+        opts = opts.replace(balance=list(balance), partitions=num_stages, seed=self.seed, transport="distributed")
         if opts.deferred_batch_norm:
             DeferredBatchNorm.convert(full)
         convert_dropout(full)
@@ -198,8 +197,6 @@ class DistributedGPipe(PipelineCore):
     def full_state_dict(self) -> dict[str, Tensor] | None:
         """The unpipelined module's state dict on global rank 0 (``None`` elsewhere); collective."""
         return gather_full_state_dict(self._chunks, self.pp_group, self.topo.pp_ranks, self.dp_rank)
-
-    gather_state_dict = full_state_dict
 
     def load_full_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         """Load this rank's chunks from a full (unpipelined) state dict; other keys are ignored."""

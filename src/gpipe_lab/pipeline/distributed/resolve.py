@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -12,49 +11,32 @@ from torch import nn
 
 from gpipe_lab.pipeline.devices import normalize_device
 from gpipe_lab.pipeline.distributed.topology import check_world
-from gpipe_lab.pipeline.partition import balance_by_cost, check_balance, layer_costs
+from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.pipeline.partition import resolve_balance
 
 
-def resolve_balance(module: nn.Sequential, balance: Sequence[int] | None, partitions: int | None,
-                    virtual_stages: int, cost: object, data_parallel_size: int | None) -> tuple[list[int], int]:
-    """Layers per chunk (K·v entries) and the number of pipeline ranks K.
+def resolve_stages(module: nn.Sequential, options: PipelineOptions,
+                   data_parallel_size: int | None) -> tuple[list[int], int]:
+    """Layers per chunk (K·v entries, see ``partition.resolve_balance``) and K.
 
-    Without ``balance`` or ``partitions``, K = world size / ``data_parallel_size`` (1 by default).
+    Without ``balance`` or ``partitions``, K = world size / ``data_parallel_size``.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        ValueError: inconsistent numbers; every message names them.
+        ValueError: inconsistent numbers, or a world size K does not divide; messages name them.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("DistributedGPipe needs torch.distributed.init_process_group() first "
                            "(e.g. launch with torchrun)")
-    if not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
-    if len(module) == 0:
-        raise ValueError("the module has no layers")
     world = dist.get_world_size()
-    if balance is not None:
-        balance = check_balance(balance, len(module))
-        if len(balance) % virtual_stages:
-            raise ValueError(f"balance {balance} has {len(balance)} entries, not a multiple of "
-                             f"virtual_stages={virtual_stages} (give one entry per chunk: K·v)")
-        num_stages = len(balance) // virtual_stages
-        if partitions is not None and partitions != num_stages:
-            raise ValueError(f"partitions={partitions} but balance {balance} describes {num_stages} "
-                             f"stages × {virtual_stages} virtual stages")
-    else:
-        if partitions is None:
-            if data_parallel_size is None or data_parallel_size < 1 or world % data_parallel_size:
-                raise ValueError(f"give balance=[...] or partitions=K (world size {world}, "
-                                 f"data_parallel_size {data_parallel_size})")
-            partitions = world // data_parallel_size
-        if not isinstance(partitions, int) or partitions < 1:
-            raise ValueError(f"partitions must be an integer >= 1, got {partitions!r}")
-        if partitions * virtual_stages > len(module):
-            raise ValueError(f"{partitions} stages × {virtual_stages} virtual stages = "
-                             f"{partitions * virtual_stages} chunks, more than the module's {len(module)} layers")
-        num_stages = partitions
-        balance = balance_by_cost(layer_costs(module, cost), num_stages * virtual_stages)
+    default = None
+    if data_parallel_size is not None and data_parallel_size >= 1 and world % data_parallel_size == 0:
+        default = world // data_parallel_size
+    if options.balance is None and options.partitions is None and default is None:
+        raise ValueError(f"give balance=[...] or partitions=K (world size {world}, "
+                         f"data_parallel_size {data_parallel_size})")
+    balance = resolve_balance(module, options, default)
+    num_stages = len(balance) // options.virtual_stages
     check_world(world, num_stages)
     return balance, num_stages
 
@@ -63,13 +45,39 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """Default: ``cuda:<LOCAL_RANK>`` under the NCCL backend, else CPU; ``"cuda"`` gets an index.
 
     Raises:
-        ValueError: a device that cannot be used here (see ``devices.normalize_device``).
+        ValueError: a device that cannot be used here (see ``devices.normalize_device``),
+            or, for the default, a ``LOCAL_RANK`` that is not an integer or has no GPU of
+            its own (see ``local_rank_device``).
     """
     if device is not None:
         return normalize_device(device)
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        return local_rank_device(os.environ.get("LOCAL_RANK", "0"), torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def local_rank_device(local_rank: str, device_count: int) -> torch.device:
+    """``cuda:<LOCAL_RANK>``, refused when two ranks of this node would share a GPU.
+
+    NCCL does not support two ranks of one communicator on one GPU (wrapping
+    ``LOCAL_RANK`` around the device count would do that), so more processes per
+    node than visible GPUs is an error, not a silent sharing.
+
+    Raises:
+        ValueError: ``local_rank`` is not an integer >= 0, or not below ``device_count``.
+    """
+    try:
+        rank = int(local_rank)
+    except ValueError:
+        rank = -1
+    if rank < 0:
+        raise ValueError(f"LOCAL_RANK={local_rank!r} is not an integer >= 0 (set by torchrun)")
+    if rank >= device_count:
+        raise ValueError(f"LOCAL_RANK={rank} but this process sees {device_count} CUDA device(s): two NCCL "
+                         f"ranks cannot share one GPU. Start at most {device_count} processes per node "
+                         f"(torchrun --nproc-per-node={device_count}), or, where a launcher gives each "
+                         "process its own GPU via CUDA_VISIBLE_DEVICES, pass device='cuda' explicitly")
+    return torch.device("cuda", rank)
 
 
 def bind_device(device: torch.device) -> None:

@@ -23,7 +23,17 @@ from gpipe_lab.pipeline.schedules.registry import (
     rank_schedule,
     register_schedule,
 )
-from gpipe_lab.pipeline.schedules.walker import dependency, validate_rank_schedule, validate_schedule, walk
+from gpipe_lab.pipeline.schedules.walker import (
+    MessageKey,
+    dependency,
+    dependent,
+    expected_messages,
+    incoming,
+    outgoing,
+    validate_rank_schedule,
+    validate_schedule,
+    walk,
+)
 from gpipe_lab.pipeline.schedules.zero_bubble import (
     gpipe_batched_w_schedule,
     greedy_split_schedule,
@@ -32,9 +42,9 @@ from gpipe_lab.pipeline.schedules.zero_bubble import (
 )
 
 __all__ = [
-    "FILL_DRAIN", "SCHEDULES", "VIRTUAL_FORMS", "Action", "ActionKind", "Schedule", "ScheduleFn",
-    "analytic_bubble", "check_sizes", "dependency", "get_schedule", "gpipe_batched_w_schedule",
-    "gpipe_schedule", "greedy_split_schedule", "interleaved_1f1b_schedule", "looped_gpipe_schedule",
-    "one_f_one_b_schedule", "rank_schedule", "register_schedule", "validate_rank_schedule",
+    "FILL_DRAIN", "SCHEDULES", "VIRTUAL_FORMS", "Action", "ActionKind", "MessageKey", "Schedule", "ScheduleFn",
+    "analytic_bubble", "check_sizes", "dependency", "dependent", "expected_messages", "get_schedule", "gpipe_batched_w_schedule",
+    "gpipe_schedule", "greedy_split_schedule", "incoming", "interleaved_1f1b_schedule", "looped_gpipe_schedule",
+    "one_f_one_b_schedule", "outgoing", "rank_schedule", "register_schedule", "validate_rank_schedule",
     "validate_schedule", "walk", "weight_runs", "zb_h1_schedule", "zb_h2_schedule",
 ]

@@ -12,14 +12,49 @@ from __future__ import annotations
 
 from gpipe_lab.pipeline.schedules.actions import Action, Schedule
 
+MessageKey = tuple[str, int, int]  # ("F" activation | "B" gradient, receiving stage, micro-batch)
+
+# the one dependency rule: a forward waits for the stage before it, a backward for the stage after it
+_UPSTREAM = {"F": -1, "B": +1}
+
 
 def dependency(action: Action, num_stages: int) -> Action | None:
     """The action of a neighbouring stage that ``action`` waits for (None: local input)."""
-    if action.kind == "F" and action.stage > 0:
-        return Action(action.stage - 1, "F", action.microbatch)
-    if action.kind == "B" and action.stage < num_stages - 1:
-        return Action(action.stage + 1, "B", action.microbatch)
-    return None
+    step = _UPSTREAM.get(action.kind)
+    if step is None or not 0 <= action.stage + step < num_stages:
+        return None
+    return Action(action.stage + step, action.kind, action.microbatch)
+
+
+def dependent(action: Action, num_stages: int) -> Action | None:
+    """The action of a neighbouring stage that waits for ``action`` (None: the end of the pipeline)."""
+    step = _UPSTREAM.get(action.kind)
+    if step is None or not 0 <= action.stage - step < num_stages:
+        return None
+    return Action(action.stage - step, action.kind, action.microbatch)
+
+
+def incoming(action: Action, num_stages: int) -> MessageKey | None:
+    """The message ``action`` consumes: its dependency's result (None: it reads local data)."""
+    if dependency(action, num_stages) is None:
+        return None
+    return (action.kind, action.stage, action.microbatch)
+
+
+def outgoing(action: Action, num_stages: int) -> MessageKey | None:
+    """The message ``action`` produces for its dependent (None: the end of the pipeline)."""
+    after = dependent(action, num_stages)
+    return None if after is None else incoming(after, num_stages)
+
+
+def expected_messages(actions: list[Action], num_ranks: int, num_stages: int) -> dict[MessageKey, int]:
+    """The messages one rank's list consumes, in its order, each with the rank that sends it."""
+    out: dict[MessageKey, int] = {}
+    for a in actions:
+        key, dep = incoming(a, num_stages), dependency(a, num_stages)
+        if key is not None and dep is not None:
+            out[key] = dep.stage % num_ranks
+    return out
 
 
 def walk(schedule: Schedule, num_stages: int | None = None) -> list[tuple[int, Action]]:

@@ -1,0 +1,142 @@
+"""The yardstick every user compares with: plain PyTorch stepping the same M micro-batches.
+
+Plain is the unpipelined module taking forward + loss + backward of each of the M
+micro-batches in turn, gradients accumulating (each loss weighted by its share of the
+batch, as the engine weights it), on one intra-op thread. Against it, in the same
+alternated rounds, ``GPipe.train_step`` with ``checkpoint="never"`` and one thread per stage:
+
+- K=1: the engine's pure overhead (the same work, the same thread count; 1.0 is free);
+- K=2: the pipeline's gain (plain / engine; above 1 the pipeline pays);
+
+each with ``random_replay`` on (the default) and off. Every contender owns a module built
+from the same seed, so each trains the same weights on the same batch. The workloads are the
+mode's (``bench_common.SIZES``), the MLP at ``yardstick_mlp_batch`` (512 rows: the 1024 of the
+other MLP rows would take most of ``--quick``'s time here).
+
+    python -m benchmarks.bench_yardstick [--smoke] [--chunks 4]   # prints the table
+"""
+
+from __future__ import annotations
+
+if not __package__:  # started as a file (``python benchmarks/bench_yardstick.py``): rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
+
+    rerun_as_module(__file__)
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from benchmarks.bench_common import SIZES, Sizes, make_workload, prepare_process, sync
+from gpipe_lab.bench import Workload, md_table, time_rounds
+from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.options import PipelineOptions
+
+CHUNKS = 4
+#: contender -> (K, random_replay)
+ENGINES = {"K=1": (1, True), "K=1, no replay": (1, False), "K=2": (2, True), "K=2, no replay": (2, False)}
+
+
+def _split(value: torch.Tensor | tuple[torch.Tensor, ...], chunks: int) -> list:
+    if isinstance(value, tuple):
+        return list(zip(*(t.chunk(chunks) for t in value)))
+    return list(value.chunk(chunks))
+
+
+def plain_step(work: Workload, chunks: int, device: str) -> Callable[[], None]:
+    """Forward + loss + backward of each micro-batch in turn on one thread, gradients accumulating."""
+    inputs, targets = _split(work.inputs, chunks), _split(work.targets, chunks)
+    weights = [t.shape[0] / work.batch for t in targets]
+
+    def step() -> None:
+        torch.set_num_threads(1)
+        for x, y, w in zip(inputs, targets, weights):
+            (work.loss_fn(work.module(x), y) * w).backward()
+        sync(device)
+
+    return step
+
+
+def engine(work: Workload, chunks: int, device: str, random_replay: bool) -> GPipe:
+    """``GPipe`` over ``work``'s balance, ``checkpoint="never"``, one intra-op thread per stage."""
+    options = PipelineOptions(balance=list(work.balance), chunks=chunks, checkpoint="never",
+                              devices=[device] * len(work.balance), threads_per_stage=1, seed=0,
+                              random_replay=random_replay)
+    return GPipe(work.module, options=options)
+
+
+def measure(name: str, sizes: Sizes, device: str, chunks: int = CHUNKS) -> dict[str, object]:
+    """Median seconds per step of plain and of each engine contender, and their ratios, in one run.
+
+    Raises:
+        ValueError: an unknown workload name (from ``make_workload``).
+    """
+    if name == "mlp":
+        sizes = dataclasses.replace(sizes, mlp_batch=sizes.yardstick_mlp_batch)
+    plain_work = make_workload(name, sizes, partitions=1).to(torch.device(device))
+    works = {"plain": plain_work}
+    fns: dict[str, Callable[[], None]] = {"plain": plain_step(plain_work, chunks, device)}
+    for label, (k, replay) in ENGINES.items():
+        work = make_workload(name, sizes, partitions=k).to(torch.device(device))
+        pipe = engine(work, chunks, device, replay)
+        works[label] = work
+
+        def step(pipe: GPipe = pipe, work: Workload = work) -> None:
+            pipe.train_step(work.inputs, work.targets, work.loss_fn)
+            sync(device)
+
+        fns[label] = step
+
+    def zero() -> None:
+        for work in works.values():
+            work.module.zero_grad(set_to_none=True)
+
+    smoke = sizes.name == "smoke"
+    times = time_rounds(fns, sizes.repeats if smoke else max(5, sizes.repeats), sizes.warmup if smoke else 1, zero)
+    zero()
+    plain = times["plain"].median
+    steps = {label: t.median for label, t in times.items()}
+    return {"workload": name, "batch": plain_work.batch, "M": chunks, "rounds": len(times["plain"].times),
+            "step_s": steps,
+            "overhead": {label: steps[label] / plain for label in ENGINES if label.startswith("K=1")},
+            "gain": {label: plain / steps[label] for label in ENGINES if label.startswith("K=2")}}
+
+
+def run_yardstick(sizes: Sizes, device: str, models: Sequence[str] | None = None,
+                  chunks: int = CHUNKS) -> list[dict[str, object]]:
+    """``measure`` for each workload of ``sizes`` (or ``models``), printing a line per workload."""
+    rows = []
+    for name in models or sizes.models:
+        rows.append(measure(name, sizes, device, chunks))
+        row = rows[-1]
+        print(f"[yardstick] {name}: K=1 / plain {row['overhead']['K=1']:.2f}, "  # type: ignore[index]
+              f"plain / K=2 {row['gain']['K=2']:.2f}x", flush=True)  # type: ignore[index]
+    return rows
+
+
+def table(rows: Sequence[dict]) -> str:
+    """The rows as a markdown table."""
+    return md_table(
+        ["workload", "batch", "M", "plain s", "K=1 / plain (overhead)", "same, no replay",
+         "plain / K=2 (gain)", "same, no replay", "rounds"],
+        [[r["workload"], r["batch"], r["M"], f"{r['step_s']['plain']:.4f}", f"{r['overhead']['K=1']:.2f}",
+          f"{r['overhead']['K=1, no replay']:.2f}", f"{r['gain']['K=2']:.2f}x",
+          f"{r['gain']['K=2, no replay']:.2f}x", r["rounds"]] for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a structure check")
+    parser.add_argument("--chunks", type=int, default=CHUNKS, help="micro-batches M (default 4)")
+    parser.add_argument("--models", default=None, help="comma-separated subset of mlp,transformer,amoebanet")
+    args = parser.parse_args(argv)
+    prepare_process()
+    sizes = SIZES["smoke" if args.smoke else "quick"]
+    print(table(run_yardstick(sizes, "cpu", args.models.split(",") if args.models else None, args.chunks)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

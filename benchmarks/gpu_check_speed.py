@@ -1,0 +1,113 @@
+"""GPU check sections on speed and memory: K x M against gradient accumulation, peaks (see gpu_check.py).
+
+With ``ctx.dry`` both run at tiny sizes on the CPU (wiring only: the GPU-only
+criteria are reported as ``"dry"``, never as a GPU figure).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from benchmarks.gpu_check_engine import Context, sync
+from gpipe_lab.pipeline import GPipe
+
+
+def _step_seconds(step: Callable[[], Any], ctx: Context, repeats: int) -> float:
+    """Median seconds of ``step``: CUDA events on a GPU, the wall clock on the CPU."""
+    step()
+    times = []
+    for _ in range(repeats):
+        if ctx.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _transformer(ctx: Context) -> tuple[nn.Sequential, Tensor]:
+    d, layers, batch, seq = (32, 2, 4, 8) if ctx.dry else (2048, 12, 8, 512)
+    torch.manual_seed(0)
+    module = nn.Sequential(*[nn.TransformerEncoderLayer(d, max(1, d // 128), 4 * d, dropout=0.0, batch_first=True)
+                             for _ in range(layers)]).to(ctx.device)
+    return module, torch.randn(batch, seq, d, device=ctx.device)
+
+
+def _accumulation(module: nn.Sequential, x: Tensor, loss_fn: Callable, chunks: int) -> Callable[[], None]:
+    """Plain PyTorch stepping the same ``chunks`` micro-batches: the zero-overhead line at that M."""
+    parts = x.tensor_split(chunks)
+
+    def step() -> None:
+        for part in parts:
+            (loss_fn(module(part), None) * (len(part) / len(x))).backward()
+    return step
+
+
+def speed(ctx: Context) -> dict[str, Any]:
+    """K x M on one device (bf16 autocast) against gradient accumulation at the same M: K=1 within 5%."""
+    module, x = _transformer(ctx)
+    loss_fn = lambda out, _y: out.float().pow(2).mean()  # noqa: E731
+    repeats = 2 if ctx.dry else 5
+    with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+        Ks, Ms = ((1, 2), (1, 4)) if ctx.dry else ((1, 2, 4), (1, 4, 8))
+        accumulation = {M: _step_seconds(_accumulation(module, x, loss_fn, M), ctx, repeats) for M in Ms}
+        rows: dict[str, Any] = {}
+        for K, M in itertools.product(Ks, Ms):
+            if K > len(module):
+                continue
+            pipe = GPipe(module, partitions=K, chunks=M, devices=[ctx.device] * K, checkpoint="never")
+            t = _step_seconds(lambda p=pipe: p.train_step(x, x, loss_fn), ctx, repeats)
+            rows[f"K={K} M={M}"] = {"seconds": round(t, 4), "vs_accumulation": round(t / accumulation[M], 3),
+                                    "timeline_wall": round(pipe.timeline.wall, 4),
+                                    "device_timeline_wall": round(pipe.timeline.on_device().wall, 4)}
+        K = min(2, len(module))
+        bw = {}
+        for schedule in ("gpipe", "gpipe-bw"):
+            pipe = GPipe(module, partitions=K, chunks=4, devices=[ctx.device] * K, schedule=schedule)
+            bw[schedule] = round(_step_seconds(lambda p=pipe: p.train_step(x, x, loss_fn), ctx, repeats), 4)
+    k1 = {M: rows[f"K=1 M={M}"]["vs_accumulation"] for M in accumulation}
+    ok = ctx.dry or all(r <= 1.05 for r in k1.values())
+    return {"status": "PASS" if ok else "FAIL",
+            "accumulation_seconds": {M: round(t, 4) for M, t in accumulation.items()},
+            "configs": rows, "k1_vs_accumulation": k1, "gpipe_vs_gpipe_bw": bw,
+            "timing": "wall clock (CPU, dry run)" if ctx.dry else "CUDA events"}
+
+
+def memory(ctx: Context) -> dict[str, Any]:
+    """Device peak vs ``memory()``: never > except_last > always; 1F1B below GPipe at M=8."""
+    module, x = _transformer(ctx)
+    loss_fn = lambda out, _y: out.float().pow(2).mean()  # noqa: E731
+    peaks: dict[str, Any] = {}
+    for schedule, mode in (("gpipe", "never"), ("gpipe", "except_last"), ("gpipe", "always"), ("1f1b", "never")):
+        pipe = GPipe(module, partitions=2, chunks=8, devices=[ctx.device] * 2, checkpoint=mode, schedule=schedule,
+                     track_memory=True)
+        if ctx.device.type == "cuda":
+            sync(ctx)
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        pipe.train_step(x, x, loss_fn)
+        peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
+        peaks[f"{schedule}/{mode}"] = {"device_peak_bytes": peak,
+                                       "saved_bytes": [m["peak_activation_bytes"] for m in pipe.memory()]}
+        module.zero_grad(set_to_none=True)
+    key = "saved_bytes" if ctx.dry else "device_peak_bytes"
+
+    def size(name: str) -> int:
+        value = peaks[name][key]
+        return sum(value) if isinstance(value, list) else int(value)
+
+    ordered = size("gpipe/never") >= size("gpipe/except_last") >= size("gpipe/always")
+    one_f_one_b = size("1f1b/never") <= size("gpipe/never")
+    return {"status": "PASS" if ordered and one_f_one_b else "FAIL", "compared": key, "peaks": peaks,
+            "never>=except_last>=always": ordered, "1f1b<=gpipe": one_f_one_b}

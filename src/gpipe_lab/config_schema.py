@@ -1,0 +1,28 @@
+"""Config nodes generated from the code's dataclasses, so each default is written once.
+
+``pipeline/schema`` holds every ``PipelineOptions`` field with its dataclass default;
+``conf/pipeline/default.yaml`` starts from it and lists only the default run's own
+choices. Importing this module registers the nodes in Hydra's ``ConfigStore``
+(``gpipe_lab.train`` and ``gpipe_lab.config`` import it, so every compose sees them).
+The node is a plain mapping, not a typed one: values are checked by
+``gpipe_lab.config.validate``, whose errors name the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from hydra.core.config_store import ConfigStore
+
+from gpipe_lab.pipeline.options import PipelineOptions
+
+#: name of the generated node inside the ``pipeline`` group
+PIPELINE_SCHEMA = "schema"
+
+
+def register_schemas() -> None:
+    """Store ``pipeline/schema`` (idempotent)."""
+    ConfigStore.instance().store(group="pipeline", name=PIPELINE_SCHEMA, node=asdict(PipelineOptions()))
+
+
+register_schemas()

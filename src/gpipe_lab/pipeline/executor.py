@@ -1,0 +1,226 @@
+"""The one executor: a thread per hosted rank walks its actions over an endpoint and one mailbox.
+
+Both transports run a step here (``channel.Endpoint`` is all that differs):
+
+* one thread per pipeline rank this process hosts (every rank locally, its own
+  under torch.distributed), named ``gpipe-stage-<rank>``, walks the rank's list
+  through ``channel.run_action``;
+* every incoming value is taken from one ``Mailbox`` keyed by message; each
+  wait is bounded by the endpoint's ``timeout`` on its own (a per-wait limit),
+  and the sender it waits for comes from the schedule walker
+  (``schedules.expected_messages``);
+* a stage back-propagates on its own thread: autograd multithreading is off
+  there, so the engine never queues a stage's CUDA nodes to the device worker
+  thread, which in ``pipe(x).backward()`` is the caller waiting for this thread;
+* the caller's wait for the threads is bounded too: a whole timeout in which no
+  rank ended an action or a wait raises ``PipelineTimeoutError``;
+* failure is handled here alone: the first exception stops the mailbox (every
+  waiting rank wakes), all threads end, runtimes drop what the step left, and
+  the endpoint turns the exception into the error raised (annotated, and
+  announced to other processes).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from contextlib import ExitStack
+
+import torch
+
+from gpipe_lab.pipeline.channel import Endpoint, RankDevices, StepFeed, Values, run_action
+from gpipe_lab.pipeline.checkpointing import autocast_as, autocast_state
+from gpipe_lab.pipeline.errors import PipelineTimeoutError
+from gpipe_lab.pipeline.mailbox import Mailbox, Stopped, Undelivered, WaitTimeout
+from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule, expected_messages
+from gpipe_lab.pipeline.stage import StageRuntime
+from gpipe_lab.pipeline.timeline import Event, Timeline
+
+Failure = tuple[float, int, "Action | None", BaseException]  # (when, rank, action, exception)
+
+
+class _Step:
+    """The state of one step shared by its rank threads."""
+
+    def __init__(self, schedule: Schedule, feed: StepFeed, sync_gradients: bool, num_stages: int) -> None:
+        K = len(schedule)
+        self.schedule, self.feed, self.sync_gradients = schedule, feed, sync_gradients
+        self.mailbox = Mailbox()
+        self.done: list[Action | None] = [None] * K
+        self.current: list[Action | None] = [actions[0] if actions else None for actions in schedule]
+        self.senders: dict[MessageKey, int] = {}
+        for actions in schedule:
+            self.senders.update(expected_messages(actions, K, num_stages))
+        self.failures: list[Failure] = []
+        self.progress = 0  # actions and waits ended, by every rank: the caller's sign of life
+        self.running = [threading.Event() for _ in range(K)]
+        self.finished = [threading.Event() for _ in range(K)]
+        self.autocast = autocast_state()  # autocast is per thread: the stage threads take the caller's
+
+    def fail(self, rank: int, exc: BaseException) -> None:
+        self.failures.append((time.monotonic(), rank, self.current[rank], exc))
+        self.mailbox.stop()
+
+    def first_failure(self) -> Failure:
+        """The earliest failure that is not a wait that gave up (those follow from it)."""
+        real = [f for f in self.failures if not isinstance(f[3], TimeoutError)]
+        return min(real or self.failures, key=lambda f: f[0])
+
+
+class Executor:
+    """Runs the hosted ranks' action lists of ``PipelineCore``'s steps over ``endpoint``."""
+
+    def __init__(self, endpoint: Endpoint, runtimes: Mapping[int, StageRuntime]) -> None:
+        self.endpoint = endpoint
+        self.runtimes = dict(runtimes)
+        self.num_stages = next(iter(self.runtimes.values())).num_stages
+
+    def run(self, schedule: Schedule, prepared: object, feed: StepFeed, sync_gradients: bool) -> None:
+        """Execute the hosted ranks' lists of ``schedule``.
+
+        Raises:
+            Exception: the first exception of any rank, with its original type, once every rank
+                thread has stopped, annotated by the endpoint with stage and action.
+            PipelineTimeoutError: a wait lasted longer than the timeout (a subclass names the peer).
+            KeyboardInterrupt: the caller was interrupted (every rank thread stopped first).
+        """
+        step = _Step(schedule, feed, sync_gradients, self.num_stages)
+        ranks = [(k, self._device(schedule, k)) for k in self.endpoint.ranks]
+        self.endpoint.peak_live = {s: 0 for s in self.runtimes}
+        self.endpoint.open(prepared, step.mailbox, ranks)
+        try:
+            self._run_threads(step, ranks)
+        except BaseException as exc:  # the caller was interrupted: the threads have stopped
+            self._abort(ranks)
+            raise self.endpoint.fail(exc, self._stage_of(schedule, ranks[0][0]), None) from None
+        if not step.failures:
+            try:
+                self.endpoint.close(ranks, ok=True, sync_gradients=sync_gradients)
+                return
+            except BaseException as exc:  # noqa: BLE001 - a send or an all-reduce failed
+                step.failures.append((time.monotonic(), ranks[0][0], None, exc))
+        self._abort(ranks)
+        _, k, action, exc = step.first_failure()
+        stage = self._stage_of(schedule, k) if action is None else action.stage
+        raise self.endpoint.fail(exc, stage, action) from None
+
+    def _run_threads(self, step: _Step, ranks: RankDevices) -> None:
+        """Start a thread per rank and wait until all have ended (also when interrupted)."""
+        main_threads = torch.get_num_threads()
+        launched: list[int] = []
+        try:
+            for k, device in ranks:
+                launched.append(k)
+                threading.Thread(target=self._rank_thread, args=(step, k, device), name=f"gpipe-stage-{k}",
+                                 daemon=True).start()
+            for k in launched:
+                self._wait_for(step, k)
+        except BaseException:  # e.g. Ctrl-C in the caller: stop the threads before re-raising
+            step.mailbox.stop()
+            # A Ctrl-C inside Thread.start() can leave a launched thread not yet running: wait for it
+            # to begin (bounded: an interrupt before the OS thread was created means it never will).
+            # A running one stops at its next action or wait; its compute cannot be interrupted.
+            for k in launched:
+                if step.running[k].wait(timeout=10.0):
+                    step.finished[k].wait(self.endpoint.timeout)
+            raise
+        finally:
+            torch.set_num_threads(main_threads)
+
+    def _wait_for(self, step: _Step, k: int) -> None:
+        """Wait for rank ``k``'s thread to end while some rank progresses.
+
+        Raises:
+            PipelineTimeoutError: no rank finished an action or a wait for a whole timeout (a
+                computation longer than the timeout, or a backward that can never be scheduled).
+        """
+        seen = step.progress
+        while not step.finished[k].wait(self.endpoint.timeout):
+            if step.progress == seen:
+                raise PipelineTimeoutError(self.endpoint.timeout, list(step.done), list(step.current),
+                                           "no stage progressed")
+            seen = step.progress
+
+    def _rank_thread(self, step: _Step, k: int, device: torch.device) -> None:
+        step.running[k].set()
+        try:
+            with ExitStack() as stack:
+                stack.enter_context(autocast_as(step.autocast))
+                # thread-local, and takes effect when made: the stage's backward runs on this thread
+                stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+                if device.type == "cpu" and self.endpoint.threads_per_rank is not None:
+                    torch.set_num_threads(self.endpoint.threads_per_rank)
+                elif device.type == "cuda":
+                    torch.cuda.set_device(device)
+                stack.enter_context(self.endpoint.rank_context(k, device))
+                self._walk(step, k)
+        except Stopped:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            step.fail(k, exc)
+        finally:
+            step.finished[k].set()
+
+    def _walk(self, step: _Step, k: int) -> None:
+        actions = step.schedule[k]
+        last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind in "BW"}
+
+        def receive(key: MessageKey, action: Action) -> tuple[Values, bool]:
+            return self._receive(step, k, key, action)
+
+        for i, action in enumerate(actions):
+            if step.mailbox.stopped:  # another rank failed or the caller was interrupted
+                raise Stopped
+            runtime = self.runtimes[action.stage]
+            run_action(action, runtime, receive, self.endpoint, step.feed, self.num_stages)
+            peak = self.endpoint.peak_live
+            peak[action.stage] = max(peak[action.stage], len(runtime._saved))
+            if step.sync_gradients and last_backward.get(action.stage) == i:
+                self.endpoint.stage_done(runtime)
+            step.done[k] = action
+            step.current[k] = actions[i + 1] if i + 1 < len(actions) else None
+            step.progress += 1
+
+    def _receive(self, step: _Step, k: int, key: MessageKey, action: Action) -> tuple[Values, bool]:
+        """Wait (bounded) for ``key``; the time blocked is a ``wait`` event of the stage."""
+        runtime = self.runtimes[action.stage]
+        peer = step.senders[key]
+        start = time.perf_counter()
+        try:
+            item = step.mailbox.get(key, self.endpoint.timeout, self.endpoint.poll)
+        except WaitTimeout:
+            raise self.endpoint.timed_out(key, action, peer, list(step.done), list(step.current)) from None
+        except Undelivered as lost:
+            raise self.endpoint.undelivered(key, action, lost.peer, lost.cause) from None
+        runtime.events.append(Event(action.stage, "wait", action.microbatch, start, time.perf_counter()))
+        step.progress += 1
+        return self.endpoint.receive(item, runtime)
+
+    def _abort(self, ranks: RankDevices) -> None:
+        """Drop what a failed step left behind (never raises)."""
+        self.endpoint.close(ranks, ok=False, sync_gradients=False)
+        for runtime in self.runtimes.values():
+            runtime.abort()
+
+    def _device(self, schedule: Schedule, k: int) -> torch.device:
+        return self.runtimes[schedule[k][0].stage].device if schedule[k] else torch.device("cpu")
+
+    def _stage_of(self, schedule: Schedule, k: int) -> int:
+        return schedule[k][0].stage if schedule[k] else k
+
+
+def step_timeline(runtimes: Mapping[int, StageRuntime], num_ranks: int, start: float,
+                  num_microbatches: int) -> Timeline:
+    """The events of the step that began at ``start``, per pipeline rank (chunk j on rank j mod K)."""
+    K = num_ranks
+    timeline = Timeline(K, start=start)
+    timeline.end = time.perf_counter()
+    timeline.events = sorted((Event(e.stage % K, e.kind, e.microbatch, e.start, e.end)
+                              for r in runtimes.values() for e in r.events), key=lambda e: e.start)
+    timeline.num_microbatches = num_microbatches
+    if any(r.clock is not None for r in runtimes.values()):
+        held = list(runtimes.values())
+        timeline.device_source = lambda: [Event(e.stage % K, e.kind, e.microbatch, e.start, e.end)
+                                          for r in held for e in r.device_events()]
+    return timeline

@@ -1,0 +1,67 @@
+"""The differential harness's distributed transport: one launch of K gloo processes per K.
+
+Each rank runs every case of its launch twice (``run_engine`` builds a
+``DistributedGPipe``) and returns what it holds; the parent merges the ranks'
+parts into what a user of the whole pipeline observes.
+"""
+
+from __future__ import annotations
+
+from differential_cases import Case
+from differential_run import Observed, run_engine
+
+from gpipe_lab.pipeline.distributed.launch import run_local
+
+PER_LAUNCH = 100  # cases per launch of K processes (each launch within ``timeout``)
+
+
+def worker(rank: int, world: int, recipes: list[str]) -> list[tuple[Observed, Observed]]:
+    return [(run_engine(Case.parse(r)), run_engine(Case.parse(r))) for r in recipes]
+
+
+def merge(parts: list[Observed]) -> Observed:
+    """One observation from the ranks': the first value found of each item (every rank
+    computes the loss and a forward's output; a gradient or buffer lives on one rank)."""
+    errors = [p["error"] for p in parts if "error" in p]
+    if errors:
+        return {"error": errors[0]}
+    out: Observed = {"probe": sorted(x for p in parts for x in p["probe"])}  # type: ignore[attr-defined]
+    for key in ("loss", "outputs"):
+        found = [p[key] for p in parts if key in p]
+        if key == "outputs" and found:
+            found = [[next((o[i] for o in found if o[i] is not None), None) for i in range(len(found[0]))]]
+        if found:
+            out[key] = found[0]
+    for key in ("grads", "buffers"):
+        union: dict = {}
+        for p in parts:
+            for name, value in p[key].items():  # type: ignore[union-attr]
+                if union.get(name) is None:
+                    union[name] = value
+        out[key] = union
+    grads = [p["input_grad"] for p in parts]
+    out["input_grad"] = [next((g[i] for g in grads if g[i] is not None), None) for i in range(len(grads[0]))]
+    return out
+
+
+def run_distributed(cases: list[Case], timeout: float = 600) -> dict[Case, tuple[Observed, Observed]]:
+    """Every case's two runs, one launch of K processes per K (per ``PER_LAUNCH`` cases).
+
+    Raises:
+        RuntimeError: a rank failed or hung (its error text and the launch's recipes).
+    """
+    results: dict[Case, tuple[Observed, Observed]] = {}
+    launches = []
+    for K in sorted({c.K for c in cases}):
+        same = [c for c in cases if c.K == K]
+        launches += [same[i:i + PER_LAUNCH] for i in range(0, len(same), PER_LAUNCH)]
+    for group in launches:
+        ranks = run_local(worker, group[0].K, args=([c.recipe() for c in group],), timeout=timeout)
+        failed = [r for r in ranks if r.exitcode != 0]
+        if failed:
+            recipes = "\n".join(c.recipe() for c in group)
+            raise RuntimeError(f"rank {failed[0].rank} exit {failed[0].exitcode}: {failed[0].error}\n"
+                               f"cases of this launch:\n{recipes}")
+        for i, case in enumerate(group):
+            results[case] = (merge([r.value[i][0] for r in ranks]), merge([r.value[i][1] for r in ranks]))
+    return results

@@ -1,0 +1,159 @@
+"""The one executor on the local transport: per-wait timeout, the non-finite policy of
+``pipe(x).backward()``, and stage backward on the stage's own thread.
+
+The same drifts on the distributed transport: tests/distributed/test_executor_distributed.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gpipe_lab import GPipe
+from gpipe_lab.pipeline import NonFiniteError, PipelineTimeoutError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Slow(nn.Module):
+    """Identity that takes ``seconds`` per forward (a stand-in for a slow layer)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds, self.calls = seconds, 0
+        self._clock = threading.Event()  # never set: wait() is a bounded delay
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():  # forwards only, not the replays
+            self.calls += 1
+        self._clock.wait(self.seconds)
+        return x
+
+
+def stage_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("gpipe-stage-")]
+
+
+def test_a_step_longer_than_the_timeout_finishes_when_every_wait_is_shorter() -> None:
+    """K=2, M=8, timeout=2: stage 0 takes 0.4 s per micro-batch, so stage 1 waits ~0.4 s each
+    time while the step lasts more than 3.2 s; ``timeout`` bounds each wait, not the step."""
+    torch.manual_seed(0)
+    slow = Slow(0.4)
+    model = nn.Sequential(nn.Linear(4, 4), slow, nn.Linear(4, 4))
+    pipe = GPipe(model, balance=[2, 1], chunks=8, checkpoint="never")
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe.train_step(x, y, F.mse_loss)  # a process's first step pays one-off set-up costs
+    model.zero_grad()
+    slow.calls = 0
+    pipe.timeout = 2.0
+    loss = pipe.train_step(x, y, F.mse_loss)
+    assert slow.calls == 8  # the step ran all 8 slow forwards: longer than the timeout
+    model.zero_grad()
+    expected = F.mse_loss(model(x), y)
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+
+
+class Stall(nn.Module):
+    """Holds its stage once, until the other stage threads have given up waiting for it (bounded)."""
+
+    armed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            self.armed = False
+            for t in stage_threads():
+                if t is not threading.current_thread():
+                    t.join(30)
+        return x
+
+
+def test_a_wait_longer_than_the_timeout_raises_and_a_new_timeout_reaches_the_waits() -> None:
+    torch.manual_seed(0)
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), Stall(), nn.Linear(4, 4)), balance=[1, 2], chunks=4,
+                 timeout=300.0)
+    pipe.timeout = 0.3  # set between steps: the executor's waits read it
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    with pytest.raises(PipelineTimeoutError, match="timeout of 0.3 s") as info:
+        pipe.train_step(x, y, F.mse_loss)
+    assert "stage 0: last completed F3@0, waiting on B3@0" in str(info.value)  # waited for stage 1
+    assert not stage_threads()
+    pipe.timeout = 30.0
+    assert torch.isfinite(pipe.train_step(x, y, F.mse_loss))
+
+
+class NaNAfter(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float("nan")
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_nan_through_pipe_x_backward_follows_the_nonfinite_policy(policy: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), NaNAfter(), nn.Linear(4, 4))
+    pipe = GPipe(model, balance=[2, 1], chunks=2, nonfinite=policy)
+    out = pipe(torch.randn(4, 4))
+    if policy == "raise":
+        with pytest.raises(NonFiniteError, match="step 0: gradients of stage 0 are not finite"):
+            out.sum().backward()
+    else:
+        out.sum().backward()
+        assert pipe.last_step_skipped and pipe.skipped_steps == 1
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_stage_back_propagates_on_its_own_thread_with_autograd_multithreading_off() -> None:
+    """In ``pipe(x).backward()`` the caller's thread runs the output's backward node and waits
+    for the stages; each stage's backward must run on the stage's thread (on CUDA, the
+    engine's device worker would otherwise run it: the thread that is waiting)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+    pipe = GPipe(model, balance=[2, 2], chunks=2)
+    seen: dict[int, set] = {0: set(), 2: set()}
+
+    def hook(index: int):
+        def record(module, grad_input, grad_output):
+            seen[index].add((threading.current_thread().name, torch._C._is_multithreading_enabled()))
+        return record
+
+    for index in seen:
+        model[index].register_full_backward_hook(hook(index))
+    out = pipe(torch.randn(4, 4, requires_grad=True))
+    out.sum().backward()
+    assert seen[0] == {("gpipe-stage-0", False)}
+    assert seen[2] == {("gpipe-stage-1", False)}
+    assert torch._C._is_multithreading_enabled()  # the caller's own setting is untouched
+
+
+class Hold(nn.Module):
+    """Holds its stage on the first forward until ``release`` (bounded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.release.wait(30)
+        return x
+
+
+def test_the_callers_wait_is_bounded_when_no_stage_progresses() -> None:
+    """K=1 has no neighbour to time out: a stage stuck in one computation for a whole timeout
+    (as a backward that can never be scheduled would be) still reaches the caller as an error."""
+    hold = Hold()
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), hold), balance=[2], chunks=2, timeout=300.0)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    pipe.timeout = 0.3
+    try:
+        with pytest.raises(PipelineTimeoutError, match="no stage progressed longer than the timeout of 0.3 s"):
+            pipe.train_step(x, y, F.mse_loss)
+    finally:
+        hold.release.set()
+    for t in stage_threads():
+        t.join(30)
+    assert not stage_threads()
+    pipe.timeout = 30.0
+    assert torch.isfinite(pipe.train_step(x, y, F.mse_loss))
