@@ -161,8 +161,12 @@ def test_readme_scheduling_example_runs(tmp_path, monkeypatch):
 PATH = re.compile(r"`((?:tests|src|conf|experiments|benchmarks|docs|results|\.ci)/[A-Za-z0-9_./*-]*)")
 
 
+#: Paths the docs name as not written yet, and what writes them.
+NOT_YET = {"results/gpu_check.md": "benchmarks/gpu_check.py on the first GPU lent to the lab"}
+
+
 def test_every_path_the_docs_name_exists():
     named = {(path.name, m) for path in DOCS for m in PATH.findall(path.read_text())}
     missing = sorted((doc, p) for doc, p in named
-                     if not ((ROOT / p.rstrip(".")).exists() or ("*" in p and list(ROOT.glob(p)))))
+                     if p not in NOT_YET and not ((ROOT / p.rstrip(".")).exists() or ("*" in p and list(ROOT.glob(p)))))
     assert missing == []
