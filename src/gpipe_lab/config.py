@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 @dataclass
 class CallbacksConfig:
     checkpoint_every_n_steps: int | None = 50
-    keep_checkpoints: int = 1
+    keep_checkpoints: int = 0
     graceful_ctrl_c: bool = True
 
 
@@ -212,6 +212,11 @@ def validate_layer_count(cfg: DictConfig, p: PipelineOptions, num_layers: int) -
     if p.num_stages > num_layers:
         raise ConfigError(f"pipeline.partitions: {p.num_stages} partitions but model {cfg.model.name!r} has only "
                           f"{num_layers} layers")
+    chunks = p.num_stages * p.virtual_stages
+    if p.balance is None and chunks > num_layers:
+        raise ConfigError(f"pipeline.virtual_stages: {p.num_stages} partitions x {p.virtual_stages} virtual stages "
+                          f"= {chunks} chunks but model {cfg.model.name!r} has only {num_layers} layers; lower "
+                          f"pipeline.virtual_stages or pipeline.partitions")
 
 
 def validate_combinations(cfg: DictConfig, p: PipelineOptions) -> None:

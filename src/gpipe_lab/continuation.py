@@ -70,5 +70,8 @@ def continue_run(cfg: DictConfig) -> DictConfig:
     link = output_dir / "resumed_run"
     if not link.exists():
         link.symlink_to(old_run, target_is_directory=True)
-    print(f"continuing run {old_run} (wandb id {run_id}) with its overrides {carried} and {current}")
+    wandb_note = f" (wandb id {run_id})" if run_id is not None and new_cfg.logger.get("name") == "wandb" else ""
+    given_note = f"; its overrides: {' '.join(carried)}" if carried else ""
+    given_note += f"; this command's: {' '.join(current)}" if current else ""
+    print(f"continuing run {old_run}{wandb_note}{given_note}")
     return new_cfg

@@ -1,7 +1,8 @@
 """``SweepCheck``: a Hydra callback that validates every job of a sweep before any job runs.
 
-``gpipe-train -m pipeline.chunks=4,64,2`` composes each job of the basic sweeper and runs
-``gpipe_lab.config.validate`` on it; when some jobs cannot run, the sweep stops before the first
+``gpipe-train -m pipeline.chunks=4,64,2`` composes each job of the basic sweeper and makes the
+single run's checks on it (``gpipe_lab.preflight``: the config, K against the model's layers,
+the checkpoints, the accelerator); when some jobs cannot run, the sweep stops before the first
 one trains, with one line per failing job (its number, overrides and the error). Registered in
 ``conf/hydra/default.yaml`` (``hydra.callbacks.sweep_check``). Other sweepers (whose jobs are not
 known in advance) are left alone.
@@ -29,15 +30,16 @@ def sweep_jobs(config: DictConfig) -> list[list[str]]:
 
 
 def failing_jobs(config: DictConfig, config_name: str) -> list[str]:
-    """One line per job of the sweep whose composed config fails ``validate``."""
+    """One line per job of the sweep whose composed config fails ``preflight``."""
     from hydra import compose
 
-    from gpipe_lab.config import ConfigError, validate
+    from gpipe_lab.config import ConfigError
+    from gpipe_lab.preflight import preflight
 
     failed = []
     for num, overrides in enumerate(sweep_jobs(config)):
         try:
-            validate(compose(config_name, overrides=overrides))
+            preflight(compose(config_name, overrides=overrides))
         except ConfigError as exc:
             failed.append(f"  job {num} ({' '.join(overrides)}): {exc}")
     return failed

@@ -1,9 +1,10 @@
-"""Hydra callback: after a multirun, gather every job's ``summary.json`` into one table.
+"""Hydra callback: during and after a multirun, gather every job's ``summary.json`` into one table.
 
-Writes next to the job folders ``summary.json`` (a list of rows), ``summary.csv`` and
+After each job (so a sweep whose later jobs fail keeps the table of those that finished) and at
+the end of the sweep, writes next to the job folders ``summary.json`` (a list of rows), ``summary.csv`` and
 ``sweep_summary.md`` (one line per job: throughput, bubble, memory, final metric), and, when
 the logger is wandb, one more wandb run in the sweep's group (``job_type=sweep-summary``)
-holding the same table as ``sweep/summary``.
+holding the same table as ``sweep/summary``. The sweep ends by printing where the table is.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
 #: The table's columns: (header, summary.json key or a function of the row).
 COLUMNS: list[tuple[str, Any]] = [
@@ -87,6 +90,18 @@ def log_wandb_table(rows: list[dict[str, Any]], sweep_dir: Path, logger: DictCon
 class SweepSummary(Callback):
     """``hydra.callbacks.sweep_summary`` in conf/hydra/default.yaml."""
 
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        """A sweep job ended (trained or failed): the table of the jobs finished so far."""
+        if OmegaConf.select(config, "hydra.mode") != RunMode.MULTIRUN:
+            return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = collect_summaries(sweep_dir)
+        if rows:
+            write_table(rows, sweep_dir)
+        if job_return.status == JobStatus.FAILED and rows:
+            print(f"sweep job {config.hydra.job.num} failed; the table of the {len(rows)} finished job(s): "
+                  f"{sweep_dir / 'sweep_summary.md'}", flush=True)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = collect_summaries(sweep_dir)
@@ -96,3 +111,5 @@ class SweepSummary(Callback):
         logger = config.get("logger")
         if logger is not None and logger.get("name") == "wandb" and logger.get("mode") != "disabled":
             log_wandb_table(rows, sweep_dir, logger)
+        print(f"sweep summary of {len(rows)} job(s): {sweep_dir / 'sweep_summary.md'} (table), "
+              f"{sweep_dir / 'summary.csv'} (every key)", flush=True)

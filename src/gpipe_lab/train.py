@@ -9,20 +9,54 @@
 
 Every run writes ``summary.json``, ``timeline_{first,last}.png``, ``checkpoints/last.ckpt``
 (every ``callbacks.checkpoint_every_n_steps`` steps, at the end and on Ctrl-C) and (by
-default) an offline wandb run under its output directory.
+default) an offline wandb run under its output directory. ``gpipe_lab.preflight`` checks the
+whole config first (the dry run and each job of a sweep make the same checks).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
+import lightning.pytorch as pl
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import gpipe_lab.config_schema  # noqa: F401  (registers the generated config nodes)
+from gpipe_lab.config import ConfigError, trainer_devices, validate_callbacks, validate_pipeline
+from gpipe_lab.continuation import continue_run
+from gpipe_lab.data import build_datamodule as build_named_datamodule
+from gpipe_lab.data.checks import DataNotFoundError
+from gpipe_lab.lightning import GPipeStrategy
+from gpipe_lab.lightning.callbacks import PipelineMetrics
+from gpipe_lab.lightning.known_warnings import silence_known_warnings
+from gpipe_lab.lightning.resume import ResumableCheckpoint, load_initial_weights
+from gpipe_lab.lightning.resume_checks import check_resume
+from gpipe_lab.lightning.wandb_run import build_wandb_logger, run_name
+from gpipe_lab.models import build, layer_costs
+from gpipe_lab.pipeline.distributed.failure import PeerFailedError
 from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
+from gpipe_lab.run_console import (
+    CompileNotice,
+    close_progress_bars,
+    discard_run_dir,
+    print_lightning_logs_once,
+    stage_summary,
+    summary_line,
+    tell_interrupted,
+)
+from gpipe_lab.suggest import suggest_overrides
+
+__all__ = ["CONFIG_DIR", "build_datamodule", "build_logger", "build_module", "cli", "engine_options",
+           "main", "model_overrides", "run"]
 
 # The YAML ships inside the package (``gpipe_lab/conf``; in a checkout a link to the top-level
 # ``conf/``), so an installed wheel finds it too.
@@ -30,16 +64,29 @@ CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().
 
 
 def build_datamodule(cfg: DictConfig) -> Any:
-    from gpipe_lab.data import build_datamodule as build
-
+    """The ``data`` group's datamodule."""
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "name"}
-    return build(cfg.data.name, seed=cfg.seed, **kwargs)
+    return build_named_datamodule(cfg.data.name, seed=cfg.seed, **kwargs)
 
 
-def model_overrides(cfg: DictConfig) -> dict[str, Any]:
-    """The ``model`` group's ``gpipe_lab.models.build`` overrides (all but ``name`` and ``task``)."""
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    return {k: v for k, v in model.items() if k not in ("name", "task")}  # type: ignore[union-attr]
+def fetch_data(cfg: DictConfig, datamodule: Any) -> None:
+    """``data.download=true``: fetch the dataset now, before a logger starts, so that a machine
+    without internet gets one line.
+
+    Raises:
+        ConfigError: the download failed (naming ``data.download`` and the local alternative).
+    """
+    if not cfg.data.get("download"):
+        return
+    try:
+        datamodule.prepare_data()
+    except DataNotFoundError:
+        raise
+    except OSError as exc:
+        reason = str(getattr(exc, "reason", None) or exc).splitlines()[0]
+        raise ConfigError(f"data.download=true: fetching {cfg.data.name} failed ({reason}); without internet, "
+                          f"copy the dataset's files under data.root={cfg.data.get('root')} and set "
+                          f"data.download=false") from None
 
 
 def build_module(cfg: DictConfig, datamodule: Any) -> Any:
@@ -48,10 +95,6 @@ def build_module(cfg: DictConfig, datamodule: Any) -> Any:
 
     The datamodule decides the class count / vocabulary size when it knows them.
     """
-    from hydra.utils import instantiate
-
-    from gpipe_lab.models import build
-
     overrides = model_overrides(cfg)
     for key in ("num_classes", "vocab_size"):
         if key in overrides and getattr(datamodule, key, None):
@@ -75,15 +118,10 @@ def build_callbacks(cfg: DictConfig, output_dir: Path, trainer_kwargs: dict[str,
     """The checkpoint callback (``callbacks`` group) and the progress bar, as the trainer config asks."""
     callbacks: list[Any] = []
     if trainer_kwargs.get("enable_checkpointing", True):
-        from gpipe_lab.config import validate_callbacks
-        from gpipe_lab.lightning.resume import ResumableCheckpoint
-
         c = validate_callbacks(cfg)
         callbacks.append(ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=c.checkpoint_every_n_steps,
                                              save_top_k=c.keep_checkpoints, handle_sigint=c.graceful_ctrl_c))
     if trainer_kwargs.get("enable_progress_bar", True):
-        from lightning.pytorch.callbacks import TQDMProgressBar
-
         callbacks.append(TQDMProgressBar(refresh_rate=1))
     return callbacks
 
@@ -99,13 +137,8 @@ def build_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions | N
     by ``gpipe_lab.lightning.wandb_run``."""
     name = cfg.logger.name if cfg.get("logger") else "none"
     if name == "csv":
-        from lightning.pytorch.loggers import CSVLogger
-
         return CSVLogger(save_dir=str(output_dir), name="csv")
     if name == "wandb":
-        from gpipe_lab.config import validate_pipeline
-        from gpipe_lab.lightning.wandb_run import build_wandb_logger
-
         return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg))
     return False
 
@@ -114,8 +147,6 @@ def engine_options(cfg: DictConfig, options: PipelineOptions, module: Any) -> Pi
     """The validated options as the engine takes them: measured per-layer costs, the run's seed."""
     changes: dict[str, Any] = {}
     if isinstance(options.cost, str) and options.cost != "params":
-        from gpipe_lab.models import layer_costs
-
         changes["cost"] = layer_costs(module.layers, options.cost)
     if options.seed is None:
         changes["seed"] = int(cfg.seed)
@@ -129,92 +160,93 @@ def output_dir_of(cfg: DictConfig) -> Path:
         return Path(cfg.paths.log_dir) / cfg.task_name / "run"
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Validate, build and fit; returns the run's summary.
+def load_weights(cfg: DictConfig, module: Any, ckpt_path: str | None) -> str | None:
+    """Check the checkpoint to resume against the module, or load ``init_from``'s weights into it;
+    returns the ``init_from`` checkpoint.
 
     Raises:
-        ConfigError: a config that cannot run (before anything is built).
+        ConfigError: the checkpoint cannot continue this run (``check_resume``).
     """
-    import lightning.pytorch as pl
-
-    from gpipe_lab.config import trainer_devices, validate, validate_layer_count
-    from gpipe_lab.continuation import continue_run
-    from gpipe_lab.lightning import GPipeStrategy
-    from gpipe_lab.lightning.callbacks import PipelineMetrics
-    from gpipe_lab.lightning.known_warnings import silence_known_warnings
-    from gpipe_lab.lightning.wandb_run import run_name
-
-    silence_known_warnings()
-    print_lightning_logs_once()
-    cfg = continue_run(cfg)  # ckpt_path: the checkpoint's run's overrides, wandb run and a link to it
-    options = validate(cfg)
-    if cfg.get("dry_run"):
-        print(OmegaConf.to_yaml(cfg, resolve=True))
-        return {}
-    output_dir = output_dir_of(cfg)
-    pl.seed_everything(cfg.seed, workers=True)
-    datamodule = build_datamodule(cfg)
-    module = build_module(cfg, datamodule)
-    validate_layer_count(cfg, options, len(module.layers))
-    ckpt_path = None
-    if cfg.get("ckpt_path") is not None:
-        from gpipe_lab.lightning.resume import resolve_ckpt_path
-
-        ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
-        from gpipe_lab.lightning.resume_checks import check_resume
-
+    if ckpt_path is not None:
         check_resume(ckpt_path, cfg, module)
     init_from = init_from_of(cfg)
     if init_from is not None:
-        from gpipe_lab.lightning.resume import load_initial_weights
-
         fresh = load_initial_weights(module, init_from, fresh_classifier=bool(cfg.get("fresh_classifier", True)))
         print(f"init_from {init_from}: loaded every weight but {len(fresh)} new one(s) "
               f"{fresh[:4]}{' ...' if len(fresh) > 4 else ''}")
+    return init_from
+
+
+def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output_dir: Path,
+                  metrics: PipelineMetrics) -> pl.Trainer:
+    """The Lightning trainer: the ``trainer`` group, the GPipe strategy, the logger and callbacks."""
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_kwargs["devices"] = trainer_devices(cfg, options)  # type: ignore[index]
+    # Lightning's summary shows one ``layers | Sequential`` row and 0 FLOPs; ``stage_summary`` replaces it.
+    trainer_kwargs.setdefault("enable_model_summary", False)  # type: ignore[union-attr]
+    callbacks: list[Any] = [metrics, *build_callbacks(cfg, output_dir, trainer_kwargs)]  # type: ignore[arg-type]
+    if options.compile:
+        callbacks.append(CompileNotice())
     strategy = GPipeStrategy(options=engine_options(cfg, options, module))
-    logger = build_logger(cfg, output_dir, options)
+    if rank_zero_only.rank == 0 and trainer_kwargs.get("enable_model_summary") is False:  # type: ignore[union-attr]
+        print(stage_summary(strategy.options, module.layers))
+    return pl.Trainer(**trainer_kwargs, strategy=strategy, logger=build_logger(cfg, output_dir, options),
+                      callbacks=callbacks, default_root_dir=str(output_dir))
+
+
+def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metrics: PipelineMetrics,
+        ckpt_path: str | None) -> None:
+    """Train (resuming ``ckpt_path``), then validate the final model when the last validation was
+    earlier; the wandb run is closed whatever happens."""
+    try:
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+            if metrics.last_validated_step != trainer.global_step and trainer.limit_val_batches:
+                trainer.validate(module, datamodule=datamodule, verbose=False)  # the final model's metric
+                metrics.write_summary(trainer)
+        finally:
+            if cfg.logger.get("name") == "wandb":
+                import wandb  # import cost: only a wandb-logged run, once a trainer exists, loads it
+
+                wandb.finish()
+    except SystemExit:  # Lightning's answer to Ctrl-C: exit(1) once the interrupted state is saved
+        if trainer.interrupted and trainer.is_global_zero:
+            close_progress_bars(trainer)
+            tell_interrupted(metrics, output_dir_of(cfg))
+        raise
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Check the whole config (``preflight``), build and fit; returns the run's summary
+    (empty for a dry run).
+
+    Raises:
+        ConfigError: a config that cannot run (before anything is built or logged).
+    """
+    silence_known_warnings()
+    print_lightning_logs_once()
+    output_dir = output_dir_of(cfg)
+    resolve_checkpoint(cfg, output_dir)  # a missing checkpoint: one line, before continue_run reads it
+    cfg = continue_run(cfg)  # ckpt_path: the checkpoint's run's overrides, wandb run and a link to it
+    options = preflight(cfg, output_dir)
+    if cfg.get("dry_run"):
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+        return {}
+    ckpt_path = resolve_checkpoint(cfg, output_dir)
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule = build_datamodule(cfg)
+    fetch_data(cfg, datamodule)
+    module = build_module(cfg, datamodule)
+    init_from = load_weights(cfg, module, ckpt_path)
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
              "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
              "init_from": init_from, "run_name": run_name(options)}
     metrics = PipelineMetrics(output_dir, extra_summary=extra)
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    trainer_kwargs["devices"] = trainer_devices(cfg, options)  # type: ignore[index]
-    callbacks: list[Any] = [metrics, *build_callbacks(cfg, output_dir, trainer_kwargs)]
-    try:
-        trainer = pl.Trainer(**trainer_kwargs, strategy=strategy, logger=logger, callbacks=callbacks,
-                             default_root_dir=str(output_dir))
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-        if metrics.last_validated_step != trainer.global_step and trainer.limit_val_batches:
-            trainer.validate(module, datamodule=datamodule, verbose=False)  # the final model's metric
-            metrics.write_summary(trainer)
-    finally:
-        if cfg.logger.get("name") == "wandb":
-            import wandb
-
-            wandb.finish()
+    trainer = build_trainer(cfg, options, module, output_dir, metrics)
+    fit(cfg, trainer, module, datamodule, metrics, ckpt_path)
     if trainer.is_global_zero:
-        value = metrics.summary.get("validation_value")
-        print(f"summary: K={metrics.summary.get('K')} M={metrics.summary.get('M')} "
-              f"train_loss={metrics.summary.get('final_train_loss')} "
-              f"{metrics.summary.get('validation_metric')}={value} "
-              f"samples/s={metrics.summary.get('samples_per_s')} -> {output_dir / 'summary.json'}")
+        print(summary_line(metrics.summary, output_dir))
     return metrics.summary
-
-
-def print_lightning_logs_once() -> None:
-    """Lightning's loggers print through Hydra's handlers only.
-
-    Lightning gives its ``lightning`` logger a console handler of its own when it is
-    imported before logging is set up (here: by a Hydra callback), so each INFO line
-    would print twice, once in each format.
-    """
-    import logging
-
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logger = logging.getLogger(name)
-        for handler in list(logger.handlers):
-            logger.removeHandler(handler)
-        logger.propagate = True
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
@@ -225,36 +257,41 @@ def main(cfg: DictConfig) -> float | None:
     Raises:
         SystemExit: one line for a config error or a missing dataset (no traceback).
     """
-    from gpipe_lab.config import ConfigError
-    from gpipe_lab.data.checks import DataNotFoundError
-
     try:
         summary = run(cfg)
     except ConfigError as exc:
+        discard_run_dir()
+        if os.environ.get("RANK", "0") != "0":  # every rank has the same config: rank 0 says it once
+            raise SystemExit(1) from None
         raise SystemExit(f"config error: {exc}") from None
     except DataNotFoundError as exc:  # a path to fix, not a bug: no traceback
+        discard_run_dir()
         raise SystemExit(f"data error: {exc}") from None
+    except PeerFailedError as exc:
+        if "KeyboardInterrupt" not in str(exc):
+            raise
+        raise SystemExit(f"stopped: {str(exc).splitlines()[0]}") from None  # Ctrl-C on another rank
+    if cfg.get("dry_run"):
+        discard_run_dir()
     value = summary.get("validation_value")
     return float(value) if value is not None else None
 
 
 def cli() -> None:
-    """``gpipe-train``: the Hydra app, plus ``did you mean`` hints when Hydra rejects an override.
+    """``gpipe-train``: the Hydra app, after ``did you mean`` hints for overrides naming no key or
+    option (which Hydra would reject with a longer message that suggests the wrong fix).
 
     Raises:
-        SystemExit: the app's exit status, as Hydra and ``main`` give it.
+        SystemExit: status 1 with the hints, else the app's exit status, as Hydra and ``main`` give it.
     """
-    import sys
-
-    try:
-        main()
-    except SystemExit as exc:
-        if exc.code == 1:  # Hydra rejected the command line (the app's own errors exit with a message)
-            from gpipe_lab.suggest import suggest_overrides
-
-            for hint in suggest_overrides(CONFIG_DIR, sys.argv[1:]):
-                print(hint, file=sys.stderr)
-        raise
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started with `&` from a script, SIGINT arrives ignored and Ctrl-C (or kill -INT) would
+        # not stop the run, on any rank; Ctrl-C is how a run is stopped and saved.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    hints = suggest_overrides(CONFIG_DIR, sys.argv[1:])
+    if hints:
+        raise SystemExit("\n".join(hints))
+    main()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ summary updates in ``record.summary.update``, the config in ``record.config.upda
 
 From the command line (a user tool to check an offline run before ``wandb sync``)::
 
-    python -m gpipe_lab.wandb_reader logs/train/runs/<date>     # config, summary, last history row
+    python -m gpipe_lab.wandb_reader logs/train/runs/<date>            # summary and the loss per step
+    python -m gpipe_lab.wandb_reader logs/train/runs/<date> --key perf/samples_per_s
+    python -m gpipe_lab.wandb_reader logs/train/runs/<date> --json     # config, summary, every row
 """
 
 from __future__ import annotations
@@ -124,13 +126,37 @@ def read_run(path: str | Path) -> WandbRun:
     return run
 
 
+#: Characters of the text plot, lowest to highest.
+BARS = "▁▂▃▄▅▆▇█"
+
+
+def history_lines(run: WandbRun, key: str, rows: int = 20) -> list[str]:
+    """``key`` per step as text: a one-line plot of every value, then up to ``rows`` rows
+    (evenly spaced, the first and the last included)."""
+    points = [(row.get("_step", i), row[key]) for i, row in enumerate(run.history)
+              if isinstance(row.get(key), (int, float))]
+    if not points:
+        return [f"{key}: not in the history (keys: {', '.join(sorted({k for r in run.history for k in r}))})"]
+    values = [v for _, v in points]
+    low, high = min(values), max(values)
+    scale = (len(BARS) - 1) / (high - low) if high > low else 0.0
+    plot = "".join(BARS[round((v - low) * scale)] for v in values)
+    lines = [f"{key} over {len(points)} logged steps (min {low:.4g}, max {high:.4g}):", f"  {plot}"]
+    picks = sorted({round(i * (len(points) - 1) / max(1, rows - 1)) for i in range(min(rows, len(points)))})
+    lines += [f"  step {points[i][0]:>6}  {points[i][1]:.4g}" for i in picks]
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print each offline run under a folder as JSON: config, summary, history length and last row.
+    """Print each offline run under a folder: its name, summary and one history key per step
+    (a text plot and rows), or with ``--json`` the config, summary and every history row.
 
     Returns 1 (and says so) when the folder holds no ``.wandb`` file.
     """
     parser = argparse.ArgumentParser(prog="python -m gpipe_lab.wandb_reader", description=main.__doc__)
     parser.add_argument("directory", help="a run or sweep folder (searched recursively for *.wandb)")
+    parser.add_argument("--key", default="train/loss", help="the history key to show per step (train/loss)")
+    parser.add_argument("--json", action="store_true", help="config, summary and every history row as JSON")
     args = parser.parse_args(argv)
     files = find_run_files(args.directory)
     if not files:
@@ -138,9 +164,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     for path in files:
         run = read_run(path)
-        print(json.dumps({"file": str(path), "config": run.config, "summary": run.summary,
-                          "history_rows": len(run.history), "last_row": run.history[-1] if run.history else None},
-                         indent=2, default=str))
+        if args.json:
+            print(json.dumps({"file": str(path), "config": run.config, "summary": run.summary,
+                              "history": run.history}, indent=2, default=str))
+            continue
+        summary = {k: v for k, v in run.summary.items() if not k.startswith("_") and not isinstance(v, dict)}
+        print(f"{path} (run {run.name or '?'}, group {run.group or '-'}): {len(run.history)} history rows")
+        print("  summary: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                        for k, v in sorted(summary.items())))
+        print("\n".join(history_lines(run, args.key)))
     return 0
 
 

@@ -197,7 +197,7 @@ CASES = [
     ("config: max_steps 0", config("trainer.max_steps=0"), ConfigError, "trainer.max_steps: must be a positive integer or -1"),
     # --- gpipe-train resume
     ("train: checkpoint file that does not exist", train_resume(lambda tmp: tmp / "missing.ckpt"),
-     FileNotFoundError, "missing.ckpt"),
+     ConfigError, "ckpt_path=.*missing.ckpt: no such file"),
     ("train: checkpoint of a different model", train_resume(other_model_checkpoint), ConfigError,
      "weight\\(s\\) of the checkpoint do not fit this run's model \\(layers\\."),
     # --- gpipe-plan

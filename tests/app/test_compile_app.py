@@ -9,6 +9,7 @@ and in the distributed one (two processes).
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -48,9 +49,12 @@ def eager_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 
 @pytest.mark.slow
-def test_compiled_app_matches_eager(eager_losses: list[float], tmp_path: Path) -> None:
+def test_compiled_app_matches_eager(eager_losses: list[float], tmp_path: Path, capsys) -> None:
     run(make_config(*COMMON, COMPILE, tmp_path=tmp_path / "compiled"))
     assert _losses(tmp_path / "compiled") == pytest.approx(eager_losses, abs=1e-4, rel=1e-4)
+    out = capsys.readouterr().out  # the user is told that the first step compiles, then how long it took
+    assert "pipeline.compile: torch.compile is building each stage's kernels during the first step" in out
+    assert re.search(r"pipeline.compile: the first step, compilation included, took \d+\.\d s", out), out[-2000:]
 
 
 @pytest.mark.slow

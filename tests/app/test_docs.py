@@ -30,6 +30,7 @@ SLURM = "#!/bin/bash"
 #: command or ""), ("covered", "file::test" that runs it, the overrides that test must pass) or
 #: ("skip", why).
 COMMANDS: dict[str, tuple[str, ...]] = {
+    "python3 -m venv .venv && . .venv/bin/activate": ("skip", "the fresh venv is .ci/run's"),
     'python -m pip install -e ".[dev]" && gpipe-train': ("skip", "the install is .ci/run's; gpipe-train runs below"),
     "python -m pytest -q -n auto": ("skip", "this test suite"),
     "torchrun --nproc-per-node 2 -m gpipe_lab.pipeline.distributed.demo": ("run", DEMO, ""),
@@ -63,7 +64,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         ("skip", "six paper-size AmoebaNet-D jobs (tens of minutes on CPU); tests/experiments runs the config"),
     "python experiments/table2_throughput.py --from-multirun logs/train/multiruns/<time>":
         ("skip", "reads the sweep above; tests/experiments/test_experiment_configs.py covers --from-multirun"),
-    "gpipe-plan memory --model transformer_l --num-layers 1663 -K 128 --batch 32 --microbatches 32": ("run", "", ""),
+    "gpipe-plan memory --model transformer_l --num-layers 1663 -K 128 --batch 32 --microbatches 32 --memory-gib 16":
+        ("run", "| tail -1 | grep 'fits in 16 GiB'", ""),
     "torchrun --nproc-per-node 4 -m gpipe_lab.pipeline.distributed.demo --stages 2 --chunks 8": ("run", DEMO, ""),
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-id job42 --rdzv-backend c10d --rdzv-endpoint node0.example:29500 "
     "-m gpipe_lab.pipeline.distributed.demo --stages 8": ("skip", "needs two nodes of 8 processes"),
@@ -153,3 +155,18 @@ def test_readme_scheduling_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code.group(1), "README.md", "exec"), {"pipe": pipe})  # noqa: S102 - the README's own code
     assert (tmp_path / "timeline.png").exists()
+
+
+#: A repository path named in the README or docs (``tests/app/test_docs.py``, ``conf/pipeline/``).
+PATH = re.compile(r"`((?:tests|src|conf|experiments|benchmarks|docs|results|\.ci)/[A-Za-z0-9_./*-]*)")
+
+
+#: Paths the docs name as not written yet, and what writes them.
+NOT_YET = {"results/gpu_check.md": "benchmarks/gpu_check.py on the first GPU lent to the lab"}
+
+
+def test_every_path_the_docs_name_exists():
+    named = {(path.name, m) for path in DOCS for m in PATH.findall(path.read_text())}
+    missing = sorted((doc, p) for doc, p in named
+                     if p not in NOT_YET and not ((ROOT / p.rstrip(".")).exists() or ("*" in p and list(ROOT.glob(p)))))
+    assert missing == []

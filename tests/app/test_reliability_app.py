@@ -17,6 +17,7 @@ it prints (bounded by each test's timeout mark), and kills its whole process gro
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import shutil
@@ -44,14 +45,20 @@ APP = [
 PROGRESS_BAR = ["trainer.enable_progress_bar=true"]
 
 
-def start_app(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def ignore_sigint() -> None:
+    """What ``gpipe-train ... &`` in a script does to the child: SIGINT arrives ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def start_app(run_dir: Path, *overrides: str, sigint_ignored: bool = False) -> subprocess.Popen:
     """The app with its console (stdout and stderr) on a pipe; ``console()`` shows what was read."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpipe_lab.train", *APP, *overrides, f"hydra.run.dir={run_dir}",
          f"paths.log_dir={run_dir.parent / 'logs'}"],
-        cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        preexec_fn=ignore_sigint if sigint_ignored else None)
     proc.log = open(run_dir / "console.log", "wb")  # type: ignore[attr-defined]  # noqa: SIM115 - closed by stop()
     return proc
 
@@ -186,6 +193,11 @@ def test_sigint_stops_cleanly_and_leaves_a_resumable_checkpoint(reference, tmp_p
     assert checkpoints, f"no checkpoint left behind:\n{text}"
     last = run_dir / "checkpoints" / "last.ckpt"
     assert last.exists(), f"Ctrl-C did not write last.ckpt:\n{text}"
+    lines = [line for line in text.splitlines() if line.strip()]
+    resume = "resume with: gpipe-train"
+    assert lines[-1].startswith(resume) and lines[-1].endswith(f"ckpt_path={last}"), text  # the last line
+    assert lines[-2].startswith("summary: K=2") and lines[-2].endswith("(interrupted)"), text
+    assert lines[-1] in (run_dir / "train.log").read_text() and lines[-2] in (run_dir / "train.log").read_text()
     ckpt = Path(shutil.copy(last, tmp_path / "interrupted.ckpt"))
     saved_step = int(torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"])
     assert STEPS_PER_EPOCH < saved_step <= STEPS - STEPS_PER_EPOCH, saved_step  # within the reference's steps
@@ -197,3 +209,26 @@ def test_sigint_stops_cleanly_and_leaves_a_resumable_checkpoint(reference, tmp_p
     assert sorted(resumed) == list(range(saved_step, saved_step + STEPS_PER_EPOCH)), (saved_step, resumed)
     assert resumed[saved_step] == reference[saved_step]
     assert resumed == {s: reference[s] for s in resumed}  # float equality of every resumed step
+
+
+@pytest.mark.timeout(600)
+def test_sigint_stops_every_rank_of_a_distributed_run_started_from_a_script(tmp_path):
+    """``gpipe-train pipeline.transport=distributed ... &`` from a script starts with SIGINT ignored;
+    kill -INT on the main pid still stops every rank and leaves what the local transport leaves."""
+    run_dir = tmp_path / "distributed"
+    proc = start_app(run_dir, "pipeline.transport=distributed", f"trainer.max_steps={100 * STEPS}",
+                     *PROGRESS_BAR, sigint_ignored=True)
+    try:
+        wait_for_step(proc, run_dir, STEPS_PER_EPOCH + 1)  # after the step-3 checkpoint
+        os.kill(proc.pid, signal.SIGINT)
+        code = drain(proc)  # to the end of every rank's output: no rank goes on training
+    finally:
+        stop(proc)
+    text = console(run_dir)
+    assert code == 1, (code, text)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["steps"] < 100 * STEPS, summary
+    assert (run_dir / "timeline_last.png").is_file() and (run_dir / "checkpoints" / "last.ckpt").is_file()
+    log = [line for line in (run_dir / "train.log").read_text().splitlines() if line.strip()]
+    assert "resume with: gpipe-train" in log[-1] and log[-1].endswith(f"ckpt_path={run_dir}/checkpoints/last.ckpt")
+    assert "Traceback" not in text, text

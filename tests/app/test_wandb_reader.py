@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from gpipe_lab.wandb_reader import BLOCK_BYTES, iter_payloads, read_run
+from gpipe_lab.wandb_reader import BARS, BLOCK_BYTES, iter_payloads, main, read_run
 
 
 def _write_log(path: Path, payloads: list[bytes]) -> None:
@@ -59,3 +59,16 @@ def test_rejects_other_files(tmp_path: Path) -> None:
     path.write_bytes(b"not a log")
     with pytest.raises(ValueError, match="not a wandb log"):
         read_run(path)
+
+
+def test_the_command_line_shows_the_loss_per_step(tmp_path: Path, capsys) -> None:
+    losses = [2.0 - 0.05 * step for step in range(30)]
+    _write_log(tmp_path / "run-test.wandb", [_history(step, **{"train/loss": loss}) for step, loss in enumerate(losses)])
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "30 history rows" in out and "train/loss over 30 logged steps (min 0.55, max 2):" in out
+    plot = out.splitlines()[3].strip()
+    assert len(plot) == 30 and plot[0] == BARS[-1] and plot[-1] == BARS[0]  # falling loss, highest first
+    assert "step      0  2" in out and "step     29  0.55" in out  # the first and the last step among the rows
+    assert main([str(tmp_path), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["history"]) == 30

@@ -1,0 +1,116 @@
+"""``preflight(cfg)``: every check a run makes before it trains, made first by the run itself,
+its dry run (``dry_run=true``) and each job of a sweep (``gpipe_lab.sweep_check``).
+
+- ``gpipe_lab.config.validate``: keys, values and combinations of the groups;
+- the pipeline against the model's layer count (the model is built on the ``meta`` device:
+  nothing is allocated, so Table 1's giants cost no memory);
+- the checkpoint to resume (``ckpt_path``, ``last`` included) or to start from (``init_from``)
+  exists;
+- ``trainer=gpu`` finds a GPU;
+- under torchrun, its world size is a multiple of K.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from gpipe_lab.config import ConfigError, validate, validate_layer_count
+from gpipe_lab.models import build
+from gpipe_lab.pipeline.options import PipelineOptions
+
+#: How to quote a checkpoint path holding ``=`` (Lightning's ``epoch=0-step=60.ckpt``) for Hydra.
+QUOTING = "quote a path holding '=' as \"ckpt_path='.../epoch=0-step=60.ckpt'\""
+
+
+def model_overrides(cfg: DictConfig) -> dict[str, Any]:
+    """The ``model`` group's ``gpipe_lab.models.build`` overrides (all but ``name`` and ``task``)."""
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    return {k: v for k, v in model.items() if k not in ("name", "task")}  # type: ignore[union-attr]
+
+
+def layer_count(cfg: DictConfig) -> int:
+    """The number of layers of the model ``cfg`` builds (built on the meta device).
+
+    Raises:
+        ConfigError: the model's overrides do not build (naming ``model``).
+    """
+    try:
+        return len(build(cfg.model.name, device="meta", **model_overrides(cfg)))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model={cfg.model.name}: {exc}") from None
+
+
+def runs_dir_of(cfg: DictConfig) -> Path:
+    """Where ``ckpt_path=last`` looks for runs: ``${paths.log_dir}/${task_name}/runs``."""
+    return Path(cfg.paths.log_dir) / cfg.task_name / "runs"
+
+
+def resolve_checkpoint(cfg: DictConfig, output_dir: Path | None = None) -> str | None:
+    """``ckpt_path`` as a file that exists: a path as given, or for ``last`` this run directory's
+    ``checkpoints/last.ckpt``, else the newest ``*/checkpoints/last.ckpt`` of earlier runs.
+
+    Raises:
+        ConfigError: ``last`` with no run to resume, or a path that is not a file.
+    """
+    given = cfg.get("ckpt_path")
+    if given is None:
+        return None
+    if str(given) == "last":
+        own = [output_dir / "checkpoints" / "last.ckpt"] if output_dir is not None else []
+        runs = sorted(runs_dir_of(cfg).glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        found = [p for p in own if p.is_file()] or runs[-1:]
+        if not found:
+            raise ConfigError(f"ckpt_path=last: no run under {runs_dir_of(cfg)} has a checkpoints/last.ckpt yet; "
+                              f"train one first (gpipe-train), or give ckpt_path=<run dir>/checkpoints/last.ckpt")
+        return str(found[0])
+    if not Path(str(given)).is_file():
+        raise ConfigError(f"ckpt_path={given}: no such file; give a run's checkpoint, e.g. "
+                          f"ckpt_path={runs_dir_of(cfg)}/<time>/checkpoints/last.ckpt, or ckpt_path=last "
+                          f"(the newest run's); {QUOTING}")
+    return str(given)
+
+
+def check_init_from(cfg: DictConfig) -> None:
+    """Raises: ConfigError: ``init_from`` names no file."""
+    given = cfg.get("init_from")
+    if given is not None and not Path(str(given)).is_file():
+        raise ConfigError(f"init_from={given}: no such file; give a run's checkpoints/last.ckpt; {QUOTING}")
+
+
+def check_accelerator(cfg: DictConfig) -> None:
+    """Raises: ConfigError: ``trainer.accelerator`` asks for a GPU and none is visible."""
+    accelerator = cfg.trainer.get("accelerator")
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.accelerator={accelerator}: no CUDA GPU is visible on this machine "
+                          f"(torch.cuda.is_available() is False); use trainer=cpu (the default), or run where "
+                          f"nvidia-smi lists GPUs")
+
+
+def check_launcher_world_size(options: PipelineOptions) -> None:
+    """Raises: ConfigError: a launcher's ``WORLD_SIZE`` (torchrun) that K does not divide."""
+    world = os.environ.get("WORLD_SIZE")
+    k = options.num_stages
+    if options.transport == "distributed" and world and world.isdigit() and int(world) % k:
+        raise ConfigError(f"pipeline.partitions={k}: torchrun started {world} processes (--nnodes x "
+                          f"--nproc-per-node), not a multiple of K: one process runs one stage of one replica; "
+                          f"use --nproc-per-node {k} (or a multiple of {k}), or a pipeline.partitions dividing {world}")
+
+
+def preflight(cfg: DictConfig, output_dir: Path | None = None) -> PipelineOptions:
+    """See the module docstring; returns the pipeline's validated options.
+
+    Raises:
+        ConfigError: naming the key, value and a fix, before anything is built or trained.
+    """
+    options = validate(cfg)
+    validate_layer_count(cfg, options, layer_count(cfg))
+    resolve_checkpoint(cfg, output_dir)
+    check_init_from(cfg)
+    check_accelerator(cfg)
+    check_launcher_world_size(options)
+    return options

@@ -1,0 +1,144 @@
+"""What ``gpipe-train`` tells its user on the console and in ``train.log``.
+
+The pipeline's stages before training (instead of Lightning's one-row model summary), a note
+while ``pipeline.compile`` builds kernels, the final summary line, and after Ctrl-C the summary
+and the resume command as the last lines; Lightning's own lines once and without its
+advertising; no run folder left by a refused or dry run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+
+from gpipe_lab.lightning.callbacks import PipelineMetrics
+from gpipe_lab.lightning.resume import resume_command
+from gpipe_lab.pipeline.gpipe import resolve_balance
+from gpipe_lab.pipeline.options import PipelineOptions
+
+
+def stage_summary(options: PipelineOptions, layers: Any) -> str:
+    """The pipeline as it will run: K, M, schedule, and each stage's layers and parameters."""
+    balance = resolve_balance(layers, options)
+    lines = [f"pipeline: K={options.num_stages} M={options.chunks} schedule={options.schedule} "
+             f"checkpoint={options.checkpoint} transport={options.transport}"]
+    first = 0
+    for index, count in enumerate(balance):
+        params = sum(p.numel() for layer in list(layers)[first:first + count] for p in layer.parameters())
+        lines.append(f"  stage {index}: layers {first}-{first + count - 1} ({count}), {params:,} parameters")
+        first += count
+    return "\n".join(lines)
+
+
+class CompileNotice(pl.Callback):
+    """``pipeline.compile``: the first step builds every stage's kernels (minutes on a CPU), which
+    the progress bar's estimate cannot know: say so before it, and how long it took after."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.told = False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if not self.told and trainer.is_global_zero:
+            self.told = True
+            self.started = time.monotonic()
+            print("pipeline.compile: torch.compile is building each stage's kernels during the first step; "
+                  "this can take minutes on a CPU, and the progress bar's estimate means nothing until then",
+                  flush=True)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.started is not None:
+            print(f"pipeline.compile: the first step, compilation included, took "
+                  f"{time.monotonic() - self.started:.1f} s", flush=True)
+            self.started = None
+
+
+def close_progress_bars(trainer: pl.Trainer) -> None:
+    """Close the progress bars now: tqdm would otherwise redraw them at exit, below the last lines."""
+    bar = trainer.progress_bar_callback
+    for name in ("_train_progress_bar", "_val_progress_bar"):
+        tqdm_bar = getattr(bar, name, None)
+        if tqdm_bar is not None:
+            tqdm_bar.close()
+    sys.stderr.flush()
+
+
+def tell(line: str) -> None:
+    """Print ``line`` and add it to the run's ``train.log`` (Hydra's file handler)."""
+    print(line, flush=True)
+    record = logging.LogRecord(__name__, logging.INFO, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def tell_interrupted(metrics: PipelineMetrics, output_dir: Path) -> None:
+    """After Ctrl-C: the summary line, then the command that resumes the run, as the last lines
+    (after wandb's closing block) and in ``train.log``."""
+    tell(summary_line(metrics.summary, output_dir) + " (interrupted)")
+    last = output_dir / "checkpoints" / "last.ckpt"
+    if last.is_file():
+        tell(f"resume with: {resume_command(last)}")
+
+
+def summary_line(summary: dict[str, Any], output_dir: Path) -> str:
+    """The run's last line: K, M, loss, metric and throughput (rounded), and where the summary is."""
+    def short(value: Any) -> Any:
+        return f"{value:.4g}" if isinstance(value, float) else value
+
+    metric = summary.get("validation_metric")
+    validation = f" {metric}={short(summary.get('validation_value'))}" if metric is not None else ""
+    return (f"summary: K={summary.get('K')} M={summary.get('M')} train_loss={short(summary.get('final_train_loss'))}"
+            f"{validation} samples/s={short(summary.get('samples_per_s'))} -> {output_dir / 'summary.json'}")
+
+
+def print_lightning_logs_once() -> None:
+    """Lightning's loggers print through Hydra's handlers only.
+
+    Lightning gives its ``lightning`` logger a console handler of its own when it is
+    imported before logging is set up (here: by a Hydra callback), so each INFO line
+    would print twice, once in each format.
+    """
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate = True
+    tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, NoAdvertising) for f in tips.filters):
+        tips.addFilter(NoAdvertising())
+
+
+class NoAdvertising(logging.Filter):
+    """Drops Lightning's tip advertising a cloud logger, printed on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
+
+
+#: What Hydra and ``continue_run`` put in a run directory before anything trains.
+BEFORE_TRAINING = {".hydra", "train.log", "resumed_run"}
+
+
+def discard_run_dir() -> None:
+    """Remove a single run's directory when it holds only what was there before training (a
+    refused or dry run leaves nothing behind); a sweep's job folders stay (the sweep numbers them)."""
+    try:
+        hydra_cfg = HydraConfig.get()
+    except ValueError:  # not a Hydra run (tests call ``run``)
+        return
+    if hydra_cfg.mode != RunMode.RUN or not hydra_cfg.runtime.output_dir:
+        return
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if run_dir.is_dir() and set(os.listdir(run_dir)) <= BEFORE_TRAINING:
+        shutil.rmtree(run_dir, ignore_errors=True)
