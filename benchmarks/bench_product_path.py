@@ -33,6 +33,7 @@ from typing import Any
 import lightning.pytorch as pl
 from hydra import compose, initialize_config_dir
 
+import gpipe_lab.config_schema  # noqa: F401  (registers the generated pipeline/schema node)
 from gpipe_lab.config import validate_pipeline
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.pipeline import GPipe

@@ -1,6 +1,6 @@
 """How a script of ``experiments/`` or ``benchmarks/`` starts: as its module, and writing to a fresh folder.
 
-``python experiments/table2_throughput.py`` puts ``experiments/`` on ``sys.path``, not the
+``python experiments/table2_throughput.py`` puts ``experiments/`` first on the import path, not the
 repository root, so ``from experiments.common import ...`` fails. Each script therefore starts with
 
     if not __package__:  # started as a file: rerun as the module
