@@ -19,8 +19,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-import gpipe_lab.config_schema  # noqa: F401  (registers the generated config nodes)
+from gpipe_lab.config_checks import validate_model_data, validate_trainer_values, validate_transfer
+from gpipe_lab.config_schema import ConfigError, check_positive  # also registers the generated nodes
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
+from gpipe_lab.pipeline.partition import check_layer_count
 
 LOGGERS = ("wandb", "csv", "none")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -28,10 +30,6 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 #: Root blocks read by experiment scripts (e.g. ``experiments/transfer.py``), ignored by gpipe-train.
 EXTENSION_KEYS = ("transfer",)
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message starts with the key."""
 
 
 @dataclass
@@ -72,11 +70,6 @@ def _check_keys(section: Any, allowed: list[str], key: str, what: str) -> None:
         guess = f"did you mean {key + '.' if key else ''}{close[0]}? " if close else ""
         raise ConfigError(f"{key + '.' if key else ''}{unknown[0]}: unknown key for {what}; {guess}"
                           f"allowed: {', '.join(sorted(allowed))}")
-
-
-def _positive(value: Any, key: str) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ConfigError(f"{key}: must be a positive integer, got {value!r}")
 
 
 def validate_pipeline(cfg: DictConfig) -> PipelineOptions:
@@ -123,7 +116,7 @@ def validate_data(cfg: DictConfig) -> None:
     allowed = [p for p in inspect.signature(DATAMODULES[name]).parameters if p not in ("variant",)]
     _check_keys(cfg.data, ["name", *allowed], "data", f"datamodule {name!r}")
     for key in ("batch_size", "num_train", "num_val", "tokens_per_batch"):
-        _positive(cfg.data.get(key), f"data.{key}")
+        check_positive(cfg.data.get(key), f"data.{key}")
     batch, num_train = cfg.data.get("batch_size"), cfg.data.get("num_train")
     drops_last = "drop_last" in allowed and cfg.data.get("drop_last", True)
     if drops_last and isinstance(batch, int) and isinstance(num_train, int) and batch > num_train:
@@ -206,17 +199,10 @@ def validate_layer_count(cfg: DictConfig, p: PipelineOptions, num_layers: int) -
     Raises:
         ConfigError: a balance that does not sum to the layers, or more stages than layers.
     """
-    if p.balance is not None and sum(p.balance) != num_layers:
-        raise ConfigError(f"pipeline.balance: {list(p.balance)} sums to {sum(p.balance)} but model "
-                          f"{cfg.model.name!r} has {num_layers} layers")
-    if p.num_stages > num_layers:
-        raise ConfigError(f"pipeline.partitions: {p.num_stages} partitions but model {cfg.model.name!r} has only "
-                          f"{num_layers} layers")
-    chunks = p.num_stages * p.virtual_stages
-    if p.balance is None and chunks > num_layers:
-        raise ConfigError(f"pipeline.virtual_stages: {p.num_stages} partitions x {p.virtual_stages} virtual stages "
-                          f"= {chunks} chunks but model {cfg.model.name!r} has only {num_layers} layers; lower "
-                          f"pipeline.virtual_stages or pipeline.partitions")
+    try:
+        check_layer_count(p, num_layers, prefix="pipeline.", subject=f"model {cfg.model.name!r}")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def validate_combinations(cfg: DictConfig, p: PipelineOptions) -> None:
@@ -260,8 +246,6 @@ def validate(cfg: DictConfig, num_layers: int | None = None) -> PipelineOptions:
     _check_keys(cfg, sorted(known_root), "", "the root config")
     if not isinstance(cfg.get("seed"), int):
         raise ConfigError(f"seed: must be an integer, got {cfg.get('seed')!r}")
-    from gpipe_lab.config_checks import validate_model_data, validate_trainer_values, validate_transfer
-
     validate_model(cfg)
     validate_data(cfg)
     validate_model_data(cfg)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from gpipe_lab.config import ConfigError, _positive
+from gpipe_lab.config_schema import ConfigError, check_positive
 
 #: Which datamodules feed which model family (a translation model cannot read images).
 DATA_OF_FAMILY = {"amoebanet": ("synthetic_images", "cifar10", "cifar100", "imagenet"),
@@ -44,7 +44,7 @@ def validate_trainer_values(cfg: DictConfig) -> None:
     for key in ("accumulate_grad_batches", "log_every_n_steps"):
         value = cfg.trainer.get(key)
         if value is not None:
-            _positive(value, f"trainer.{key}")
+            check_positive(value, f"trainer.{key}")
 
 
 def validate_transfer(cfg: DictConfig) -> None:

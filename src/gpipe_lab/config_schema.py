@@ -1,4 +1,5 @@
-"""Config nodes generated from the code's dataclasses, so each default is written once.
+"""The config's schema: nodes generated from the code's dataclasses (so each default is written
+once) and the error type every config check raises.
 
 ``pipeline/schema`` holds every ``PipelineOptions`` field with its dataclass default;
 ``conf/pipeline/default.yaml`` starts from it and lists only the default run's own
@@ -11,10 +12,24 @@ The node is a plain mapping, not a typed one: values are checked by
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
 from gpipe_lab.pipeline.options import PipelineOptions
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message starts with the key."""
+
+
+def check_positive(value: Any, key: str) -> None:
+    """Raises:
+        ConfigError: ``value`` is set and not an integer >= 1 (naming ``key``).
+    """
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"{key}: must be a positive integer, got {value!r}")
+
 
 #: name of the generated node inside the ``pipeline`` group
 PIPELINE_SCHEMA = "schema"

@@ -2,7 +2,7 @@
 
 The one ``layer_costs`` of the lab. The engine balances stages with it
 (``gpipe_lab.pipeline``) and the models give it their preset sample batch
-(``gpipe_lab.models.layer_costs``); this module imports torch only, so it
+(``gpipe_lab.models.preset_costs``); this module imports torch only, so it
 belongs to neither and both may use it.
 
 Cost kinds:
@@ -98,7 +98,7 @@ def layer_costs(module: nn.Sequential, cost: object = None, sample: Any = None) 
             raise ValueError(
                 f"unknown cost {cost!r} for a module without a sample batch; allowed: 'params', a list "
                 f"of per-layer numbers, a callable, or one of {list(MEASURED_KINDS)} with sample= "
-                "(gpipe_lab.models.layer_costs gives the presets' sample; for measured time use "
+                "(gpipe_lab.models.preset_costs gives the presets' sample; for measured time use "
                 "gpipe_lab.pipeline.balance_by_time)")
         with untouched(module):
             costs = measure_layers(module, sample, cost)

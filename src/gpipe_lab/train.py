@@ -40,7 +40,7 @@ from gpipe_lab.lightning.known_warnings import silence_known_warnings
 from gpipe_lab.lightning.resume import ResumableCheckpoint, load_initial_weights
 from gpipe_lab.lightning.resume_checks import check_resume
 from gpipe_lab.lightning.wandb_run import build_wandb_logger, run_name
-from gpipe_lab.models import build, layer_costs
+from gpipe_lab.models import build, preset_costs
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
@@ -147,7 +147,7 @@ def engine_options(cfg: DictConfig, options: PipelineOptions, module: Any) -> Pi
     """The validated options as the engine takes them: measured per-layer costs, the run's seed."""
     changes: dict[str, Any] = {}
     if isinstance(options.cost, str) and options.cost != "params":
-        changes["cost"] = layer_costs(module.layers, options.cost)
+        changes["cost"] = preset_costs(module.layers, options.cost)
     if options.seed is None:
         changes["seed"] = int(cfg.seed)
     return options.replace(**changes)

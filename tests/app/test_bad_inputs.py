@@ -156,7 +156,7 @@ CASES = [
      ValueError, "3 partitions need 3 devices, got 2"),
     ("gpipe: fractional chunks", gpipe(partitions=2, chunks=2.5), ValueError, "chunks:? must be an integer >= 1, got 2.5"),
     ("gpipe: K larger than layers with a cost list", gpipe(partitions=7, cost=[1.0] * 6),
-     ValueError, "partitions=7 is more than the module's 6 layers"),
+     ValueError, "partitions: 7 partitions but the module has only 6 layers"),
     # --- GPipeStrategy
     ("strategy: unknown transport", strategy(transport="pigeon"), ValueError,
      "transport: must be one of \\['local', 'distributed'\\], got 'pigeon'"),
@@ -165,7 +165,7 @@ CASES = [
      "checkpoint: must be one of \\['always', 'except_last', 'never'\\]"),
     ("strategy: M < 1", strategy(chunks=0), ValueError, "chunks: must be an integer >= 1, got 0"),
     ("strategy: K larger than the layers", strategy_fit(partitions=12), ValueError,
-     "partitions=12 is more than the module's 9 layers"),
+     "partitions: 12 partitions but the module has only 9 layers"),
     ("strategy: K larger than the stage devices", strategy_fit(partitions=3, stage_devices=["cpu", "cpu"]),
      ValueError, "3 partitions need 3 devices, got 2"),
     ("strategy: balance with the wrong sum", strategy_fit(balance=[4, 4]), ValueError,

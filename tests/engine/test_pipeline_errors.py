@@ -21,7 +21,7 @@ from helpers.models import mlp
     (dict(balance=[2, 2]), ValueError, "sums to 4 but the module has 6 layers"),
     (dict(balance=[3, 0, 3]), ValueError, r"balance: must be a non-empty list of positive layer counts, got \[3, 0, 3\]"),
     (dict(balance=[3, -1, 4]), ValueError, "balance: must be a non-empty list of positive layer counts"),
-    (dict(partitions=7), ValueError, "partitions=7 is more than the module's 6 layers"),
+    (dict(partitions=7), ValueError, "partitions: 7 partitions but the module has only 6 layers"),
     (dict(partitions=0), ValueError, "partitions: must be an integer >= 1, got 0"),
     (dict(partitions=3, devices=["cpu", "cpu"]), ValueError, "3 partitions need 3 devices, got 2"),
     (dict(partitions=2, chunks=0), ValueError, "chunks: must be an integer >= 1, got 0"),

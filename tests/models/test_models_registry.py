@@ -1,4 +1,4 @@
-"""build(): presets, overrides, errors, meta device; layer_costs; no engine import."""
+"""build(): presets, overrides, errors, meta device; preset_costs; no engine import."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from gpipe_lab.models import COST_KINDS, PRESETS, build, layer_costs
+from gpipe_lab.models import COST_KINDS, PRESETS, build, preset_costs
 
 
 def test_every_preset_builds_on_meta():
@@ -38,11 +38,11 @@ def test_non_positive_sizes_name_the_key(name, key):
 @pytest.mark.parametrize("name", ["amoebanet_d_tiny", "transformer_tiny"])
 def test_layer_costs(name):
     model = build(name)
-    params = layer_costs(model, "params")
+    params = preset_costs(model, "params")
     assert len(params) == len(model)
     assert sum(params) == sum(p.numel() for p in model.parameters())
     for kind in COST_KINDS[1:]:
-        costs = layer_costs(model, kind)
+        costs = preset_costs(model, kind)
         assert len(costs) == len(model) and all(c >= 0 for c in costs) and sum(costs) > 0
     assert all(p.device.type == "cpu" for p in model.parameters())  # measured on a meta replica
 
@@ -53,17 +53,17 @@ def test_flops_of_a_linear_layer_stack_are_exact():
     model = build("transformer_tiny")
     s, d, h = 16, 64, 256
     expected = 4 * 2 * s * d * d + 2 * 2 * s * s * d + 2 * 2 * s * d * h
-    assert layer_costs(model, "flops")[1] == expected
+    assert preset_costs(model, "flops")[1] == expected
 
 
 def test_activation_bytes_scale_with_input():
-    small = layer_costs(build("transformer_tiny", device="meta"), "activation_bytes")
-    large = layer_costs(build("transformer_tiny", device="meta", seq_len=32), "activation_bytes")
+    small = preset_costs(build("transformer_tiny", device="meta"), "activation_bytes")
+    large = preset_costs(build("transformer_tiny", device="meta", seq_len=32), "activation_bytes")
     assert all(b >= a for a, b in zip(small, large)) and sum(large) > 1.9 * sum(small)
 
 
 def test_big_preset_costs_on_meta():
-    costs = layer_costs(build("transformer_l", device="meta", num_layers=4), "activation_bytes")
+    costs = preset_costs(build("transformer_l", device="meta", num_layers=4), "activation_bytes")
     assert len(costs) == 6 and costs[1] == costs[2] > 0
 
 
@@ -73,7 +73,7 @@ def test_costs_on_a_given_batch_leave_the_model_as_it_was():
     model.train()
     x = torch.randn(4, 3, 8, 8)
     for kind in COST_KINDS[1:]:
-        costs = layer_costs(model, kind, example_input_=x, batch_size=4)
+        costs = preset_costs(model, kind, example_input_=x, batch_size=4)
         assert len(costs) == len(model) and sum(costs) > 0
     assert model.training
     for k, v in model.state_dict().items():  # BatchNorm statistics included
@@ -89,7 +89,7 @@ def test_one_measuring_implementation():
     assert model_costs.measure_layers is measure.measure_layers
     model = build("transformer_tiny")
     sample = torch.randint(4, 64, (2, 16))
-    assert layer_costs(model, "flops", example_input_=(sample, sample)) == \
+    assert preset_costs(model, "flops", example_input_=(sample, sample)) == \
         engine_layer_costs(model, "flops", (sample, sample))
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpipe_lab.models import build, example_input, layer_costs, translation_loss
+from gpipe_lab.models import build, example_input, preset_costs, translation_loss
 from gpipe_lab.pipeline import balance_by_cost
 
 Inputs = Tensor | tuple[Tensor, ...]
@@ -132,13 +132,13 @@ class WorkloadSpec:
         return balance_by_cost(self.flops(model), partitions)
 
     def flops(self, model: nn.Sequential | None = None) -> list[float]:
-        """Per-layer forward FLOPs per sample (``layer_costs(..., "flops")``), counted once per network.
+        """Per-layer forward FLOPs per sample (``preset_costs(..., "flops")``), counted once per network.
 
         Raises:
             ValueError: invalid preset or sizes (from ``models.build``).
         """
         if self.key not in _FLOPS:
-            _FLOPS[self.key] = list(layer_costs(model if model is not None else self.model(), "flops"))
+            _FLOPS[self.key] = list(preset_costs(model if model is not None else self.model(), "flops"))
         return _FLOPS[self.key]
 
     def build(self, partitions: int = 1, seed: int = 0) -> Workload:

@@ -1,6 +1,6 @@
 """The models' side of per-layer costs: a sample batch and a meta replica for each preset.
 
-``layer_costs(model, kind)`` returns one float per element of the ``nn.Sequential``,
+``preset_costs(model, kind)`` returns one float per element of the ``nn.Sequential``,
 per sample, measured by the lab's one ``gpipe_lab.measure.layer_costs`` (see there
 for the kinds: ``params``, ``flops``, ``activation_bytes``, ``output_bytes``).
 What is model-specific lives here: the sample (default: the preset's input
@@ -19,7 +19,7 @@ from torch import nn
 
 from gpipe_lab.measure import COST_KINDS, measure_layers, parameter_costs, untouched
 
-__all__ = ["layer_costs", "example_input", "COST_KINDS"]
+__all__ = ["preset_costs", "example_input", "COST_KINDS"]
 
 
 def example_input(model: nn.Module, batch_size: int = 1, device: str | torch.device = "meta") -> Any:
@@ -52,7 +52,7 @@ def _meta_model(model: nn.Sequential) -> nn.Sequential:
     return replica
 
 
-def layer_costs(model: nn.Sequential, kind: str = "params", example_input_: Any = None,
+def preset_costs(model: nn.Sequential, kind: str = "params", example_input_: Any = None,
                 batch_size: int = 1) -> list[float]:
     """One cost per layer of ``model``, per sample (see the module docstring for the kinds).
 

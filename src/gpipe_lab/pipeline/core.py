@@ -216,4 +216,3 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
         self._commit_batch_norm()  # a training-mode forward is one mini-batch, as for nn.BatchNorm
         return outputs
 
-    _forward_only = forward_only  # DistributedGPipe.forward's name for it

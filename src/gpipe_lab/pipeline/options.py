@@ -62,9 +62,8 @@ class PipelineOptions:
     nonfinite: str = "raise"
     #: replay every random draw of a stage's forward from its per-micro-batch generator
     #: (``random_replay``), so re-materialization repeats it exactly and runs are repeatable
-    #: whatever the thread timing. It costs one Python hop per op of each forward (on
-    #: ``transformer_tiny``, K=2, M=4, 2-core CPU: +48% per step without dropout, +77% with;
-    #: nothing measurable on a wide MLP); the re-materialization of a micro-batch whose forward
+    #: whatever the thread timing. It costs one Python hop per op of each forward (measured in
+    #: ``results/benchmarks.md``); the re-materialization of a micro-batch whose forward
     #: drew nothing skips it. Turn it off only for models that draw nothing in ``forward``
     #: besides ``nn.Dropout`` (which is always replayed, by ``StageDropout``).
     random_replay: bool = True

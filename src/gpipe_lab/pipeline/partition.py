@@ -16,7 +16,7 @@ from torch import nn
 from gpipe_lab.measure import layer_costs, parameter_costs
 from gpipe_lab.pipeline.options import PipelineOptions
 
-__all__ = ["balance_by_cost", "check_balance", "layer_costs", "parameter_costs", "resolve_balance",
+__all__ = ["balance_by_cost", "check_balance", "check_layer_count", "layer_costs", "parameter_costs", "resolve_balance",
            "split_module"]
 
 
@@ -86,6 +86,34 @@ def check_balance(balance: Sequence[int], num_layers: int) -> list[int]:
     return balance
 
 
+def check_layer_count(options: PipelineOptions, num_layers: int, prefix: str = "",
+                      subject: str = "the module", default_partitions: int | None = None) -> None:
+    """The one rule for K, v and the balance against a layer count, for every front door.
+
+    ``prefix`` and ``subject`` word the message as the caller's user wrote the options
+    (``pipeline.`` and ``model 'x'`` for the app).
+
+    Raises:
+        ValueError: a balance that does not sum to ``num_layers``, or more chunks (K·v) than
+            layers; the message starts with the option's key.
+    """
+    if options.balance is not None:
+        if sum(options.balance) != num_layers:
+            raise ValueError(f"{prefix}balance: {list(options.balance)} sums to {sum(options.balance)} but "
+                             f"{subject} has {num_layers} layers; use {prefix}partitions=K for an automatic balance")
+        return
+    k = options.partitions if options.partitions is not None else default_partitions
+    if k is None:
+        return
+    if k > num_layers:
+        raise ValueError(f"{prefix}partitions: {k} partitions but {subject} has only {num_layers} layers")
+    v = options.virtual_stages
+    if k * v > num_layers:
+        raise ValueError(f"{prefix}virtual_stages: {k} partitions x {v} virtual stages = {k * v} chunks but "
+                         f"{subject} has only {num_layers} layers; lower {prefix}virtual_stages or "
+                         f"{prefix}partitions")
+
+
 def resolve_balance(module: nn.Sequential, options: PipelineOptions,
                     default_partitions: int | None = None) -> list[int]:
     """Layers per chunk (K·v entries): ``options.balance`` checked against the module, or
@@ -98,6 +126,7 @@ def resolve_balance(module: nn.Sequential, options: PipelineOptions,
     """
     v = options.virtual_stages
     if options.balance is not None:
+        check_layer_count(options, len(module))
         balance = check_balance(options.balance, len(module))
         if len(balance) % v:
             raise ValueError(f"balance {balance} has {len(balance)} entries, not a multiple of "
@@ -106,9 +135,7 @@ def resolve_balance(module: nn.Sequential, options: PipelineOptions,
     partitions = options.partitions if options.partitions is not None else default_partitions
     if partitions is None:
         raise ValueError("give either balance=[layers per partition] or partitions=K")
-    if partitions * v > len(module):
-        per = "" if v == 1 else f" × virtual_stages={v}"
-        raise ValueError(f"partitions={partitions}{per} is more than the module's {len(module)} layers")
+    check_layer_count(options, len(module), default_partitions=default_partitions)
     return balance_by_cost(layer_costs(module, options.cost), partitions * v)
 
 

@@ -157,7 +157,7 @@ class DistributedGPipe(PipelineCore):
         ``inputs`` (pass the batch to every rank when it may be short). The output
         cannot be back-propagated (its backward says to use ``train_step``).
         """
-        outputs = self._forward_only(inputs)
+        outputs = self.forward_only(inputs)
         if broadcast and self.num_stages > 1:
             box = [to_cpu(outputs) if self.is_last_stage else None]
             dist.broadcast_object_list(box, src=self.topo.last_rank, group=self.pp_group,
