@@ -7,28 +7,14 @@ a missing or damaged dataset (no traceback, a hint Hydra accepts), and a sweep w
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from gpipe_lab.config import ConfigError, validate
 from gpipe_lab.suggest import suggest_overrides
 from gpipe_lab.train import CONFIG_DIR
-from helpers.app import make_config
+from helpers.app import SMALL, make_config, user_app
 
-SMALL = ["trainer=smoke", "logger=none", "data.num_train=16", "data.num_val=8", "data.batch_size=8",
-         "model.num_filters=8", "data.image_size=8", "model.image_size=8"]
-
-
-def app(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``gpipe-train`` as a user runs it (no HYDRA_FULL_ERROR), in ``tmp_path``."""
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
-    return subprocess.run([sys.executable, "-m", "gpipe_lab.train", *args, f"paths.log_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+app = user_app
 
 
 @pytest.mark.parametrize("overrides,named", [

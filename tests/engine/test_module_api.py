@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from differential_cases import Probe  # records (is_checkpointing, is_recomputing) per call
 from torch import nn
 from torch.nn import functional as F
 
@@ -136,18 +137,6 @@ def test_sequence_access_and_read_only_attributes():
             setattr(pipe, name, getattr(pipe, name))
     pipe.balance.append(1)  # a copy: the pipeline's own balance cannot be changed through it
     assert pipe.balance == [2, 3]
-
-
-class Probe(nn.Module):
-    """Records (is_checkpointing, is_recomputing) at each call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[bool, bool]] = []
-
-    def forward(self, x):
-        self.seen.append((is_checkpointing(), is_recomputing()))
-        return x
 
 
 @pytest.mark.parametrize("checkpoint,expected", [

@@ -38,3 +38,16 @@ def gpipe_train(args: list[str], tmp_path: Path, timeout: float = 240) -> subpro
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+#: the smallest default-model run a user could type
+SMALL = ["trainer=smoke", "logger=none", "data.num_train=16", "data.num_val=8", "data.batch_size=8",
+         "model.num_filters=8", "data.image_size=8", "model.image_size=8"]
+
+
+def user_app(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``gpipe-train`` as a user runs it (no HYDRA_FULL_ERROR), in ``tmp_path``."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    return subprocess.run([sys.executable, "-m", "gpipe_lab.train", *args, f"paths.log_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
