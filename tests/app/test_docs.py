@@ -30,8 +30,8 @@ SLURM = "#!/bin/bash"
 #: command or ""), ("covered", "file::test" that runs it, the overrides that test must pass) or
 #: ("skip", why).
 COMMANDS: dict[str, tuple[str, ...]] = {
-    "python3 -m venv .venv && . .venv/bin/activate": ("skip", "the fresh venv is .ci/run's"),
-    'python -m pip install -e ".[dev]" && gpipe-train': ("skip", "the install is .ci/run's; gpipe-train runs below"),
+    'python3 -m venv .venv && . .venv/bin/activate && python -m pip install -e ".[dev]" && gpipe-train':
+        ("skip", "the fresh venv and the install are .ci/run's; gpipe-train runs below"),
     "python -m pytest -q -n auto": ("skip", "this test suite"),
     "torchrun --nproc-per-node 2 -m gpipe_lab.pipeline.distributed.demo": ("run", DEMO, ""),
     "torchrun --nproc-per-node 4 -m gpipe_lab.train pipeline.transport=distributed trainer=distributed "
