@@ -18,7 +18,8 @@ What an action does (``run_action``), the same in both transports:
 * ``W``: the deferred weight gradients.
 
 Which message an action consumes and produces comes from the schedule walker's
-one dependency rule (``schedules.incoming`` / ``schedules.outgoing``).
+one dependency rule (``schedules.incoming`` / ``schedules.outgoing``), applied once
+per schedule by the executor.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from gpipe_lab.pipeline.devices import move_target
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.mailbox import Mailbox
 from gpipe_lab.pipeline.microbatch import to_device
-from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule, incoming, outgoing
+from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule
 from gpipe_lab.pipeline.stage import StageRuntime
 
 Values = tuple[Tensor | None, ...]
@@ -114,15 +115,18 @@ Receive = Callable[[MessageKey, Action], tuple[Values, bool]]
 
 
 def run_action(action: Action, runtime: StageRuntime, receive: Receive, endpoint: Endpoint, feed: StepFeed,
-               num_stages: int) -> None:
+               key: MessageKey | None, out: MessageKey | None) -> None:
     """One F, B or W of one stage (see the module docstring); ``receive`` waits for a message.
+
+    ``key`` / ``out``: the message the action consumes / produces (``schedules.incoming`` /
+    ``schedules.outgoing``, derived once per schedule by the executor).
 
     Raises:
         ValueError: the first stage got no inputs.
     """
     mb = action.microbatch
-    key, out = incoming(action, num_stages), outgoing(action, num_stages)
-    if action.kind == "F":
+    kind = action.kind
+    if kind == "F":
         if key is None:
             if feed.inputs is None:
                 raise ValueError("this rank runs the first stage but got no inputs")
@@ -134,7 +138,7 @@ def run_action(action: Action, runtime: StageRuntime, receive: Receive, endpoint
         outputs, out_tensor = runtime.forward(mb, values, was_tensor, target)
         if out is not None:
             endpoint.send(out, outputs, out_tensor, runtime)
-    elif action.kind == "B":
+    elif kind == "B":
         runtime.rematerialize(mb)  # overlaps the wait for the gradient
         grads: Values | None = None
         if key is not None:

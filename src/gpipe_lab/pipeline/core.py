@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +28,7 @@ from gpipe_lab.pipeline.batching import (
 )
 from gpipe_lab.pipeline.channel import Endpoint, StepFeed
 from gpipe_lab.pipeline.compiling import CompiledStage, split_backward_error
-from gpipe_lab.pipeline.executor import Executor, step_timeline
+from gpipe_lab.pipeline.executor import Executor, StepRecord
 from gpipe_lab.pipeline.half_steps import HalfSteps
 from gpipe_lab.pipeline.microbatch import Value, join, unwrap
 from gpipe_lab.pipeline.options import OptionViews, PipelineOptions, compile_kwargs
@@ -38,6 +38,15 @@ from gpipe_lab.pipeline.step_policy import StepPolicy
 from gpipe_lab.pipeline.timeline import Timeline
 
 LossFn = Callable[[object, object], Tensor]
+
+
+class _Scheduled(NamedTuple):
+    """A schedule as the core runs it, derived once per (micro-batch count, kind)."""
+
+    lists: Schedule
+    prepared: Any  # the endpoint's (``Endpoint.prepare``)
+    split_backward: frozenset[int]  # micro-batches with a W on a hosted rank
+    weight_runs: dict[int, dict[int, tuple[int, ...]]]  # ``schedules.weight_runs`` of the hosted ranks
 
 
 class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
@@ -72,12 +81,13 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
         self.executor = Executor(channel, runtimes)
         self._num_ranks = num_ranks
         self._dp_size = dp_size
-        self._schedules: dict[tuple[int, str], tuple[Schedule, Any]] = {}
+        self._schedules: dict[tuple[int, str], _Scheduled] = {}
         self.step_count = 0
         self.generation = 0  # bumped by every step begun: a pending pipe(x) graph belongs to one
         self.skipped_steps = 0
         self.last_step_skipped = False
-        self.timeline: Timeline | None = None
+        self._record: StepRecord | None = None
+        self._timeline: Timeline | None = None
 
     # ------------------------------------------------------------ options
     @property
@@ -96,6 +106,13 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
         self.channel.timeout = float(seconds)  # every wait reads it there: mailbox, sends, all-reduces
 
     @property
+    def timeline(self) -> Timeline | None:
+        """The last step's timeline (``None`` before the first step); built when first read."""
+        if self._record is not None:
+            self._timeline, self._record = self._record.timeline(), None
+        return self._timeline
+
+    @property
     def _last(self) -> StageRuntime | None:
         """The last (virtual) stage, if this process holds it."""
         return self.runtimes.get(self._num_virtual - 1)
@@ -104,7 +121,7 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
     def _num_microbatches(self, inputs: object, targets: object) -> int:
         return microbatch_count(self.options.chunks, inputs, targets)
 
-    def _schedule(self, num_microbatches: int, kind: str) -> tuple[Schedule, Any]:
+    def _schedule(self, num_microbatches: int, kind: str) -> _Scheduled:
         """``kind``: ``train`` (the configured schedule), ``forward`` or ``backward`` (fill-drain halves)."""
         key = (num_microbatches, kind)
         if key not in self._schedules:
@@ -113,7 +130,12 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
             if kind != "train":
                 keep = "F" if kind == "forward" else "B"
                 lists = [[a for a in actions if a.kind == keep] for actions in lists]
-            self._schedules[key] = (lists, self.channel.prepare(lists))
+            mine = [a for k in self.channel.ranks for a in lists[k]]
+            runs: dict[int, dict[int, tuple[int, ...]]] = {}
+            for k in self.channel.ranks:
+                runs.update(weight_runs(lists[k]))
+            self._schedules[key] = _Scheduled(lists, self.channel.prepare(lists),
+                                              frozenset(a.microbatch for a in mine if a.kind == "W"), runs)
         return self._schedules[key]
 
     def _feed(self, inputs: Value | None, targets: object, num_microbatches: int) -> StepFeed:
@@ -125,13 +147,9 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
 
         ``fresh=False`` continues the step the previous call began (the backward half).
         """
-        lists, prepared = self._schedule(plan.num_microbatches, kind)
+        lists, prepared, split_backward, runs = self._schedule(plan.num_microbatches, kind)
         if fresh:
-            mine = [a for k in self.channel.ranks for a in lists[k]]
-            plan.split_backward = frozenset(a.microbatch for a in mine if a.kind == "W")
-            plan.weight_runs = {}
-            for k in self.channel.ranks:
-                plan.weight_runs.update(weight_runs(lists[k]))
+            plan.split_backward, plan.weight_runs = split_backward, runs  # read only by the stages
             for runtime in self.runtimes.values():
                 runtime.begin(plan, keep_outputs)
             self.generation += 1
@@ -142,8 +160,7 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
             self._reset_batch_norm()
             raise
         finally:
-            self.timeline = step_timeline(self.runtimes, self._num_ranks, self._step_start,
-                                          plan.num_microbatches)
+            self._record = StepRecord(self.runtimes, self._num_ranks, self._step_start, plan.num_microbatches)
         last = self._last
         loss = outputs = None
         if last is not None and last.losses:

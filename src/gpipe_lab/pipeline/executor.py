@@ -9,6 +9,9 @@ Both transports run a step here (``channel.Endpoint`` is all that differs):
   wait is bounded by the endpoint's ``timeout`` on its own (a per-wait limit),
   and the sender it waits for comes from the schedule walker
   (``schedules.expected_messages``);
+* what an action consumes and produces is derived once per schedule
+  (``_plan``), not per action: a step's per-action work is the compute, the
+  hand-over and a few stores (the scheduling overhead of small layers);
 * a stage back-propagates on its own thread: autograd multithreading is off
   there, so the engine never queues a stage's CUDA nodes to the device worker
   thread, which in ``pipe(x).backward()`` is the caller waiting for this thread;
@@ -34,11 +37,29 @@ from gpipe_lab.pipeline.channel import Endpoint, RankDevices, StepFeed, Values, 
 from gpipe_lab.pipeline.checkpointing import autocast_as, autocast_state
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.mailbox import Mailbox, Stopped, Undelivered, WaitTimeout
-from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule, expected_messages
+from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule, expected_messages, incoming, outgoing
 from gpipe_lab.pipeline.stage import StageRuntime
 from gpipe_lab.pipeline.timeline import Event, Timeline
 
 Failure = tuple[float, int, "Action | None", BaseException]  # (when, rank, action, exception)
+# per action of a rank: (action, the message it takes, the message it sends, its stage's last B/W)
+PlannedAction = tuple[Action, "MessageKey | None", "MessageKey | None", bool]
+
+
+class _Plan:
+    """What the executor derives from one schedule, once: per rank its planned actions, and the
+    rank that sends each message."""
+
+    def __init__(self, schedule: Schedule, num_stages: int) -> None:
+        K = len(schedule)
+        self.schedule = schedule  # held, so that the cache's key (its id) is not reused
+        self.ranks: list[list[PlannedAction]] = []
+        self.senders: dict[MessageKey, int] = {}
+        for actions in schedule:
+            last = {a.stage: i for i, a in enumerate(actions) if a.kind in "BW"}
+            self.ranks.append([(a, incoming(a, num_stages), outgoing(a, num_stages), last.get(a.stage) == i)
+                               for i, a in enumerate(actions)])
+            self.senders.update(expected_messages(actions, K, num_stages))
 
 
 class _Stalled(Exception):
@@ -52,15 +73,14 @@ class _Stalled(Exception):
 class _Step:
     """The state of one step shared by its rank threads."""
 
-    def __init__(self, schedule: Schedule, feed: StepFeed, sync_gradients: bool, num_stages: int) -> None:
+    def __init__(self, plan: _Plan, feed: StepFeed, sync_gradients: bool) -> None:
+        schedule = plan.schedule
         K = len(schedule)
-        self.schedule, self.feed, self.sync_gradients = schedule, feed, sync_gradients
+        self.plan, self.schedule, self.feed, self.sync_gradients = plan, schedule, feed, sync_gradients
         self.mailbox = Mailbox()
         self.done: list[Action | None] = [None] * K
         self.current: list[Action | None] = [actions[0] if actions else None for actions in schedule]
-        self.senders: dict[MessageKey, int] = {}
-        for actions in schedule:
-            self.senders.update(expected_messages(actions, K, num_stages))
+        self.senders = plan.senders
         self.failures: list[Failure] = []
         self.progress = 0  # actions and waits ended, by every rank: the caller's sign of life
         self.waiting = [False] * K  # rank k is in a mailbox wait (bounded on its own)
@@ -104,6 +124,14 @@ class Executor:
         self.endpoint = endpoint
         self.runtimes = dict(runtimes)
         self.num_stages = next(iter(self.runtimes.values())).num_stages
+        self._plans: dict[int, _Plan] = {}
+
+    def _plan(self, schedule: Schedule) -> _Plan:
+        """The plan of ``schedule``, made on its first step (the core caches its schedules)."""
+        plan = self._plans.get(id(schedule))
+        if plan is None or plan.schedule is not schedule:
+            plan = self._plans[id(schedule)] = _Plan(schedule, self.num_stages)
+        return plan
 
     def run(self, schedule: Schedule, prepared: object, feed: StepFeed, sync_gradients: bool) -> None:
         """Execute the hosted ranks' lists of ``schedule``.
@@ -114,7 +142,7 @@ class Executor:
             PipelineTimeoutError: a wait lasted longer than the timeout (a subclass names the peer).
             KeyboardInterrupt: the caller was interrupted (every rank thread stopped first).
         """
-        step = _Step(schedule, feed, sync_gradients, self.num_stages)
+        step = _Step(self._plan(schedule), feed, sync_gradients)
         ranks = [(k, self._device(schedule, k)) for k in self.endpoint.ranks]
         step.hosting(len(ranks))
         self.endpoint.peak_live = {s: 0 for s in self.runtimes}
@@ -198,40 +226,44 @@ class Executor:
             step.finished[k].set()
 
     def _walk(self, step: _Step, k: int) -> None:
-        actions = step.schedule[k]
-        last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind in "BW"}
+        planned = step.plan.ranks[k]
+        runtimes, endpoint, feed, mailbox = self.runtimes, self.endpoint, step.feed, step.mailbox
+        peak = endpoint.peak_live
+        done, current, sync = step.done, step.current, step.sync_gradients
 
         def receive(key: MessageKey, action: Action) -> tuple[Values, bool]:
             return self._receive(step, k, key, action)
 
-        for i, action in enumerate(actions):
-            if step.mailbox.stopped:  # another rank failed or the caller was interrupted
+        last = len(planned) - 1
+        for i, (action, key, out, last_of_stage) in enumerate(planned):
+            if mailbox.stopped:  # another rank failed or the caller was interrupted
                 raise Stopped
-            runtime = self.runtimes[action.stage]
-            run_action(action, runtime, receive, self.endpoint, step.feed, self.num_stages)
-            peak = self.endpoint.peak_live
-            peak[action.stage] = max(peak[action.stage], len(runtime._saved))
-            if step.sync_gradients and last_backward.get(action.stage) == i:
-                self.endpoint.stage_done(runtime)
-            step.done[k] = action
-            step.current[k] = actions[i + 1] if i + 1 < len(actions) else None
+            runtime = runtimes[action.stage]
+            run_action(action, runtime, receive, endpoint, feed, key, out)
+            live = len(runtime._saved)
+            if live > peak[action.stage]:
+                peak[action.stage] = live
+            if sync and last_of_stage:
+                endpoint.stage_done(runtime)
+            done[k] = action
+            current[k] = planned[i + 1][0] if i < last else None
             step.progress += 1
 
     def _receive(self, step: _Step, k: int, key: MessageKey, action: Action) -> tuple[Values, bool]:
         """Wait (bounded) for ``key``; the time blocked is a ``wait`` event of the stage."""
-        runtime = self.runtimes[action.stage]
-        peer = step.senders[key]
         start = time.perf_counter()
         step.waiting[k] = True
         try:
             item = step.mailbox.get(key, self.endpoint.timeout, self.endpoint.poll)
         except WaitTimeout:
-            raise self.endpoint.timed_out(key, action, peer, list(step.done), list(step.current)) from None
+            raise self.endpoint.timed_out(key, action, step.senders[key], list(step.done),
+                                          list(step.current)) from None
         except Undelivered as lost:
             raise self.endpoint.undelivered(key, action, lost.peer, lost.cause) from None
         # cleared only after a value came: a failed wait stays marked until its thread has ended
         step.waiting[k] = False
-        runtime.events.append(Event(action.stage, "wait", action.microbatch, start, time.perf_counter()))
+        runtime = self.runtimes[action.stage]
+        runtime.events.append((action.stage, "wait", action.microbatch, start, time.perf_counter()))
         step.progress += 1
         return self.endpoint.receive(item, runtime)
 
@@ -251,14 +283,30 @@ class Executor:
 def step_timeline(runtimes: Mapping[int, StageRuntime], num_ranks: int, start: float,
                   num_microbatches: int) -> Timeline:
     """The events of the step that began at ``start``, per pipeline rank (chunk j on rank j mod K)."""
-    K = num_ranks
-    timeline = Timeline(K, start=start)
-    timeline.end = time.perf_counter()
-    timeline.events = sorted((Event(e.stage % K, e.kind, e.microbatch, e.start, e.end)
-                              for r in runtimes.values() for e in r.events), key=lambda e: e.start)
-    timeline.num_microbatches = num_microbatches
-    if any(r.clock is not None for r in runtimes.values()):
-        held = list(runtimes.values())
-        timeline.device_source = lambda: [Event(e.stage % K, e.kind, e.microbatch, e.start, e.end)
-                                          for r in held for e in r.device_events()]
-    return timeline
+    return StepRecord(runtimes, num_ranks, start, num_microbatches).timeline()
+
+
+class StepRecord:
+    """What a step's timeline is made of, kept as recorded at the step's end: the stages record
+    plain tuples while they run, and the ``Timeline`` is built only when someone reads it."""
+
+    def __init__(self, runtimes: Mapping[int, StageRuntime], num_ranks: int, start: float,
+                 num_microbatches: int) -> None:
+        self.end = time.perf_counter()
+        self.held = list(runtimes.values())
+        self.recorded = [r.events for r in self.held]  # each step gives a runtime a new list
+        self.num_ranks, self.start, self.num_microbatches = num_ranks, start, num_microbatches
+
+    def timeline(self) -> Timeline:
+        """The step's ``Timeline`` (events sorted by start, stage numbers as pipeline ranks)."""
+        K = self.num_ranks
+        timeline = Timeline(K, start=self.start)
+        timeline.end = self.end
+        timeline.events = sorted((Event(s % K, kind, mb, t0, t1) for events in self.recorded
+                                  for s, kind, mb, t0, t1 in events), key=lambda e: e.start)
+        timeline.num_microbatches = self.num_microbatches
+        if any(r.clock is not None for r in self.held):
+            held = self.held
+            timeline.device_source = lambda: [Event(e.stage % K, e.kind, e.microbatch, e.start, e.end)
+                                              for r in held for e in r.device_events()]
+        return timeline

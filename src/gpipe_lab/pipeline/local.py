@@ -21,7 +21,7 @@ from gpipe_lab.pipeline.errors import PipelineTimeoutError, annotate
 from gpipe_lab.pipeline.mailbox import Mailbox
 from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule
 from gpipe_lab.pipeline.stage import StageRuntime
-from gpipe_lab.pipeline.streams import Streams, streams_for
+from gpipe_lab.pipeline.streams import NoStreams, Streams, streams_for
 
 
 class LocalChannel:
@@ -51,10 +51,12 @@ class LocalChannel:
 
     def send(self, key: MessageKey, values: Values, was_tensor: bool, sender: StageRuntime) -> None:
         mark = self.streams.mark(sender.index % self.num_ranks, sender.device)
-        self._mailbox.put(key, (values, was_tensor, mark))
+        self._mailbox.put(key, (values, was_tensor, mark, sender.device))
 
     def receive(self, item: tuple, receiver: StageRuntime) -> tuple[Values, bool]:
-        values, was_tensor, mark = item
+        values, was_tensor, mark, source = item
+        if type(self.streams) is NoStreams and source == receiver.device:
+            return values, was_tensor  # already where they are used: nothing to copy or order
         values = self.streams.hand_over(values, mark, receiver.index % self.num_ranks, receiver.device)
         return values, was_tensor
 

@@ -4,11 +4,16 @@ Every transport delivers into it (a local sender directly, the distributed
 receiver threads as messages arrive) and the executor takes from it. A wait is
 bounded by ``timeout`` seconds counted from its own start, as
 ``PipelineOptions.timeout`` documents, not by a deadline for the whole step.
+
+A hand-over is on every action's path, so it uses the interpreter's raw locks
+only: a waiter parks on a lock of its own that the matching ``put`` (or ``stop``,
+or a broken link) releases, instead of a ``threading.Condition`` that wakes every
+waiter and builds its wait in Python.
 """
 
 from __future__ import annotations
 
-import threading
+import _thread
 import time
 from collections.abc import Callable
 
@@ -41,28 +46,37 @@ class Mailbox:
     """Values handed over during one step, keyed by (kind, receiving stage, micro-batch)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = _thread.allocate_lock()
         self._items: dict[MessageKey, tuple] = {}
+        self._waiters: dict[MessageKey, _thread.LockType] = {}  # a held lock per waiting key
         self._broken: tuple[int, BaseException] | None = None
         self.stopped = False
 
     def put(self, key: MessageKey, item: tuple) -> None:
-        with self._cond:
+        with self._lock:
             self._items[key] = item
-            self._cond.notify_all()
+            waiter = self._waiters.pop(key, None)
+        if waiter is not None:
+            waiter.release()
+
+    def _wake_all(self) -> None:
+        """Release every parked waiter (called with ``_lock`` held); each re-checks why."""
+        for waiter in self._waiters.values():
+            waiter.release()
+        self._waiters.clear()
 
     def break_link(self, peer: int, cause: BaseException) -> None:
         """A delivery from ``peer`` failed: waits for what it has not delivered fail with ``cause``."""
-        with self._cond:
+        with self._lock:
             if self._broken is None:
                 self._broken = (peer, cause)
-            self._cond.notify_all()
+            self._wake_all()
 
     def stop(self) -> None:
         """Wake every wait: it raises ``Stopped``."""
-        with self._cond:
+        with self._lock:
             self.stopped = True
-            self._cond.notify_all()
+            self._wake_all()
 
     def get(self, key: MessageKey, timeout: float, poll: Callable[[], None] | None = None) -> tuple:
         """Take the item for ``key``; ``poll()`` runs every ``POLL_SECONDS`` while waiting.
@@ -75,23 +89,35 @@ class Mailbox:
             WaitTimeout: nothing came within ``timeout`` seconds of this call.
             Exception: whatever ``poll`` raises.
         """
+        lock = self._lock
+        with lock:
+            item = self._items.pop(key, None)
+        if item is not None:
+            return item
         limit = time.monotonic() + timeout
-        with self._cond:
-            while key not in self._items:
+        while True:
+            with lock:
+                item = self._items.pop(key, None)
+                if item is not None:
+                    return item
                 if self.stopped:
                     raise Stopped
                 if self._broken is not None:
                     raise Undelivered(key, *self._broken)
-                if poll is not None:
-                    self._cond.release()
-                    try:
-                        poll()
-                    finally:
-                        self._cond.acquire()
-                    if key in self._items:
-                        break
-                remaining = limit - time.monotonic()
-                if remaining <= 0:
-                    raise WaitTimeout(key, timeout)
-                self._cond.wait(min(remaining, POLL_SECONDS))
-            return self._items.pop(key)
+                waiter = self._waiters.get(key)
+                if waiter is None:
+                    waiter = self._waiters[key] = _thread.allocate_lock()
+                    waiter.acquire()
+            if poll is not None:
+                poll()
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                with lock:
+                    item = self._items.pop(key, None)
+                    if item is None and self._waiters.get(key) is waiter:
+                        del self._waiters[key]
+                if item is not None:
+                    return item
+                raise WaitTimeout(key, timeout)
+            # released by the key's put, by stop or by a broken link; else a poll interval passed
+            waiter.acquire(timeout=min(remaining, POLL_SECONDS))

@@ -96,13 +96,15 @@ class StageRuntime:
         self.base_seed = base_seed
         self.is_last = index == num_stages - 1
         self.plan = StepPlan(0, 1, frozenset())
-        self.events: list[Event] = []
+        # (stage, kind, micro-batch, start, end) per action: a plain tuple on the action's path;
+        # ``executor.StepRecord`` makes the ``Event``s when the timeline is read
+        self.events: list[tuple[int, str, int, float, float]] = []
         self.losses: dict[int, Tensor] = {}
         self.outputs: dict[int, tuple[tuple[Tensor, ...], bool]] = {}
         self.keep_outputs = False
         self._saved: dict[int, _Saved] = {}
         self._param_storages: frozenset[int] = frozenset()
-        self._norms: list[nn.Module] = []
+        self._norms: list[nn.Module] | None = None
         self.live_bytes = 0
         self.peak_bytes = 0
         self.track_memory = True
@@ -122,8 +124,9 @@ class StageRuntime:
         self.live_bytes = self.peak_bytes = 0
         if self.clock is not None:
             self.clock.begin()
-        self._param_storages = storage_keys([*self.module.parameters(), *self.module.buffers()])
-        self._norms = running_stat_layers(self.module)
+        self._param_storages = (storage_keys([*self.module.parameters(), *self.module.buffers()])
+                                if self.track_memory else frozenset())
+        self._norms = None  # found at the step's first replay
 
     def abort(self) -> None:
         """Free what a failed step left behind."""
@@ -145,7 +148,7 @@ class StageRuntime:
         return time.perf_counter(), None if self.clock is None else self.clock.start()
 
     def _record(self, kind: str, mb: int, start: tuple[float, Any]) -> None:
-        self.events.append(Event(self.index, kind, mb, start[0], time.perf_counter()))
+        self.events.append((self.index, kind, mb, start[0], time.perf_counter()))
         if self.clock is not None:
             self.clock.stop(kind, (mb,), start[1])
 
@@ -236,6 +239,8 @@ class StageRuntime:
         if saved.outputs is None:
             start = self._start()
             # the replay sees its first forward's state: autocast as then, running statistics not moved again
+            if self._norms is None:
+                self._norms = running_stat_layers(self.module)
             with torch.enable_grad(), autocast_as(saved.autocast), running_stats_untouched(self._norms):
                 saved.outputs, _ = self._run(mb, saved.inputs, saved.was_tensor, saved.target,
                                              recomputing=True)
@@ -306,8 +311,8 @@ class StageRuntime:
             self.clock.stop("W", tuple(run), device_start)
         for i, m in enumerate(run):  # one event per micro-batch: an equal share of the run's time
             self._release(m)
-            self.events.append(Event(self.index, "W", m, start + (end - start) * i / len(run),
-                                     start + (end - start) * (i + 1) / len(run)))
+            self.events.append((self.index, "W", m, start + (end - start) * i / len(run),
+                                start + (end - start) * (i + 1) / len(run)))
 
     def _backward_pairs(self, outputs: tuple[Tensor, ...] | None,
                         grads: tuple[Tensor | None, ...] | None) -> tuple[list[Tensor], list[Tensor] | None]:
