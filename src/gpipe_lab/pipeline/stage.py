@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gpipe_lab.pipeline.backward_call import stage_backward
 from gpipe_lab.pipeline.batchnorm import running_stat_layers, running_stats_untouched
 from gpipe_lab.pipeline.checkpointing import AutocastState, autocast_as, autocast_state, checkpointing
 from gpipe_lab.pipeline.compiling import CompiledStage
@@ -220,7 +221,8 @@ class StageRuntime:
         checkpointed = mb in self.plan.checkpointed
         if checkpointed:
             saved.autocast = autocast_state()
-        with torch.set_grad_enabled(grad and not checkpointed):
+        graph = grad and not checkpointed
+        with torch.set_grad_enabled(graph) if torch.is_grad_enabled() != graph else nullcontext():
             outputs, out_is_tensor = self._run(mb, inputs, was_tensor, target, recomputing=False)
         if not grad:
             self._release(mb)  # forward only: nothing is kept for a backward
@@ -249,7 +251,8 @@ class StageRuntime:
     def backward(self, mb: int, grads: tuple[Tensor | None, ...] | None) -> tuple[Tensor | None, ...]:
         """Backward of one micro-batch; returns the gradient of each stage input."""
         saved = self._saved[mb]
-        self.rematerialize(mb)
+        if saved.outputs is None:
+            self.rematerialize(mb)
         start = self._start()
         tensors, grad_tensors = self._backward_pairs(saved.outputs, grads)
         leaves = [t for t in saved.inputs if t.requires_grad and t.is_leaf]
@@ -270,7 +273,7 @@ class StageRuntime:
                 if g is not None:  # accumulate: the caller's own leaf may hold a gradient already
                     leaf.grad = g if leaf.grad is None else leaf.grad + g
         elif tensors:
-            torch.autograd.backward(tensors, grad_tensors)
+            stage_backward(tensors, grad_tensors)
         result = tuple(t.grad if t.requires_grad and t.is_leaf else None for t in saved.inputs)
         if mb not in self.plan.split_backward:
             self._release(mb)
