@@ -11,6 +11,10 @@ rank (locally: nothing to sum), so all ranks read the same verdict::
 
 The vector is float64 on every rank, so a float64 model's loss crosses unrounded, and every
 rank returns the loss in the dtype the last stage computed it in.
+
+A stage's gradients are judged by one fused kernel per device and dtype
+(``gradient_flag``: the check ``GradScaler`` runs, at scale one, which leaves every
+value as it was), not by kernels per parameter.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ def nonfinite_flag(tensors: Iterable[Tensor | None]) -> Tensor | None:
 
     Each tensor's minimum and maximum are read (``aminmax``: one pass, no
     tensor-sized temporary); NaN propagates through both and an infinity is one
-    of them, and unlike a sum they cannot overflow on large finite values.
+    of them, and unlike a sum they cannot overflow on large finite values (a complex tensor is read
+    as its real and imaginary parts).
     Tensors on several devices are combined on the first one's (a GPU flag reaches a
     CPU first tensor by a blocking copy). ``None`` entries
     are skipped; returns ``None`` when nothing is left.
@@ -43,9 +48,53 @@ def nonfinite_flag(tensors: Iterable[Tensor | None]) -> Tensor | None:
     device = present[0].device
     extremes = []
     for t in present:
-        low, high = torch.aminmax(t.detach())
+        t = t.detach()
+        low, high = torch.aminmax(torch.view_as_real(t) if t.is_complex() else t)
         extremes.append(to_device(torch.stack([low, high]).float(), device))
     return ~torch.isfinite(torch.cat(extremes)).all()
+
+
+#: gradient dtypes the fused check takes (others take ``nonfinite_flag``)
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def gradient_flag(grads: Iterable[Tensor | None]) -> Tensor | None:
+    """A 0-d float64 tensor, > 0 if some element of some gradient is NaN/inf; without a host sync.
+
+    One fused kernel per device and dtype (``torch._amp_foreach_non_finite_check_and_unscale_``
+    with scale one: it rewrites each value unchanged and counts no overflow of a sum, since it
+    sums nothing). Gradients it cannot take (other dtypes, sparse ones, the meta device) are
+    judged by ``nonfinite_flag``. The flag is on the first gradient's device (a flag from another
+    device reaches a CPU one by a blocking copy); ``None`` entries and empty tensors are skipped;
+    returns ``None`` when nothing is left.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    rest: list[Tensor] = []
+    for g in grads:
+        if g is None or g.numel() == 0:
+            continue
+        if g.dtype in _FUSED_DTYPES and g.layout == torch.strided and not g.is_meta:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        else:
+            rest.append(g)
+    found: dict[torch.device, Tensor] = {}
+    with torch.no_grad():
+        for (device, _), group in groups.items():
+            if device not in found:
+                found[device] = torch.zeros(1, device=device)
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found[device],
+                                                                 torch.ones(1, device=device))
+            except (RuntimeError, NotImplementedError):  # e.g. a gradient that cannot be written
+                rest.extend(group)
+    flags = [f.reshape(()).double() for f in found.values()]
+    other = nonfinite_flag(rest)
+    if other is not None:
+        flags.append(other.double())
+    if not flags:
+        return None
+    first = flags[0].device
+    return flags[0] if len(flags) == 1 else torch.stack([to_device(f, first) for f in flags]).sum()
 
 
 def all_finite(tensors: Iterable[Tensor | None]) -> bool:
@@ -82,9 +131,9 @@ def verdict_vector(loss: Tensor | None, modules: Mapping[int, nn.Module], num_ch
         if loss is not None:
             slots[1] = (~torch.isfinite(loss.detach()).all()).double().to(device)
         for j, module in modules.items():
-            flag = nonfinite_flag(p.grad for p in module.parameters())
+            flag = gradient_flag(p.grad for p in module.parameters())
             if flag is not None:
-                slots[_FLAGS + j] = to_device(flag.double(), device)
+                slots[_FLAGS + j] = to_device(flag, device)
     return torch.stack(slots)
 
 

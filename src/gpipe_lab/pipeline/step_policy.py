@@ -2,13 +2,16 @@
 
 After a step (``train_step``, or ``pipe(x)``'s backward) each process builds
 its verdict vector (``nonfinite``), the endpoint sums it over every rank, and
-all ranks raise ``NonFiniteError`` or skip the step together. Deferred
+all ranks raise ``NonFiniteError`` or skip the step together. Under
+``nonfinite="ignore"`` nothing is checked; a process holding every stage then
+builds no vector and reads nothing from the device. Deferred
 BatchNorm statistics are committed after a good step and dropped after a failed
 or skipped one.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
@@ -48,10 +51,14 @@ class StepPolicy:
         Raises:
             NonFiniteError: a NaN/inf loss or gradient under ``nonfinite="raise"``.
         """
-        modules = {j: r.module for j, r in self.runtimes.items()}
         device = next(iter(self.runtimes.values())).device if loss is None else loss.device
-        shared = self.channel.share(verdict_vector(loss, modules, self._num_virtual, self._dp_size,
-                                                   self.options.nonfinite != "ignore", device))
+        check = self.options.nonfinite != "ignore"
+        if not check and self.channel.holds_all_stages:  # nothing to judge, nothing to share: no read
+            self.last_step_skipped = False
+            return loss if loss is not None else torch.zeros((), device=device)
+        modules = {j: r.module for j, r in self.runtimes.items()}
+        shared = self.channel.share(verdict_vector(loss, modules, self._num_virtual, self._dp_size, check,
+                                                   device))
         values = read_verdict(shared)  # the step's one device-to-host read
         whole = self.channel.holds_all_stages and loss is not None
         self._apply_policy(describe_problem(values, self._num_ranks, self.options.virtual_stages,
