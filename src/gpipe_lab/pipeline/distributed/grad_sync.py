@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -83,8 +84,8 @@ class GradientSync:
         wait_works([w for w, _, _ in pending], WHAT, self.peers, self.timeout, self.abort)
         for _, flat, bucket in pending:
             flat.div_(self.size)
-            for p, avg in zip(bucket, _unflatten_dense_tensors(flat, [p.grad for p in bucket])):
-                p.grad.copy_(avg)  # type: ignore[union-attr]
+            grads = [p.grad for p in bucket]
+            torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))  # one launch per bucket
 
     def discard(self) -> None:
         """Forget in-flight buckets after a failure (their Work objects stay referenced here)."""
