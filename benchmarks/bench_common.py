@@ -49,6 +49,7 @@ class Sizes:
     gloo_repeats: int = 0  # repeats of the gloo side-by-side rounds (0: ``repeats``)
     beyond_torch: tuple[str, ...] = BEYOND_TORCH  # our other schedules measured beside torch's (MLP)
     yardstick_mlp_batch: int = 512  # the MLP's batch against plain gradient accumulation (issue 28's table)
+    transformer_dropout: float = 0.0  # the Transformer's dropout (0.1 in the replay-cost row)
 
 
 SIZES = {
@@ -74,7 +75,10 @@ def make_workload(name: str, sizes: Sizes, partitions: int = 2, seed: int = 0) -
     if name == "tiny":
         return tiny_linear(sizes.overhead_microbatches, partitions=partitions, seed=seed)
     if name == "transformer":
-        opts = {} if smoke else dict(num_layers=3, d_model=128, ffn_dim=512, num_heads=4, vocab_size=256)
+        opts: dict[str, object] = {} if smoke else dict(num_layers=3, d_model=128, ffn_dim=512, num_heads=4,
+                                                        vocab_size=256)
+        if sizes.transformer_dropout:
+            opts["dropout"] = sizes.transformer_dropout
         spec = WorkloadSpec(name, "transformer_tiny", {"seq_len": 8 if smoke else 32, **opts}, 8 if smoke else 64)
         return spec.build(partitions, seed)
     if name == "amoebanet":

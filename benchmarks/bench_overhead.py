@@ -13,17 +13,24 @@ each micro-batch in turn, on one thread. The target is judged with memory counti
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from benchmarks.bench_common import Sizes, make_workload
-from gpipe_lab.bench import time_call
+from gpipe_lab.bench import time_rounds
 from gpipe_lab.pipeline import GPipe
 
 K = 2
+ROUNDS = 15  # a round costs well under a second: enough rounds for a steady median
 
 
 def run_overhead(sizes: Sizes, device: str) -> dict[str, float]:
-    """Step time, compute time and the overhead per action (µs) of the tiny pipeline."""
+    """Step time, compute time and the overhead per action (µs) of the tiny pipeline.
+
+    The unpipelined compute and the pipeline with memory counting off and on alternate
+    in the same rounds; each step's timeline is read outside its timing.
+    """
     work = make_workload("tiny", sizes).to(torch.device(device))
     chunks = sizes.overhead_microbatches
     torch.set_num_threads(1)
@@ -33,29 +40,31 @@ def run_overhead(sizes: Sizes, device: str) -> dict[str, float]:
         for x, y in micro:
             work.loss_fn(work.module(x), y).backward()
 
-    reps, warm = max(5, sizes.repeats), max(2, sizes.warmup)
-    zero = lambda: work.module.zero_grad(set_to_none=True)  # noqa: E731
-    compute_s = time_call(compute, reps, warm, zero).median
+    pipes = {track: GPipe(work.module, balance=work.balance, chunks=chunks, checkpoint="never",
+                          devices=[device] * K, threads_per_stage=1, seed=0, track_memory=track)
+             for track in (False, True)}
+    inside: list[float] = []
+    last: list[GPipe] = []
+
+    def between() -> None:
+        if last:  # the previous step's time inside its actions, read outside any timing
+            assert last[0].timeline is not None
+            inside.append(sum(last.pop().timeline.busy()))  # type: ignore[union-attr]
+        work.module.zero_grad(set_to_none=True)
+
+    def step(pipe: GPipe) -> None:
+        pipe.train_step(work.inputs, work.targets, work.loss_fn)
+        if not pipe.options.track_memory:
+            last.append(pipe)
+
+    reps = ROUNDS if sizes.name != "smoke" else max(2, sizes.repeats)
+    times = time_rounds({"compute": compute, "pipe": lambda: step(pipes[False]),
+                         "tracked": lambda: step(pipes[True])}, reps, max(2, sizes.warmup), between)
+    between()
+    compute_s, step_s, tracked_s = (times[k].median for k in ("compute", "pipe", "tracked"))
     actions = 2 * K * chunks
-
-    def measure(track_memory: bool) -> tuple[float, float]:
-        pipe = GPipe(work.module, balance=work.balance, chunks=chunks, checkpoint="never",
-                     devices=[device] * K, threads_per_stage=1, seed=0, track_memory=track_memory)
-        inside: list[float] = []
-
-        def step() -> None:
-            pipe.train_step(work.inputs, work.targets, work.loss_fn)
-            assert pipe.timeline is not None
-            inside.append(sum(pipe.timeline.busy()))
-
-        step_s = time_call(step, reps, warm, zero).median
-        return step_s, sorted(inside)[len(inside) // 2]
-
-    # the scheduling overhead proper: memory counting (saved-tensor hooks) off
-    step_s, inside_s = measure(track_memory=False)
-    tracked_s, _ = measure(track_memory=True)
     return {"microbatches": chunks, "actions": actions, "step_s": step_s, "compute_s": compute_s,
             "overhead_per_action_us": (step_s - compute_s) / actions * 1e6,
             "overhead_with_memory_tracking_us": (tracked_s - compute_s) / actions * 1e6,
-            "inside_action_us": inside_s / actions * 1e6,
+            "inside_action_us": statistics.median(inside[-reps:]) / actions * 1e6,
             "per_tick_us": (step_s - compute_s / K) / (2 * (chunks + K - 1)) * 1e6}

@@ -8,9 +8,11 @@ alternated rounds, ``GPipe.train_step`` with ``checkpoint="never"`` and one thre
 - K=1: the engine's pure overhead (the same work, the same thread count; 1.0 is free);
 - K=2: the pipeline's gain (plain / engine; above 1 the pipeline pays);
 
-each with ``random_replay`` on (the default) and off. Every contender owns a module built
-from the same seed, so each trains the same weights on the same batch. The workloads are the
-mode's (``bench_common.SIZES``), the MLP at ``yardstick_mlp_batch`` (512 rows: the 1024 of the
+each with ``random_replay`` at its default and off; their ratio less one is random replay's cost
+(the MLP and AmoebaNet draw nothing). ``replay_row`` measures that cost where something is
+drawn: the Transformer with ``dropout=0.1``. Every contender owns a module built from the same
+seed, so each trains the same weights on the same batch. The workloads are the mode's
+(``bench_common.SIZES``), the MLP at ``yardstick_mlp_batch`` (512 rows: the 1024 of the
 other MLP rows would take most of ``--quick``'s time here).
 
     python -m benchmarks.bench_yardstick [--smoke] [--chunks 4]   # prints the table
@@ -35,8 +37,11 @@ from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.options import PipelineOptions
 
 CHUNKS = 4
-#: contender -> (K, random_replay)
-ENGINES = {"K=1": (1, True), "K=1, no replay": (1, False), "K=2": (2, True), "K=2, no replay": (2, False)}
+#: contender -> (K, random_replay; None: the option's default)
+ENGINES: dict[str, tuple[int, bool | None]] = {"K=1": (1, None), "K=1, no replay": (1, False), "K=2": (2, None),
+                                               "K=2, no replay": (2, False)}
+#: the drawing workload of the replay-cost row
+DROPOUT = 0.1
 
 
 def _split(value: torch.Tensor | tuple[torch.Tensor, ...], chunks: int) -> list:
@@ -59,12 +64,42 @@ def plain_step(work: Workload, chunks: int, device: str) -> Callable[[], None]:
     return step
 
 
-def engine(work: Workload, chunks: int, device: str, random_replay: bool) -> GPipe:
-    """``GPipe`` over ``work``'s balance, ``checkpoint="never"``, one intra-op thread per stage."""
+def engine(work: Workload, chunks: int, device: str, random_replay: bool | None) -> GPipe:
+    """``GPipe`` over ``work``'s balance, ``checkpoint="never"``, one intra-op thread per stage
+    (``random_replay=None``: the option's default)."""
+    replay = {} if random_replay is None else {"random_replay": random_replay}
     options = PipelineOptions(balance=list(work.balance), chunks=chunks, checkpoint="never",
-                              devices=[device] * len(work.balance), threads_per_stage=1, seed=0,
-                              random_replay=random_replay)
+                              devices=[device] * len(work.balance), threads_per_stage=1, seed=0, **replay)
     return GPipe(work.module, options=options)
+
+
+def _engine_steps(name: str, sizes: Sizes, device: str, chunks: int, engines: dict[str, tuple[int, bool | None]],
+                  works: dict[str, Workload]) -> dict[str, Callable[[], None]]:
+    """A step function per engine contender; each contender's workload lands in ``works``."""
+    fns: dict[str, Callable[[], None]] = {}
+    for label, (k, replay) in engines.items():
+        work = make_workload(name, sizes, partitions=k).to(torch.device(device))
+        pipe = engine(work, chunks, device, replay)
+        works[label] = work
+
+        def step(pipe: GPipe = pipe, work: Workload = work) -> None:
+            pipe.train_step(work.inputs, work.targets, work.loss_fn)
+            sync(device)
+
+        fns[label] = step
+    return fns
+
+
+def _timed(fns: dict[str, Callable[[], None]], works: dict[str, Workload], sizes: Sizes) -> dict[str, float]:
+    """Median seconds per contender, in alternated rounds (gradients zeroed between calls)."""
+    def zero() -> None:
+        for work in works.values():
+            work.module.zero_grad(set_to_none=True)
+
+    smoke = sizes.name == "smoke"
+    times = time_rounds(fns, sizes.repeats if smoke else max(5, sizes.repeats), sizes.warmup if smoke else 1, zero)
+    zero()
+    return {label: t.median for label, t in times.items()}
 
 
 def measure(name: str, sizes: Sizes, device: str, chunks: int = CHUNKS) -> dict[str, object]:
@@ -78,30 +113,26 @@ def measure(name: str, sizes: Sizes, device: str, chunks: int = CHUNKS) -> dict[
     plain_work = make_workload(name, sizes, partitions=1).to(torch.device(device))
     works = {"plain": plain_work}
     fns: dict[str, Callable[[], None]] = {"plain": plain_step(plain_work, chunks, device)}
-    for label, (k, replay) in ENGINES.items():
-        work = make_workload(name, sizes, partitions=k).to(torch.device(device))
-        pipe = engine(work, chunks, device, replay)
-        works[label] = work
-
-        def step(pipe: GPipe = pipe, work: Workload = work) -> None:
-            pipe.train_step(work.inputs, work.targets, work.loss_fn)
-            sync(device)
-
-        fns[label] = step
-
-    def zero() -> None:
-        for work in works.values():
-            work.module.zero_grad(set_to_none=True)
-
-    smoke = sizes.name == "smoke"
-    times = time_rounds(fns, sizes.repeats if smoke else max(5, sizes.repeats), sizes.warmup if smoke else 1, zero)
-    zero()
-    plain = times["plain"].median
-    steps = {label: t.median for label, t in times.items()}
-    return {"workload": name, "batch": plain_work.batch, "M": chunks, "rounds": len(times["plain"].times),
-            "step_s": steps,
+    fns.update(_engine_steps(name, sizes, device, chunks, ENGINES, works))
+    steps = _timed(fns, works, sizes)
+    plain = steps["plain"]
+    return {"workload": name, "batch": plain_work.batch, "M": chunks,
+            "rounds": sizes.repeats if sizes.name == "smoke" else max(5, sizes.repeats), "step_s": steps,
             "overhead": {label: steps[label] / plain for label in ENGINES if label.startswith("K=1")},
-            "gain": {label: plain / steps[label] for label in ENGINES if label.startswith("K=2")}}
+            "gain": {label: plain / steps[label] for label in ENGINES if label.startswith("K=2")},
+            "replay_cost": {f"K={k}": steps[f"K={k}"] / steps[f"K={k}, no replay"] - 1 for k in (1, 2)}}
+
+
+def replay_row(sizes: Sizes, device: str, chunks: int = CHUNKS, dropout: float = DROPOUT) -> dict[str, object]:
+    """Random replay's cost where something is drawn: the Transformer with ``dropout``, K=2, the
+    option's default against ``random_replay=False`` in alternated rounds."""
+    sizes = dataclasses.replace(sizes, transformer_dropout=dropout)
+    works: dict[str, Workload] = {}
+    fns = _engine_steps("transformer", sizes, device, chunks,
+                        {"K=2": ENGINES["K=2"], "K=2, no replay": ENGINES["K=2, no replay"]}, works)
+    steps = _timed(fns, works, sizes)
+    return {"workload": "transformer", "dropout": dropout, "M": chunks, "step_s": steps,
+            "replay_cost": {"K=2": steps["K=2"] / steps["K=2, no replay"] - 1}}
 
 
 def run_yardstick(sizes: Sizes, device: str, models: Sequence[str] | None = None,
@@ -116,14 +147,26 @@ def run_yardstick(sizes: Sizes, device: str, models: Sequence[str] | None = None
     return rows
 
 
+def _cost(row: dict) -> str:
+    cost = row.get("replay_cost", {}).get("K=2")
+    return "-" if cost is None else f"{cost:+.1%}"
+
+
 def table(rows: Sequence[dict]) -> str:
     """The rows as a markdown table."""
     return md_table(
         ["workload", "batch", "M", "plain s", "K=1 / plain (overhead)", "same, no replay",
-         "plain / K=2 (gain)", "same, no replay", "rounds"],
+         "plain / K=2 (gain)", "same, no replay", "replay cost at K=2", "rounds"],
         [[r["workload"], r["batch"], r["M"], f"{r['step_s']['plain']:.4f}", f"{r['overhead']['K=1']:.2f}",
           f"{r['overhead']['K=1, no replay']:.2f}", f"{r['gain']['K=2']:.2f}x",
-          f"{r['gain']['K=2, no replay']:.2f}x", r["rounds"]] for r in rows])
+          f"{r['gain']['K=2, no replay']:.2f}x", _cost(r), r["rounds"]] for r in rows])
+
+
+def replay_line(row: dict) -> str:
+    """The replay-cost row in words."""
+    steps = row["step_s"]
+    return (f"{row['workload']} with dropout {row['dropout']}, K=2, M={row['M']}: {steps['K=2']:.4f} s with "
+            f"random_replay at its default, {steps['K=2, no replay']:.4f} s without: cost {_cost(row)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_process()
     sizes = SIZES["smoke" if args.smoke else "quick"]
     print(table(run_yardstick(sizes, "cpu", args.models.split(",") if args.models else None, args.chunks)))
+    print(replay_line(replay_row(sizes, "cpu", args.chunks)))
     return 0
 
 

@@ -10,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from benchmarks.bench_yardstick import replay_line  # noqa: E402
 from benchmarks.bench_yardstick import table as yardstick_table  # noqa: E402
 from gpipe_lab.bench.markdown import md_table  # noqa: E402
 
@@ -104,7 +105,10 @@ def _yardstick_section(results: dict) -> list[str]:
             "Plain: the unpipelined module stepping the M micro-batches in turn, gradients accumulating, one "
             "intra-op thread; the engine: `GPipe.train_step`, `checkpoint=\"never\"`, one thread per stage. "
             "Medians of alternated rounds in one run. K=1 / plain is the engine's pure overhead (1.00 is "
-            "free); plain / K=2 is what pipelining over two cores gains.", ""]
+            "free); plain / K=2 is what pipelining over two cores gains. Replay cost: the step with "
+            "`random_replay` at its default over the step with it off, less one (the MLP and AmoebaNet "
+            "draw nothing).", ""] + ([f"Replay cost where something is drawn: {replay_line(results['replay'])}.", ""]
+                                     if results.get("replay") else [])
 
 
 def _local_section(results: dict) -> list[str]:

@@ -49,7 +49,7 @@ from benchmarks.bench_gloo import GlooCase, run_gloo
 from benchmarks.bench_local import run_workload
 from benchmarks.bench_memory import run_memory
 from benchmarks.bench_overhead import run_overhead
-from benchmarks.bench_yardstick import run_yardstick
+from benchmarks.bench_yardstick import replay_row, run_yardstick
 from benchmarks.diagnose import diagnose
 from benchmarks.report import write_report
 from benchmarks.targets import evaluate, memory_m
@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     print("[yardstick] plain gradient accumulation vs the engine at K=1 and K=2 ...", flush=True)
     # smoke checks the wiring on the MLP alone: the models' steps would double the smoke run
     results["yardstick"] = run_yardstick(sizes, args.device, ["mlp"] if sizes.name == "smoke" else None)
+    if sizes.name != "smoke":
+        print("[replay] transformer with dropout: random replay's cost ...", flush=True)
+        results["replay"] = replay_row(sizes, args.device)
     print("[overhead] tiny layers ...", flush=True)
     results["overhead"] = run_overhead(sizes, args.device)
     if args.device == "cpu" and not args.no_distributed and sizes.distributed:

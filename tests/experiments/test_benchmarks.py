@@ -61,7 +61,7 @@ def test_json_structure(smoke):
     assert res["overhead"]["actions"] == 2 * 2 * res["overhead"]["microbatches"]
     for t in res["targets"]:
         assert set(t) == TARGET_KEYS and t["status"] in ("PASS", "MISS", "N/A")
-    assert len(res["targets"]) == 36
+    assert len(res["targets"]) == 39
     for schedule in ("gpipe-bw", "zb-h1", "zb-h2"):
         assert any(t["name"].startswith(f"MLP M=8 {schedule} (distributed transport)") for t in res["targets"])
     mlp_local = {r["schedule"] for r in res["local"]["mlp"]["rows"]}
@@ -83,8 +83,12 @@ def test_yardstick_rows_are_ratios_of_one_run_and_targets_read_them(smoke):
         assert r["gain"]["K=2, no replay"] == pytest.approx(steps["plain"] / steps["K=2, no replay"])
         row = next(t for t in res["targets"] if t["name"].startswith(f"{r['workload']} M=4: engine K=1"))
         assert row["value"] == round(r["overhead"]["K=1"], 4) and row["status"] in ("PASS", "MISS")
-    unmeasured = [t for t in res["targets"] if t["name"].startswith(("transformer M=4", "amoebanet M=4"))]
-    assert len(unmeasured) == 4 and {t["status"] for t in unmeasured} == {"N/A"}
+        assert r["replay_cost"]["K=2"] == pytest.approx(steps["K=2"] / steps["K=2, no replay"] - 1)
+        row = next(t for t in res["targets"] if t["name"].startswith(f"{r['workload']} K=2 M=4: random replay"))
+        assert row["value"] == round(r["replay_cost"]["K=2"], 4) and row["status"] in ("PASS", "MISS")
+    unmeasured = [t for t in res["targets"] if t["name"].startswith(("transformer M=4", "amoebanet M=4",
+                                                                     "amoebanet K=2", "transformer dropout"))]
+    assert len(unmeasured) == 6 and {t["status"] for t in unmeasured} == {"N/A"}
 
 
 def test_plain_gradient_accumulation_computes_the_engines_gradients():
