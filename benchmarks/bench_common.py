@@ -50,13 +50,17 @@ class Sizes:
     beyond_torch: tuple[str, ...] = BEYOND_TORCH  # our other schedules measured beside torch's (MLP)
     yardstick_mlp_batch: int = 512  # the MLP's batch against plain gradient accumulation (issue 28's table)
     transformer_dropout: float = 0.0  # the Transformer's dropout (0.1 in the replay-cost row)
+    memory_checkpoints: tuple[str, ...] = CHECKPOINTS  # modes whose saved-activation peaks are counted
+    ceiling_microbatches: tuple[int, ...] | None = None  # M with the machine-ceiling runs (None: torch's M)
 
 
 SIZES = {
     "smoke": Sizes("smoke", 64, (32, 64), (1, 4), (2,), ("never", "always"), ("never",), (4,), 1, 0,
                    overhead_microbatches=8, yardstick_mlp_batch=64),
-    "quick": Sizes("quick", 1024, (512, 2048), (4, 8, 16), (8,), ("never", "always"), ("never",), (8, 16),
-                   3, 1, recompute_microbatches=(8,), gloo_repeats=9, beyond_torch=("gpipe-bw",)),
+    # quick: the targets' rows only (M=4 is the yardstick's; the memory targets read never and always)
+    "quick": Sizes("quick", 1024, (512, 2048), (8, 16), (8,), ("never", "always"), ("never",), (8, 16),
+                   3, 1, recompute_microbatches=(8,), gloo_repeats=9, beyond_torch=("gpipe-bw",),
+                   memory_checkpoints=("never", "always"), ceiling_microbatches=(8,)),
     "full": Sizes("full", 1024, (512, 2048), (1, 2, 4, 8, 16, 32), (1, 2, 4, 8, 16, 32), CHECKPOINTS,
                   CHECKPOINTS, (2, 4, 8, 16, 32), 5, 2, overhead_microbatches=128),
 }

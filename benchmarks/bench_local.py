@@ -148,7 +148,8 @@ def run_workload(work: Workload, sizes: Sizes, device: str, microbatches: Sequen
         runs = [(c, "gpipe") for c in modes] + ([("never", s) for s in ("1f1b", *sizes.beyond_torch)]
                                                  if m in extra_1f1b else [])
         for checkpoint, schedule in runs:
-            want_ceiling = (m in extra_1f1b and (checkpoint, schedule) == ("never", "gpipe")
+            want_ceiling = (m in (extra_1f1b if sizes.ceiling_microbatches is None else sizes.ceiling_microbatches)
+                            and m in extra_1f1b and (checkpoint, schedule) == ("never", "gpipe")
                             and not isinstance(work.inputs, tuple))
             res = pipeline_step(work, m, checkpoint, schedule, sizes, device, want_ceiling)
             step = res["step"]["median"]  # type: ignore[index]

@@ -93,6 +93,7 @@ def run_memory(work: Workload, chunks: Sequence[int], device: str,
                checkpoints: Sequence[str] = ("never", "except_last", "always")) -> dict[str, object]:
     """Measured vs modelled saved-activation peaks, and parameter / optimizer bytes per stage."""
     rows = []
+    params: list[int] = []  # parameter bytes per stage, from the first step measured
     for m in chunks:
         if m > work.targets.shape[0]:
             continue
@@ -100,13 +101,14 @@ def run_memory(work: Workload, chunks: Sequence[int], device: str,
         for schedule in ("gpipe", "1f1b"):
             for checkpoint in checkpoints:
                 stages = measure(work, m, checkpoint, schedule, device)
+                params = params or [s["parameter_bytes"] for s in stages]
                 for k, (s, mod) in enumerate(zip(stages, model)):
                     ref = mod["model_always_bytes"] if checkpoint == "always" else (
                         mod["model_never_gpipe_bytes"] if checkpoint == "never" and schedule == "gpipe" else None)
                     rows.append({"M": m, "schedule": schedule, "checkpoint": checkpoint, "stage": k,
                                  "peak_activation_bytes": s["peak_activation_bytes"], "model_bytes": ref,
                                  "ratio_to_model": None if not ref else s["peak_activation_bytes"] / ref})
-    params = [p["parameter_bytes"] for p in measure(work, 1, "never", "gpipe", device)]
+    params = params or [p["parameter_bytes"] for p in measure(work, 1, "never", "gpipe", device)]
     per_stage = [{"stage": k, "parameter_bytes": b, "gradient_bytes": b, "adam_state_bytes": 2 * b,
                   "sgd_momentum_state_bytes": b} for k, b in enumerate(params)]
     return {"activations": rows, "parameters": per_stage,

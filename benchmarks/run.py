@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                                               sizes.recompute_microbatches if name == "mlp" else ())
         mem_ms = [m for m in (4, 8, 16, 32) if m in ms] if sizes.name == "full" else [max(m for m in ms if m <= 8)]
         print(f"[memory] {name} M={mem_ms} ...", flush=True)
-        results["memory"][name] = run_memory(work, mem_ms, args.device)
+        results["memory"][name] = run_memory(work, mem_ms, args.device, sizes.memory_checkpoints)
     print("[yardstick] plain gradient accumulation vs the engine at K=1 and K=2 ...", flush=True)
     # smoke checks the wiring on the MLP alone: the models' steps would double the smoke run
     results["yardstick"] = run_yardstick(sizes, args.device, ["mlp"] if sizes.name == "smoke" else None)
