@@ -88,23 +88,29 @@ def stage_microbatch_times(work: Workload, chunks: int, sizes: Sizes, device: st
     return result
 
 
-def pipeline_step(work: Workload, chunks: int, checkpoint: str, schedule: str, sizes: Sizes,
-                  device: str, ceiling: bool = False) -> dict[str, object]:
-    """Median step time, measured bubble and time per action kind of ``GPipe.train_step``.
+def pipeline_steps(work: Workload, chunks: int, configs: Sequence[tuple[str, str]], sizes: Sizes,
+                   device: str, ceiling: bool = False) -> dict[tuple[str, str], dict[str, object]]:
+    """Per (checkpoint, schedule): median step time, measured bubble and time per action kind of
+    ``GPipe.train_step``.
 
-    The unpipelined baseline step runs in the same rounds, alternating with the
-    pipelined one (order flipped every round), so that the speed-up is a ratio
-    of one run: this VM's speed drifts by 20% within minutes.
+    Every configuration of one M and the unpipelined baseline step run in the same rounds,
+    alternating (order flipped every round), so that each speed-up is a ratio of one run:
+    this VM's speed drifts by 20% within minutes. With ``ceiling`` the machine-ceiling runs
+    (``bench_ceiling``) join the rounds.
     """
-    pipe = GPipe(work.module, balance=work.balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
-                 devices=[device] * K, threads_per_stage=1, seed=0)
-    timelines: list[Timeline] = []
+    pipes = {cfg: GPipe(work.module, balance=work.balance, chunks=chunks, checkpoint=cfg[0], schedule=cfg[1],
+                        devices=[device] * K, threads_per_stage=1, seed=0) for cfg in configs}
+    timelines: dict[tuple[str, str], list[Timeline]] = {cfg: [] for cfg in configs}
 
-    def pipe_step() -> None:
-        pipe.train_step(work.inputs, work.targets, work.loss_fn)
+    def pipe_step(cfg: tuple[str, str]) -> None:
+        pipes[cfg].train_step(work.inputs, work.targets, work.loss_fn)
         sync(device)
-        assert pipe.timeline is not None
-        timelines.append(pipe.timeline)
+
+    def between() -> None:
+        for cfg, pipe in pipes.items():  # the last step's timeline, read outside the timing
+            if pipe.timeline is not None and (not timelines[cfg] or timelines[cfg][-1] is not pipe.timeline):
+                timelines[cfg].append(pipe.timeline)
+        work.module.zero_grad(set_to_none=True)
 
     def base_step() -> None:
         torch.set_num_threads(1)
@@ -112,18 +118,22 @@ def pipeline_step(work: Workload, chunks: int, checkpoint: str, schedule: str, s
         sync(device)
 
     extra = ceiling_functions(work, chunks) if ceiling else {}
-    times = time_rounds({"pipe": pipe_step, "base": base_step, **extra}, max(1, sizes.repeats), sizes.warmup,
-                        lambda: work.module.zero_grad(set_to_none=True))
+    fns = {**{str(cfg): (lambda cfg=cfg: pipe_step(cfg)) for cfg in configs}, "base": base_step, **extra}
+    times = time_rounds(fns, max(1, sizes.repeats), sizes.warmup, between)
+    between()
     work.module.zero_grad(set_to_none=True)
-    measured = timelines[sizes.warmup:]
-    bubbles = [t.measured_bubble() for t in measured]
-    kinds = [{kind: t.time_in(kind) for kind in ("F", "B", "R", "wait")} for t in measured]
-    return {"step": times["pipe"].summary(), "baseline": times["base"].median,
-            "bubble": statistics.median_low(bubbles), "bubble_min": min(bubbles),
-            "time_in": {k: statistics.median_low([d[k] for d in kinds]) for k in kinds[0]},
-            "memory": pipe.memory(),
-            "ceiling": ceiling_summary(times["sequential"].times, times["parallel"].times, chunks)
-            if ceiling else None}
+    out = {}
+    for cfg in configs:
+        measured = timelines[cfg][sizes.warmup:]
+        bubbles = [t.measured_bubble() for t in measured]
+        kinds = [{kind: t.time_in(kind) for kind in ("F", "B", "R", "wait")} for t in measured]
+        out[cfg] = {"step": times[str(cfg)].summary(), "baseline": times["base"].median,
+                    "bubble": statistics.median_low(bubbles), "bubble_min": min(bubbles),
+                    "time_in": {k: statistics.median_low([d[k] for d in kinds]) for k in kinds[0]},
+                    "memory": pipes[cfg].memory(),
+                    "ceiling": ceiling_summary(times["sequential"].times, times["parallel"].times, chunks)
+                    if ceiling and cfg == ("never", "gpipe") else None}
+    return out
 
 
 def run_workload(work: Workload, sizes: Sizes, device: str, microbatches: Sequence[int],
@@ -147,11 +157,11 @@ def run_workload(work: Workload, sizes: Sizes, device: str, microbatches: Sequen
         modes = [c for c in checkpoints if c == "never" or not recompute_microbatches or m in recompute_microbatches]
         runs = [(c, "gpipe") for c in modes] + ([("never", s) for s in ("1f1b", *sizes.beyond_torch)]
                                                  if m in extra_1f1b else [])
+        want_ceiling = (m in (extra_1f1b if sizes.ceiling_microbatches is None else sizes.ceiling_microbatches)
+                        and m in extra_1f1b and not isinstance(work.inputs, tuple))
+        measured = pipeline_steps(work, m, runs, sizes, device, want_ceiling)
         for checkpoint, schedule in runs:
-            want_ceiling = (m in (extra_1f1b if sizes.ceiling_microbatches is None else sizes.ceiling_microbatches)
-                            and m in extra_1f1b and (checkpoint, schedule) == ("never", "gpipe")
-                            and not isinstance(work.inputs, tuple))
-            res = pipeline_step(work, m, checkpoint, schedule, sizes, device, want_ceiling)
+            res = measured[(checkpoint, schedule)]
             step = res["step"]["median"]  # type: ignore[index]
             ideal = ideals.get(checkpoint)
             ceiling = res["ceiling"]

@@ -221,8 +221,7 @@ class StageRuntime:
         checkpointed = mb in self.plan.checkpointed
         if checkpointed:
             saved.autocast = autocast_state()
-        graph = grad and not checkpointed
-        with torch.set_grad_enabled(graph) if torch.is_grad_enabled() != graph else nullcontext():
+        with torch.set_grad_enabled(grad and not checkpointed):
             outputs, out_is_tensor = self._run(mb, inputs, was_tensor, target, recomputing=False)
         if not grad:
             self._release(mb)  # forward only: nothing is kept for a backward
