@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,21 @@ def command_of(args: list[str]) -> str:
     return "python -m " + " ".join(args)
 
 
-def run_product_rows(quick: bool, repeats: int, timeout: float = 1800) -> list[dict[str, Any]]:
-    """One row per ``PRODUCT_CASES`` entry: product and raw step medians, their ratio, the command."""
+def run_product_rows(quick: bool, repeats: int, timeout: float = 1800, warmup: int | None = None,
+                     layers: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    """One row per ``PRODUCT_CASES`` entry: product and raw step medians, their ratio, the command.
+
+    ``layers``: ``model.num_layers`` per model (the config's mini-batch kept); ``warmup``: untimed
+    rounds (default: the script's).
+    """
     rows = []
     for model, transport in PRODUCT_CASES:
         args = ["benchmarks.bench_product_path", "--model", model, "--transport", transport,
                 "--repeats", str(repeats)] + (["--quick"] if quick else [])
+        if layers and model in layers:
+            args += ["--layers", str(layers[model])]
+        if warmup is not None:
+            args += ["--warmup", str(warmup)]
         print(f"[product] {model} {transport} ...", flush=True)
         out, error = _run(args, timeout)
         found = [json.loads(line) for line in out.splitlines() if line.startswith("{")]

@@ -59,7 +59,7 @@ SIZES = {
                    overhead_microbatches=8, yardstick_mlp_batch=64),
     # quick: the targets' rows only (M=4 is the yardstick's; the memory targets read never and always)
     "quick": Sizes("quick", 1024, (512, 2048), (8, 16), (8,), ("never", "always"), ("never",), (8, 16),
-                   3, 1, recompute_microbatches=(8,), gloo_repeats=9, beyond_torch=("gpipe-bw",),
+                   3, 1, recompute_microbatches=(8,), gloo_repeats=5, beyond_torch=("gpipe-bw",),
                    memory_checkpoints=("never", "always"), ceiling_microbatches=(8,)),
     "full": Sizes("full", 1024, (512, 2048), (1, 2, 4, 8, 16, 32), (1, 2, 4, 8, 16, 32), CHECKPOINTS,
                   CHECKPOINTS, (2, 4, 8, 16, 32), 5, 2, overhead_microbatches=128),

@@ -18,6 +18,7 @@ and driven by hand in the same callback; rank 0 prints the result.
     python -m benchmarks.bench_product_path --model transformer            # the Table-2 analogue
     python -m benchmarks.bench_product_path --model amoebanet --quick      # 6 (4) layers, mini-batch 32
     python -m benchmarks.bench_product_path --model transformer --quick --transport distributed
+    python -m benchmarks.bench_product_path --model transformer --layers 6   # the config's batch, 6 layers
 """
 
 from __future__ import annotations
@@ -69,13 +70,17 @@ class Alternate(pl.Callback):
         self._raw_s = time.perf_counter() - now
 
 
-def compose_config(model: str, quick: bool, compiled: bool, steps: int, transport: str = "local") -> Any:
-    """The ``experiment=paper_table2_<model>`` config (smaller with ``quick``)."""
+def compose_config(model: str, quick: bool, compiled: bool, steps: int, transport: str = "local",
+                   layers: int | None = None) -> Any:
+    """The ``experiment=paper_table2_<model>`` config (smaller with ``quick``; ``layers`` overrides
+    ``model.num_layers`` only, keeping the config's mini-batch)."""
     overrides = [f"experiment=paper_table2_{model}", f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
                  "trainer.enable_progress_bar=false", "logger=csv"]
     if quick:
         layers = 6 if model == "amoebanet" else 4  # AmoebaNet's layers come in threes
         overrides += [f"model.num_layers={layers}", "data.batch_size=32"]
+    if layers is not None:
+        overrides.append(f"model.num_layers={layers}")
     if compiled:
         overrides.append("pipeline.compile=true")
     if transport != "local":
@@ -88,9 +93,9 @@ def compose_config(model: str, quick: bool, compiled: bool, steps: int, transpor
 
 
 def run_product_path(model: str, quick: bool, compiled: bool, repeats: int, warmup: int = 2,
-                     transport: str = "local") -> dict[str, Any] | None:
+                     transport: str = "local", layers: int | None = None) -> dict[str, Any] | None:
     """Median step seconds of both paths and their ratio (raw / product); ``None`` on ranks > 0."""
-    cfg = compose_config(model, quick, compiled, warmup + repeats + 1, transport)
+    cfg = compose_config(model, quick, compiled, warmup + repeats + 1, transport, layers)
     data = build_datamodule(cfg)
     module, twin = build_module(cfg, data), build_module(cfg, data)
     twin.load_state_dict(module.state_dict())
@@ -139,9 +144,12 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="both paths with compiled stages")
     parser.add_argument("--transport", choices=["local", "distributed"], default="local",
                         help="distributed: one process per stage over gloo, launched by Lightning")
+    parser.add_argument("--layers", type=int, default=None, help="model.num_layers (the config's mini-batch kept)")
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     args = parser.parse_args()
-    result = run_product_path(args.model, args.quick, args.compile, args.repeats, transport=args.transport)
+    result = run_product_path(args.model, args.quick, args.compile, args.repeats, args.warmup, args.transport,
+                              args.layers)
     if result is not None:
         print(json.dumps(result))
 
