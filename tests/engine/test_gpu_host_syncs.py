@@ -1,4 +1,5 @@
-"""Host syncs in a local step: the non-finite verdict over all stages is the step's one device read."""
+"""Host syncs in a local step: the non-finite verdict over all stages is the step's one device read
+(none under ``nonfinite="ignore"``)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_a_local_step_reads_the_device_once(nonfinite: str) -> None:
     pipe.train_step(x, y, nn.functional.mse_loss)  # first step: lazy set-up out of the count
     with counted_reads() as seen:
         pipe.train_step(x, y, nn.functional.mse_loss)
-    assert seen == ["tolist"], seen
+    assert seen == ([] if nonfinite == "ignore" else ["tolist"]), seen  # "ignore" judges nothing
 
 
 def test_the_single_read_still_names_the_bad_stage() -> None:

@@ -50,7 +50,8 @@ class LocalChannel:
         return self.streams.compute(rank, device)
 
     def send(self, key: MessageKey, values: Values, was_tensor: bool, sender: StageRuntime) -> None:
-        mark = self.streams.mark(sender.index % self.num_ranks, sender.device)
+        streams = self.streams
+        mark = None if type(streams) is NoStreams else streams.mark(sender.index % self.num_ranks, sender.device)
         self._mailbox.put(key, (values, was_tensor, mark, sender.device))
 
     def receive(self, item: tuple, receiver: StageRuntime) -> tuple[Values, bool]:
