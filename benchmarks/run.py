@@ -57,7 +57,7 @@ from gpipe_lab.bench.launch import fresh_out
 
 ROOT = Path(__file__).resolve().parent.parent
 #: --quick's product-path rows: model.num_layers at the configs' mini-batches (configs: 24 and 18)
-QUICK_PRODUCT_LAYERS = {"transformer": 6, "amoebanet": 9}
+QUICK_PRODUCT_LAYERS = {"transformer": 4, "amoebanet": 6}
 
 
 def gloo_cases(sizes: Sizes) -> list[GlooCase]:
@@ -133,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         results["gloo"] = run_gloo(gloo_cases(sizes), sizes.name, timeout=3600 if sizes.name == "full" else 900)
     if sizes.name != "smoke" and not args.no_product and args.device == "cpu":
         # the Table-2 analogues at their configs' mini-batches in every mode: Lightning's fixed per-step
-        # cost would dominate the --quick sizes' 0.1 s steps; --quick keeps a quarter / half of the layers
+        # cost would dominate the --quick sizes' 0.1 s steps; --quick keeps a sixth / a third of the layers
         # (steps of a second or less, where a fixed cost shows more, not less) and fewer rounds
         quick = sizes.name == "quick"
-        results["product"] = run_product_rows(quick=False, repeats=4 if quick else 8, warmup=1 if quick else None,
+        results["product"] = run_product_rows(quick=False, repeats=3 if quick else 8, warmup=1 if quick else None,
                                               layers=QUICK_PRODUCT_LAYERS if quick else None)
     if args.compile:
         results["compile"] = run_compile_rows(sizes.name != "full", (4,) if sizes.name != "full" else (4, 32),
