@@ -14,6 +14,8 @@ the exact next batch (its order depends only on (seed, epoch)).
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
@@ -141,8 +143,6 @@ class SyntheticImageDataModule(ImageDataModule):
     def __init__(
         self,
         batch_size: int = 32,
-        num_workers: int = 0,
-        seed: int = 0,
         num_train: int = 5000,
         num_val: int = 1000,
         image_size: int = 32,
@@ -152,14 +152,12 @@ class SyntheticImageDataModule(ImageDataModule):
         noise: float = 0.1,
         random_flip: bool = False,
         cutout: int = 0,
-        drop_last: bool = True,
-        data_parallel_rank: int = 0,
-        data_parallel_size: int = 1,
+        **loader: Any,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last, data_parallel_rank, data_parallel_size)
+        super().__init__(batch_size=batch_size, **loader)
         check_positive_int("num_train", num_train)
         check_positive_int("num_val", num_val)
-        common = dict(num_classes=num_classes, image_size=image_size, seed=seed, class_offset=class_offset,
+        common = dict(num_classes=num_classes, image_size=image_size, seed=self.seed, class_offset=class_offset,
                       class_seed=class_seed, noise=noise)
         self.train_set = SyntheticImageDataset(num_train, split=0, **common)
         self.val_set = SyntheticImageDataset(num_val, split=1, **common)

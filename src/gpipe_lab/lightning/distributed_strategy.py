@@ -27,6 +27,7 @@ from gpipe_lab.lightning.placement import place_outside
 from gpipe_lab.lightning.scaling import agreeing_precision
 from gpipe_lab.lightning.strategy import GPipeStrategy
 from gpipe_lab.pipeline.distributed.resolve import nccl_failure_settings
+from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import PipelineOptions
 
 if TYPE_CHECKING:
@@ -80,12 +81,9 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
         Raises:
             ValueError: the world size is not a multiple of the number of stages.
         """
-        world = self.num_nodes * self.num_processes
-        if world % self.num_stages:
-            k = self.num_stages
-            raise ValueError(f"trainer.devices: world size {world} (devices x num_nodes) is not divisible by "
-                             f"pipeline.partitions={k}: the distributed transport runs one process per stage "
-                             f"and data-parallel replica; set trainer.devices={k} (or a multiple of {k})")
+        world, k = self.num_nodes * self.num_processes, self.num_stages
+        check_world(world, k, what=f"trainer.devices: world size {world} (devices x num_nodes)",
+                    stages="pipeline.partitions", fix=f"set trainer.devices={k} (or a multiple of {k})")
         if self.root_device.type == "cpu":
             # Every rank, as each stage of the local transport, gets threads_per_stage (default:
             # cores / processes here): Lightning sets it on rank 0 only, and kernels reduce in an

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from gpipe_lab.pipeline.forwarding import forwarded
 from gpipe_lab.pipeline.schedules import SCHEDULES
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -197,17 +198,13 @@ __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "TRANSPORTS", "OptionError"
            "compile_kwargs", "merged_options"]
 
 
-def _view(name: str, doc: str) -> property:
-    return property(lambda self: getattr(self.options, name), doc=doc)
-
-
 class OptionViews:
     """Read-only attributes over ``self.options``, shared by the engine core and the strategy."""
 
     options: PipelineOptions
-    virtual_stages = _view("virtual_stages", "v: model chunks per pipeline rank.")
-    chunks = _view("chunks", "M: micro-batches per mini-batch (fewer when a batch is smaller).")
-    checkpoint = _view("checkpoint", "The re-materialization mode.")
-    schedule = _view("schedule", "The schedule's name.")
-    nonfinite = _view("nonfinite", "What a NaN/inf step does: raise, skip or ignore.")
-    timeout = _view("timeout", "Seconds a stage may wait for a neighbour.")
+    virtual_stages = forwarded("options.virtual_stages", "v: model chunks per pipeline rank.")
+    chunks = forwarded("options.chunks", "M: micro-batches per mini-batch (fewer when a batch is smaller).")
+    checkpoint = forwarded("options.checkpoint", "The re-materialization mode.")
+    schedule = forwarded("options.schedule", "The schedule's name.")
+    nonfinite = forwarded("options.nonfinite", "What a NaN/inf step does: raise, skip or ignore.")
+    timeout = forwarded("options.timeout", "Seconds a stage may wait for a neighbour.")

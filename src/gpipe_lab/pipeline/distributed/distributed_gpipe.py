@@ -37,6 +37,7 @@ from gpipe_lab.pipeline.distributed.resolve import (
 from gpipe_lab.pipeline.distributed.state import gather_full_state_dict, local_state_dict
 from gpipe_lab.pipeline.distributed.topology import build_topology, connect_links
 from gpipe_lab.pipeline.dropout import convert_dropout
+from gpipe_lab.pipeline.forwarding import forwarded
 from gpipe_lab.pipeline.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions, merged_options
@@ -109,9 +110,11 @@ class DistributedGPipe(PipelineCore):
         self._clock_zero = time.perf_counter()  # aligned across the pipeline's ranks by the barrier
 
     # ------------------------------------------------------------ properties
-    @property
-    def stage_index(self) -> int:
-        return self.topo.stage_index
+    stage_index = forwarded("topo.stage_index", "This rank's stage (its first chunk's index).")
+    dp_rank = forwarded("topo.dp_rank", "This rank's data-parallel replica.")
+    dp_size = forwarded("topo.dp_size", "D: replicas of the whole pipeline.")
+    pp_group = forwarded("topo.pp_group", "This pipeline's process group.")
+    dp_group = forwarded("topo.dp_group", "The process group of this stage's replicas (gradient all-reduce).")
 
     @property
     def stage_module(self) -> nn.Module:
@@ -127,22 +130,6 @@ class DistributedGPipe(PipelineCore):
     def devices(self) -> list[torch.device]:
         """This rank's device (one entry: the others' are theirs)."""
         return [self.device]
-
-    @property
-    def dp_rank(self) -> int:
-        return self.topo.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.topo.dp_size
-
-    @property
-    def pp_group(self) -> object:
-        return self.topo.pp_group
-
-    @property
-    def dp_group(self) -> object:
-        return self.topo.dp_group
 
     @property
     def is_last_stage(self) -> bool:

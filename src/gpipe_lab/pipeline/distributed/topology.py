@@ -74,15 +74,22 @@ class Topology:
         return self.rank_of(self.num_stages * self.virtual_stages - 1)
 
 
-def check_world(world_size: int, num_stages: int) -> None:
-    """Raises:
-        ValueError: the world size is not a multiple of the number of stages.
+def check_world(world_size: int, num_stages: int, *, what: str | None = None,
+                stages: str = "the number of pipeline stages K", fix: str | None = None) -> None:
+    """The one rule for the distributed transport's world size: a multiple of K (one process per
+    stage of each data-parallel replica). Front doors name their own keys in ``what`` (where the
+    world size came from), ``stages`` (where K came from) and ``fix``.
+
+    Raises:
+        ValueError: ``num_stages`` below 1, or the world size is not a multiple of it.
     """
     if num_stages < 1:
         raise ValueError(f"the number of pipeline stages must be >= 1, got {num_stages}")
     if world_size % num_stages != 0:
-        raise ValueError(f"world size {world_size} is not divisible by the number of pipeline stages "
-                         f"{num_stages}: world size must be data_parallel_size × {num_stages}")
+        fix = fix or f"the world size must be data_parallel_size × {num_stages}"
+        raise ValueError(f"{what or f'world size {world_size}'} is not divisible by {stages}={num_stages}: "
+                         f"the distributed transport runs one process per stage of each data-parallel "
+                         f"replica; {fix}")
 
 
 def _edges(num_stages: int, virtual_stages: int) -> list[tuple[str, int, int]]:
