@@ -42,8 +42,9 @@ def build_datamodule(name: str = "synthetic_images", **kwargs: object) -> pl.Lig
 
 
 def accepted_arguments(name: str) -> list[str]:
-    """The keyword arguments datamodule ``name`` takes: its own, then its base loader's (the
-    ``**loader`` a subclass passes on), without those its registry entry fixes (CIFAR's ``variant``).
+    """The keyword arguments datamodule ``name`` takes: its own, those it passes to its dataset
+    (``dataset_arguments``), then its base loader's (the ``**loader`` a subclass passes on),
+    without those its registry entry fixes (CIFAR's ``variant``).
 
     Raises:
         KeyError: ``name`` is not registered.
@@ -59,6 +60,7 @@ def accepted_arguments(name: str) -> list[str]:
         params = list(inspect.signature(init).parameters.values())[1:]
         names += [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
                   and p.name not in names and p.name not in fixed]
+        names += [n for n in getattr(klass, "dataset_arguments", ()) if n not in names]
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             break
     return names

@@ -150,16 +150,8 @@ class SyntheticTranslationDataModule(TranslationDataModule):
         ValueError: for non-positive counts or an impossible length range.
     """
 
-    def __init__(
-        self,
-        tokens_per_batch: int | None = 2048,
-        num_train: int = 10000,
-        num_val: int = 500,
-        language_seed: int = 0,
-        min_len: int = 3,
-        max_len: int = 12,
-        **loader: Any,
-    ) -> None:
+    def __init__(self, tokens_per_batch: int | None = 2048, num_train: int = 10000, num_val: int = 500,
+                 language_seed: int = 0, min_len: int = 3, max_len: int = 12, **loader: Any) -> None:
         super().__init__(tokens_per_batch=tokens_per_batch, **loader)
         check_positive_int("num_train", num_train)
         check_positive_int("num_val", num_val)
