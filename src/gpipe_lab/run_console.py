@@ -19,9 +19,10 @@ from typing import Any
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 from gpipe_lab.lightning.callbacks import PipelineMetrics
-from gpipe_lab.lightning.resume import resume_command
+from gpipe_lab.lightning.resume import ResumableCheckpoint, resume_command
 from gpipe_lab.pipeline.gpipe import resolve_balance
 from gpipe_lab.pipeline.options import PipelineOptions
 
@@ -61,6 +62,32 @@ class CompileNotice(pl.Callback):
             print(f"pipeline.compile: the first step, compilation included, took "
                   f"{time.monotonic() - self.started:.1f} s", flush=True)
             self.started = None
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's bar, also when a run resumes mid-epoch: Lightning then skips the epoch's start,
+    which would leave the bar without its epoch, its total or its count (``Training: 48/?``)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.fit_loop.restarted_mid_epoch:
+            self.on_train_epoch_start(trainer, pl_module)
+            bar, done = self.train_progress_bar, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            if bar.total is not None:  # Lightning's total counts the steps left to max_steps from here
+                bar.total = min(done + bar.total, trainer.num_training_batches)
+            bar.n = bar.initial = done
+            bar.refresh()
+
+
+class ValidateAtTheEnd(pl.Callback):
+    """Validate the final model inside ``fit`` when training stops mid-epoch (``max_steps``), as the
+    last step of every epoch does: the progress bar's last line then shows the validation metric
+    of the same step as the run's summary, not an earlier epoch's."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.enable_validation and ResumableCheckpoint.is_final_step(trainer):
+            trainer.should_stop = True  # Lightning validates before it stops (fit_loop's early-stop rule)
 
 
 def close_progress_bars(trainer: pl.Trainer) -> None:

@@ -24,7 +24,6 @@ from typing import Any
 import hydra
 import lightning.pytorch as pl
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -46,6 +45,8 @@ from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
 from gpipe_lab.run_console import (
     CompileNotice,
+    ProgressBar,
+    ValidateAtTheEnd,
     close_progress_bars,
     discard_run_dir,
     print_lightning_logs_once,
@@ -122,7 +123,7 @@ def build_callbacks(cfg: DictConfig, output_dir: Path, trainer_kwargs: dict[str,
         callbacks.append(ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=c.checkpoint_every_n_steps,
                                              save_top_k=c.keep_checkpoints, handle_sigint=c.graceful_ctrl_c))
     if trainer_kwargs.get("enable_progress_bar", True):
-        callbacks.append(TQDMProgressBar(refresh_rate=1))
+        callbacks.append(ProgressBar(refresh_rate=1))
     return callbacks
 
 
@@ -184,7 +185,8 @@ def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output
     trainer_kwargs["devices"] = trainer_devices(cfg, options)  # type: ignore[index]
     # Lightning's summary shows one ``layers | Sequential`` row and 0 FLOPs; ``stage_summary`` replaces it.
     trainer_kwargs.setdefault("enable_model_summary", False)  # type: ignore[union-attr]
-    callbacks: list[Any] = [metrics, *build_callbacks(cfg, output_dir, trainer_kwargs)]  # type: ignore[arg-type]
+    callbacks: list[Any] = [metrics, ValidateAtTheEnd(),
+                            *build_callbacks(cfg, output_dir, trainer_kwargs)]  # type: ignore[arg-type]
     if options.compile:
         callbacks.append(CompileNotice())
     strategy = GPipeStrategy(options=engine_options(cfg, options, module))

@@ -10,8 +10,10 @@ training batch only:
 - on the first Ctrl-C (SIGINT): training stops after the current optimizer step, the
   checkpoint is written, then ``KeyboardInterrupt`` is raised at the start of the next batch
   (so that step's metrics are logged), and Lightning shuts down and exits with status 1.
-  A second Ctrl-C stops at once (no new checkpoint). Only for single-process runs (the
-  local transport); distributed runs keep Lightning's own Ctrl-C handling.
+  A second Ctrl-C stops at once (no new checkpoint). With several processes (the
+  distributed transport) every rank installs the handler and, at each step's end, the ranks
+  agree (one all-reduce) whether any of them was interrupted (``kill -INT`` reaches the main
+  process only): they all save that step together and stop.
 
 A batch-end checkpoint is what Lightning 2.6 resumes exactly: with the training loader's
 position (``gpipe_lab.data.ResumableDataLoader``) it continues at the next batch of the
@@ -39,7 +41,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
 
 from gpipe_lab.lightning.init_from import load_initial_weights
 from gpipe_lab.lightning.rng_states import RNG_KEY, rng_states, set_rng_states
@@ -72,6 +73,7 @@ class ResumableCheckpoint(ModelCheckpoint):
         self._previous_handler: Any = None
         self._step_at_batch_start = 0
         self._rng_to_restore: dict[str, Any] | None = None
+        self._announce = True
 
     # ------------------------------------------------------------------ RNG states
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -94,8 +96,8 @@ class ResumableCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ Ctrl-C
     def _install_handler(self, trainer: pl.Trainer) -> None:
         self.interrupt_requested = self._stop_pending = False
-        if (not self.handle_sigint or trainer.world_size != 1 or isinstance(trainer.strategy, DDPStrategy)
-                or threading.current_thread() is not threading.main_thread()):
+        self._announce = trainer.is_global_zero
+        if not self.handle_sigint or threading.current_thread() is not threading.main_thread():
             return
         self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
 
@@ -109,9 +111,10 @@ class ResumableCheckpoint(ModelCheckpoint):
             self._restore_handler()
             raise KeyboardInterrupt
         self.interrupt_requested = True
-        print("\nCtrl-C: stopping after the current step and writing the checkpoint "
-              f"{Path(str(self.dirpath)) / 'last.ckpt'} (Ctrl-C again stops at once, without it)",
-              file=sys.stderr, flush=True)
+        if self._announce:  # rank 0 only: a terminal's Ctrl-C reaches every rank
+            print("\nCtrl-C: stopping after the current step and writing the checkpoint "
+                  f"{Path(str(self.dirpath)) / 'last.ckpt'} (Ctrl-C again stops at once, without it)",
+                  file=sys.stderr, flush=True)
 
     def _raise_if_stopping(self) -> None:
         if self._stop_pending:
@@ -155,6 +158,8 @@ class ResumableCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self.handle_sigint and trainer.world_size > 1:  # a collective: every rank, every batch
+            self.interrupt_requested = trainer.strategy.reduce_boolean_decision(self.interrupt_requested, all=False)
         step = trainer.global_step
         stepped = step > self._step_at_batch_start  # not inside an accumulation window
         periodic = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0
@@ -187,7 +192,7 @@ class ResumableCheckpoint(ModelCheckpoint):
     def _write(trainer: pl.Trainer, filepath: str) -> None:
         """Write to ``<file>.partial`` first, then rename: a kill never leaves a truncated file."""
         partial = f"{filepath}.partial"
-        trainer.save_checkpoint(partial)
+        trainer.save_checkpoint(partial, weights_only=False)  # said, so Lightning does not log its default
         if trainer.is_global_zero:
             os.replace(partial, filepath)
         trainer.strategy.barrier("ResumableCheckpoint.replace")
