@@ -140,7 +140,8 @@ def build_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions | N
     if name == "csv":
         return CSVLogger(save_dir=str(output_dir), name="csv")
     if name == "wandb":
-        return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg))
+        return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg),
+                                  ckpt_path=resolve_checkpoint(cfg, output_dir))
     return False
 
 
