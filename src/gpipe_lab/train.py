@@ -50,6 +50,7 @@ from gpipe_lab.run_console import (
     close_progress_bars,
     discard_run_dir,
     print_lightning_logs_once,
+    record_failure,
     stage_summary,
     summary_line,
     tell_interrupted,
@@ -217,6 +218,10 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metr
             close_progress_bars(trainer)
             tell_interrupted(metrics, output_dir_of(cfg))
         raise
+    except Exception as exc:
+        close_progress_bars(trainer)
+        record_failure(metrics, trainer, output_dir_of(cfg), exc)
+        raise
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -272,8 +277,12 @@ def main(cfg: DictConfig) -> float | None:
         raise SystemExit(f"data error: {exc}") from None
     except PeerFailedError as exc:
         if "KeyboardInterrupt" not in str(exc):
+            discard_run_dir(failed=True)
             raise
         raise SystemExit(f"stopped: {str(exc).splitlines()[0]}") from None  # Ctrl-C on another rank
+    except Exception:
+        discard_run_dir(failed=True)  # kept only with a checkpoint or a log (and then its summary.json)
+        raise
     if cfg.get("dry_run"):
         discard_run_dir()
     value = summary.get("validation_value")

@@ -117,3 +117,27 @@ def test_a_resumed_wandb_run_leaves_one_value_per_step(resumed):
     steps = [r["trainer/global_step"] for r in history if "train/loss" in r]
     assert steps == [0, 1, 2, 3], steps  # steps 2 and 3 once each: the resumed run's
     assert [r["train/loss"] for r in history if "train/loss" in r][2:] == new.metric("train/loss")
+
+
+#: Adam at this rate makes the loss NaN by the second step, which stops the run (pipeline.nonfinite=raise)
+DIVERGING = [*FOUR_BATCHES, "trainer.max_steps=8", "optimizer.lr=1e12"]
+
+
+def test_a_run_that_fails_in_training_keeps_its_checkpoint_with_a_summary_of_the_failure(tmp_path):
+    done = gpipe_train(tmp_path, *DIVERGING, "trainer.enable_checkpointing=true",
+                       "callbacks.checkpoint_every_n_steps=1", "callbacks.keep_checkpoints=1")
+    assert done.code == 1 and "NonFiniteError: step 1: loss is nan" in done.err, (done.code, done.err[-2000:])
+    (run_dir,) = tmp_path.glob("train/runs/*")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["failed"].startswith("NonFiniteError: step 1: loss is nan") and summary["steps"] == 1, summary
+    assert "failed at step 1: NonFiniteError" in done.out and str(run_dir) in done.out
+    # one checkpoint file: the numbered copy and last.ckpt are two names of it
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["epoch=0-step=1.ckpt", "last.ckpt"], names
+    assert len({p.stat().st_ino for p in (run_dir / "checkpoints").iterdir()}) == 1
+
+
+def test_a_run_that_fails_in_training_with_nothing_to_keep_leaves_no_folder(tmp_path):
+    done = gpipe_train(tmp_path, *DIVERGING)  # no checkpoint, no logger
+    assert done.code == 1 and "NonFiniteError: step 1: loss is nan" in done.err, (done.code, done.err[-2000:])
+    assert not list(tmp_path.glob("train/runs/*")), list(tmp_path.rglob("*"))

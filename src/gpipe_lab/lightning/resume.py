@@ -2,8 +2,8 @@
 
 ``ResumableCheckpoint`` (a ``ModelCheckpoint``, which names the files from its ``dirpath``
 and ``filename`` arguments) writes ``<dir>/last.ckpt`` (and keeps ``save_top_k`` numbered
-``epoch=E-step=S.ckpt`` copies) through ``trainer.save_checkpoint`` at the end of a
-training batch only:
+``epoch=E-step=S.ckpt`` copies; ``last.ckpt`` is then a hard link to the newest: one file on
+disk) through ``trainer.save_checkpoint`` at the end of a training batch only:
 
 - every ``every_n_train_steps`` optimizer steps (``callbacks.checkpoint_every_n_steps``);
 - at the final step (``max_steps`` or the last batch of ``max_epochs``);
@@ -32,6 +32,7 @@ checkpoint with other batches, and an exception can leave a step half done.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -170,7 +171,8 @@ class ResumableCheckpoint(ModelCheckpoint):
             self._stop_pending = True
 
     def save_now(self, trainer: pl.Trainer) -> None:
-        """Write ``epoch=E-step=S.ckpt`` (unless ``save_top_k=0``) and ``last.ckpt``; a collective.
+        """Write ``epoch=E-step=S.ckpt`` (unless ``save_top_k=0``) and ``last.ckpt`` (then a hard link
+        to it); a collective.
 
         Names come from ``format_checkpoint_name`` (the ``filename`` argument); with
         ``save_top_k=1`` the previous numbered copy is removed.
@@ -185,8 +187,25 @@ class ResumableCheckpoint(ModelCheckpoint):
                 trainer.strategy.remove_checkpoint(previous)
             self.best_model_path = numbered
         self.last_model_path = self.format_checkpoint_name(metrics, filename=self.CHECKPOINT_NAME_LAST)
-        self._write(trainer, self.last_model_path)
+        if self.save_top_k != 0:
+            self._link(trainer, self.best_model_path, self.last_model_path)
+        else:
+            self._write(trainer, self.last_model_path)
         self._saved_at_step = trainer.global_step
+
+    @staticmethod
+    def _link(trainer: pl.Trainer, numbered: str, last: str) -> None:
+        """``last.ckpt`` as a second name of the numbered copy just written: one file on disk, not two."""
+        if trainer.is_global_zero:
+            partial = f"{last}.partial"
+            if os.path.lexists(partial):
+                os.remove(partial)
+            try:
+                os.link(numbered, partial)
+            except OSError:  # a file system without hard links
+                shutil.copyfile(numbered, partial)
+            os.replace(partial, last)
+        trainer.strategy.barrier("ResumableCheckpoint.link")
 
     @staticmethod
     def _write(trainer: pl.Trainer, filepath: str) -> None:
