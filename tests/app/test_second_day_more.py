@@ -141,3 +141,28 @@ def test_a_run_that_fails_in_training_with_nothing_to_keep_leaves_no_folder(tmp_
     done = gpipe_train(tmp_path, *DIVERGING)  # no checkpoint, no logger
     assert done.code == 1 and "NonFiniteError: step 1: loss is nan" in done.err, (done.code, done.err[-2000:])
     assert not list(tmp_path.glob("train/runs/*")), list(tmp_path.rglob("*"))
+
+
+def test_the_timeline_picture_names_d_and_transport_and_explains_what_it_draws(tmp_path, monkeypatch):
+    import matplotlib.colors
+
+    from gpipe_lab.plotting import timeline as plotting
+
+    figures = []
+    original = plotting.plot_timeline
+
+    def keep(*args, **kwargs):
+        figures.append(original(*args, **kwargs))
+        return figures[-1]
+    monkeypatch.setattr(plotting, "plot_timeline", keep)
+    done = gpipe_train(tmp_path, *SMALL, "trainer.max_steps=1", "pipeline.schedule=zb-h1", "pipeline.checkpoint=never")
+    assert done.code in (0, None), done.err[-3000:]
+    figure = figures[-1]
+    assert figure._suptitle.get_text().startswith("K=2 M=4 D=1 zb-h1 transport=local"), figure._suptitle
+    measured, predicted = figure.axes
+    drawn = {matplotlib.colors.to_hex(p.get_facecolor()) for ax in figure.axes for p in ax.patches}
+    legend = [t.get_text() for t in figure.legends[0].get_texts()]
+    assert "recompute" not in legend and legend == [plotting.LABELS[k] for k, c in plotting.COLORS.items() if c in drawn]
+    assert plotting.CAPTION in [t.get_text() for t in figure.texts]  # grey and white explained
+    weight_blocks = [p for p in predicted.patches if matplotlib.colors.to_hex(p.get_facecolor()) == plotting.COLORS["W"]]
+    assert len(weight_blocks) == 2 * 4 and all(p.get_width() > 0 for p in weight_blocks)  # zb-h1's W, every stage
