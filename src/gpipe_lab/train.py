@@ -36,8 +36,7 @@ from gpipe_lab.data.checks import DataNotFoundError
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
-from gpipe_lab.lightning.resume import ResumableCheckpoint, load_initial_weights
-from gpipe_lab.lightning.resume_checks import check_resume
+from gpipe_lab.lightning.resume import ResumableCheckpoint
 from gpipe_lab.lightning.wandb_run import build_wandb_logger, run_name
 from gpipe_lab.models import build, preset_costs
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
@@ -55,6 +54,7 @@ from gpipe_lab.run_console import (
     summary_line,
     tell_interrupted,
 )
+from gpipe_lab.run_start import fetch_data, load_weights
 from gpipe_lab.suggest import suggest_overrides
 
 __all__ = ["CONFIG_DIR", "build_datamodule", "build_logger", "build_module", "cli", "engine_options",
@@ -71,26 +71,6 @@ def build_datamodule(cfg: DictConfig) -> Any:
     return build_named_datamodule(cfg.data.name, seed=cfg.seed, **kwargs)
 
 
-def fetch_data(cfg: DictConfig, datamodule: Any) -> None:
-    """``data.download=true``: fetch the dataset now, before a logger starts, so that a machine
-    without internet gets one line.
-
-    Raises:
-        ConfigError: the download failed (naming ``data.download`` and the local alternative).
-    """
-    if not cfg.data.get("download"):
-        return
-    try:
-        datamodule.prepare_data()
-    except DataNotFoundError:
-        raise
-    except OSError as exc:
-        reason = str(getattr(exc, "reason", None) or exc).splitlines()[0]
-        raise ConfigError(f"data.download=true: fetching {cfg.data.name} failed ({reason}); without internet, "
-                          f"copy the dataset's files under data.root={cfg.data.get('root')} and set "
-                          f"data.download=false") from None
-
-
 def build_module(cfg: DictConfig, datamodule: Any) -> Any:
     """``model.task``'s LightningModule (``hydra.utils.instantiate``) around ``models.build``'s layers,
     trained with the ``optimizer`` group's optimizer.
@@ -103,17 +83,6 @@ def build_module(cfg: DictConfig, datamodule: Any) -> Any:
             overrides[key] = int(getattr(datamodule, key))
     layers = build(cfg.model.name, **overrides)
     return instantiate(cfg.model.task, layers=layers, optimizer=instantiate(cfg.optimizer))
-
-
-def init_from_of(cfg: DictConfig) -> str | None:
-    """The checkpoint whose weights start a new run: ``init_from``, else (when not resuming)
-    an experiment's ``transfer.checkpoint``."""
-    if cfg.get("init_from") is not None:
-        return str(cfg.init_from)
-    transfer = cfg.get("transfer")
-    if cfg.get("ckpt_path") is None and transfer is not None and transfer.get("checkpoint") is not None:
-        return str(transfer.checkpoint)
-    return None
 
 
 def build_callbacks(cfg: DictConfig, output_dir: Path, trainer_kwargs: dict[str, Any]) -> list[Any]:
@@ -161,23 +130,6 @@ def output_dir_of(cfg: DictConfig) -> Path:
         return Path(cfg.paths.output_dir)
     except Exception:  # noqa: BLE001 - outside a Hydra run (tests): no ${hydra:...}
         return Path(cfg.paths.log_dir) / cfg.task_name / "run"
-
-
-def load_weights(cfg: DictConfig, module: Any, ckpt_path: str | None) -> str | None:
-    """Check the checkpoint to resume against the module, or load ``init_from``'s weights into it;
-    returns the ``init_from`` checkpoint.
-
-    Raises:
-        ConfigError: the checkpoint cannot continue this run (``check_resume``).
-    """
-    if ckpt_path is not None:
-        check_resume(ckpt_path, cfg, module)
-    init_from = init_from_of(cfg)
-    if init_from is not None:
-        fresh = load_initial_weights(module, init_from, fresh_classifier=bool(cfg.get("fresh_classifier", True)))
-        print(f"init_from {init_from}: loaded every weight but {len(fresh)} new one(s) "
-              f"{fresh[:4]}{' ...' if len(fresh) > 4 else ''}")
-    return init_from
 
 
 def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output_dir: Path,
