@@ -97,10 +97,17 @@ def build_wandb_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptio
     if rank_zero_only.rank == 0:
         import wandb
 
-        experiment = wandb.init(dir=str(output_dir), project=cfg.logger.project, entity=cfg.logger.entity,
-                                group=sweep_group(cfg, output_dir), tags=list(cfg.logger.tags or []),
-                                mode=cfg.logger.mode, name=name, config=run_config(resolved, options),
-                                job_type="train", **resume_arguments(ckpt_path))
+        common = dict(dir=str(output_dir), project=cfg.logger.project, entity=cfg.logger.entity,
+                      group=sweep_group(cfg, output_dir), tags=list(cfg.logger.tags or []), mode=cfg.logger.mode,
+                      name=name, config=run_config(resolved, options), job_type="train")
+        resume = resume_arguments(ckpt_path)
+        try:
+            experiment = wandb.init(**common, **resume)
+        except wandb.Error:
+            if "resume_from" not in resume:
+                raise
+            # a server without run rewinding: continue the run as it is (its later rows stay)
+            experiment = wandb.init(**common, id=resume["id"], resume="allow")
         # The x-axis Lightning's WandbLogger declares when it starts a run itself.
         experiment.define_metric("trainer/global_step")
         experiment.define_metric("*", step_metric="trainer/global_step", step_sync=True)
