@@ -27,9 +27,9 @@ COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "R": "#8172b3", "wait"
 LABELS = {"F": "forward", "B": "backward", "W": "weight grad", "R": "recompute",
           "wait": "wait (for a neighbour)"}
 #: What the picture's two kinds of gap mean, under the time axis.
-CAPTION = ("grey: the stage waits for a neighbour's activations or gradients; white: no action and no wait "
-           "recorded: the stage has not started or has finished its part of the step, or is between two "
-           "actions (hand-over, scheduling)")
+CAPTION = ("grey: the stage waits for a neighbour's activations or gradients.\n"
+           "white: no action and no wait recorded: the stage has not started or has finished its part of "
+           "the step, or is between two actions (hand-over, scheduling).")
 
 
 def _draw(ax: Axes, timeline: Timeline, name: str, scale: float, xmax: float) -> None:
@@ -86,8 +86,8 @@ def plot_timeline(timeline: Timeline, path: str | Path | None = None, title: str
     fig.legend(handles=handles, loc="upper right", ncol=max(1, len(handles)), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, x=0.01, ha="left", fontsize=10)
-    fig.text(0.01, 0.01, CAPTION, ha="left", va="bottom", fontsize=7, wrap=True)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.93))
+    fig.text(0.01, 0.01, CAPTION, ha="left", va="bottom", fontsize=7)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.93))
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
