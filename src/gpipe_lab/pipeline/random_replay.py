@@ -11,8 +11,8 @@ every aten op below autograd and:
   generator of the op's device, whatever generator the caller named;
 - sends ``rand``/``randn``/``randint``/``randperm``/``*_like`` to their
   ``.generator`` overloads with that generator;
-- re-implements ``native_dropout`` (the fused dropout of accelerators) with a
-  mask drawn from that generator;
+- runs ``native_dropout`` (the fused dropout of accelerators) as a dropout that
+  takes that generator (``dropout_kernel``: one kernel on CUDA);
 - runs any other seeded op (fused attention kernels with dropout, which read
   the device's default generator) with the device's default generator reseeded
   from the micro-batch, under a lock, and restores its state afterwards;
@@ -38,7 +38,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["RandomReplay", "UnreplayableRandomError"]
+from gpipe_lab.pipeline.dropout_kernel import fused_dropout
+
+__all__ = ["RandomReplay", "UnreplayableRandomError", "device_seed"]
 
 _MASK = (1 << 63) - 1
 _SEEDED = torch.Tag.nondeterministic_seeded
@@ -119,8 +121,7 @@ def _native_dropout(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> An
     if p >= 1.0:
         return x * 0.0, torch.zeros_like(x, dtype=torch.bool)
     mode.draws += 1
-    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=mode.generator_for(x.device)).bool()
-    return torch.where(keep, x, x.new_zeros(())) * (1.0 / (1.0 - p)), keep
+    return fused_dropout(x, p, mode.generator_for(x.device))
 
 
 def _dropout_probability(func: Any, args: tuple, kwargs: dict) -> float | None:
@@ -191,6 +192,7 @@ class RandomReplay(TorchDispatchMode):
     def __init__(self, generator: torch.Generator) -> None:
         super().__init__()
         self.seed = generator.initial_seed()
+        self.device = generator.device
         self.generators = {_key(generator.device): generator}
         self.calls = 0
         self.draws = 0  # random numbers drawn so far (0: this forward drew nothing)
@@ -200,7 +202,7 @@ class RandomReplay(TorchDispatchMode):
         gen = self.generators.get(key)
         if gen is None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(_mix(self.seed, zlib.crc32(f"{key[0]}:{key[1]}".encode())))
+            gen.manual_seed(device_seed(self.seed, self.device, device))
             self.generators[key] = gen
         return gen
 
@@ -217,6 +219,13 @@ class RandomReplay(TorchDispatchMode):
         if plan is None:
             return func(*args, **kwargs)
         return plan(self, func, args, kwargs)
+
+
+def device_seed(seed: int, stage_device: torch.device, device: torch.device) -> int:
+    """The seed of the micro-batch generator of ``device`` in a stage on ``stage_device``
+    whose micro-batch seed is ``seed`` (what ``RandomReplay.generator_for`` seeds)."""
+    key = _key(device)
+    return seed if key == _key(stage_device) else _mix(seed, zlib.crc32(f"{key[0]}:{key[1]}".encode()))
 
 
 def _key(device: torch.device) -> tuple[str, int]:
