@@ -16,10 +16,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpipe_lab import GPipe
-from gpipe_lab.pipeline import OptionError, PipelineOptions, UnreplayableRandomError, convert_dropout
+from gpipe_lab.pipeline import (
+    OptionError,
+    PipelineOptions,
+    StageDropout,
+    UnreplayableRandomError,
+    convert_dropout,
+)
 from gpipe_lab.pipeline.context import current_generator, microbatch_context, microbatch_seed
 from gpipe_lab.pipeline.random_replay import RandomReplay
-from gpipe_lab.pipeline.replay_policy import ALL, DISPATCH, FORK, GUARD, StageReplay
+from gpipe_lab.pipeline.replay_policy import ALL, DISPATCH, FORK, GUARD, NONE, PROBE, StageReplay
 
 pytestmark = pytest.mark.timeout(120)
 SEED, BALANCE, CHUNKS = 17, [3, 3], 4
@@ -116,15 +122,23 @@ def test_a_model_drawing_only_through_nn_dropout_never_enters_the_dispatch_mode(
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
 def test_a_functional_draw_on_shared_cpu_generators_is_replayed(checkpoint: str, dispatched: list[int]) -> None:
+    """Step 0 probes (the shared generators reseeded under a lock), step 1 runs stage 1 only
+    through the per-op mode; both draw what the reference draws."""
     net = functional_in_stage_1()
     pipe = pipe_of(net, checkpoint)
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    pipe.train_step(*batch(), F.mse_loss)
-    assert torch.equal(torch.get_rng_state(), state)  # the caller's generator is left alone
-    assert_grads(net, reference(functional_in_stage_1)[1])
+    grads = []
+    for _ in range(2):
+        net.zero_grad()
+        pipe.train_step(*batch(), F.mse_loss)
+        grads.append([p.grad.clone() for p in net.parameters()])
+        assert torch.equal(torch.get_rng_state(), state)  # the caller's generator is left alone
     assert [s.replay.draws for s in pipe.stages] == [{True: False}, {True: True}]  # the mode in stage 1 only
     assert dispatched[0] > 0
+    for step in (0, 1):
+        for g, e in zip(grads[step], reference(functional_in_stage_1, step)[1]):
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=0)
 
 
 def test_a_draw_appearing_after_the_probe_raises_naming_the_stage_and_the_fix() -> None:
@@ -167,17 +181,26 @@ def test_a_stage_owning_its_generators_forks_and_reseeds_them() -> None:
     """Where a rank is alone in its process: the default generator, reseeded for the micro-batch,
     draws what the mode's micro-batch generator draws, and is restored afterwards."""
     replay = StageReplay("auto", torch.device("cpu"), ALL, nn.Sequential(), 0)
-    assert replay.first_kind(True, lambda: None, 5) == FORK
+    assert replay.first_kind(True) == FORK
     state = torch.get_rng_state()
-    with replay.forward(FORK, 5, False, (0, 0)):
+    with replay.forward(FORK, 5, False, (0, 0), True):
         drawn = torch.rand(6)
         assert current_generator() is torch.default_generator
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(drawn, torch.rand(6, generator=torch.Generator().manual_seed(5)))
-    shared = StageReplay("auto", torch.device("cpu"), "none", nn.Sequential(), 0)
-    assert shared.first_kind(True, lambda: None, 5) == GUARD
-    assert shared.first_kind(False, lambda: torch.rand(1), 5) == DISPATCH  # judged per training flag
-    assert torch.equal(torch.get_rng_state(), state)  # the probe's draw was undone
+
+
+def test_a_probe_tells_stage_dropout_draws_from_other_draws_per_training_flag() -> None:
+    shared = StageReplay("auto", torch.device("cpu"), NONE, nn.Sequential(), 0)
+    state = torch.get_rng_state()
+    for training, draw in ((True, lambda: None), (False, lambda: torch.rand(1))):
+        assert shared.first_kind(training) == PROBE
+        with shared.forward(PROBE, 5, False, (0, 0), training):
+            StageDropout(0.5)(torch.ones(8))  # drawn from the reseeded shared generator, bracketed
+            draw()
+    assert torch.equal(torch.get_rng_state(), state)  # reseeded for the forward, then restored
+    shared.settle()
+    assert shared.first_kind(True) == GUARD and shared.first_kind(False) == DISPATCH
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

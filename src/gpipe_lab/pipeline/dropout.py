@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from gpipe_lab.pipeline.context import current_generator
+from gpipe_lab.pipeline.context import current_generator, current_watch
 from gpipe_lab.pipeline.dropout_kernel import fused_dropout
 
 
@@ -30,7 +30,13 @@ class StageDropout(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
             return x
-        return fused_dropout(x, self.p, current_generator())[0]
+        generator, watch = current_generator(), current_watch()
+        if watch is None:
+            return fused_dropout(x, self.p, generator)[0]
+        watch.before(generator)  # a probe tells this draw from the forward's other draws
+        out = fused_dropout(x, self.p, generator)[0]
+        watch.after(generator)
+        return out
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

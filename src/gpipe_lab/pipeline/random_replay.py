@@ -51,7 +51,7 @@ _WITH_GENERATOR = {"default": "generator", "out": "generator_out", "low": "low_g
                    "low_dtype_out": "low_generator_dtype_out"}
 # seeded ops that hold random state of their own, which no generator can rewind
 _UNREPLAYABLE = {"_cudnn_rnn", "miopen_rnn"}
-_default_generator_lock = threading.Lock()
+_default_generator_lock = threading.RLock()
 
 Handler = Callable[["RandomReplay", Any, tuple, dict], Any]
 

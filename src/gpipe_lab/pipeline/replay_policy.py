@@ -9,23 +9,25 @@ depend on thread timing. Every draw is a function of (seed, step, stage, micro-b
   save that generator (the CPU's too in a process of its own), reseed it for the
   micro-batch, restore it afterwards, as ``torch.utils.checkpoint`` does. O(1) per
   forward; fused kernels that read the default generator (attention dropout) are covered.
-- ``guard`` (auto, CPU stage threads sharing the default generator): a one-time probe, a
-  forward without a graph on the first micro-batch a stage sees in training and in eval
-  mode, tells whether the forward draws outside ``StageDropout`` (which every ``nn.Dropout``
-  becomes and which draws from the micro-batch's generator by name). If it does not, the
-  forward runs as it is, and the default generators' states are compared before and after
-  each forward: a draw appearing later raises ``UnreplayableRandomError``.
-- ``dispatch`` (auto where the probe found such draws; always with True): the per-op
+- ``probe`` (auto, CPU stage threads sharing the default generator, first step in training
+  and in eval mode): ``fork`` with the shared generators held under a lock for the whole
+  forward, watching whether anything but ``StageDropout`` (which every ``nn.Dropout``
+  becomes) draws from them. Its re-materialization repeats it the same way.
+- ``guard`` (auto, after a probe that found no such draw): the forward runs as it is,
+  ``StageDropout`` drawing from a generator of the micro-batch's own, and the shared
+  generators' states are compared before and after: a draw appearing later raises
+  ``UnreplayableRandomError``.
+- ``dispatch`` (auto after a probe that found draws; always with True): the per-op
   ``RandomReplay`` mode routes every draw to the micro-batch's generators.
 - ``off`` (False, compiled stages): only ``StageDropout`` draws are replayed.
 
-``fork`` and ``dispatch`` draw the same numbers on CPU (a generator seeded alike).
+On CPU every way draws the same numbers (one stream from a generator seeded alike).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -39,11 +41,12 @@ from gpipe_lab.pipeline.random_replay import (
     device_seed,
 )
 
-__all__ = ["DISPATCH", "FORK", "GUARD", "OFF", "REPLAY_SETTINGS", "StageReplay", "generator_owners"]
+__all__ = ["DISPATCH", "FORK", "GUARD", "OFF", "PROBE", "DrawWatch", "StageReplay", "generator_owners"]
 
-FORK, GUARD, DISPATCH, OFF = "fork", "guard", "dispatch", "off"
+FORK, PROBE, GUARD, DISPATCH, OFF = "fork", "probe", "guard", "dispatch", "off"
 #: what a stage alone draws from: every default generator of its process, its CUDA device's, none
 ALL, DEVICE, NONE = "all", "device", "none"
+Generators = list[tuple[torch.device, torch.Generator]]
 
 
 def default_generator(device: torch.device) -> torch.Generator | None:
@@ -74,61 +77,75 @@ def _rewinds_nothing(module: nn.Module) -> bool:
     return not any(isinstance(m, nn.RNNBase) and m.dropout > 0 for m in module.modules())
 
 
+class DrawWatch:
+    """Whether a forward drew from ``generators`` other than through ``StageDropout``, which
+    brackets its own draws with ``before``/``after``."""
+
+    def __init__(self, generators: Generators) -> None:
+        self.expected = [(g, g.get_state()) for _, g in generators]
+        self.foreign = False
+
+    def _check(self, generator: torch.Generator | None = None) -> None:
+        for g, state in self.expected:
+            if (generator is None or g is generator) and not torch.equal(g.get_state(), state):
+                self.foreign = True
+
+    def before(self, generator: torch.Generator | None) -> None:
+        self._check(generator)
+
+    def after(self, generator: torch.Generator | None) -> None:
+        self.expected = [(g, g.get_state() if g is generator else state) for g, state in self.expected]
+
+    def done(self) -> bool:
+        """True if anything but the bracketed draws moved a generator."""
+        self._check()
+        return self.foreign
+
+
 class StageReplay:
     """How one stage's forwards make their draws repeatable (see the module docstring)."""
 
     def __init__(self, setting: bool | str, device: torch.device, owner: str, module: nn.Module,
                  index: int) -> None:
-        if setting not in REPLAY_SETTINGS or not isinstance(setting, (bool, str)):
+        if not isinstance(setting, (bool, str)) or setting not in REPLAY_SETTINGS:
             raise ValueError(f"random_replay: must be one of {list(REPLAY_SETTINGS)}, got {setting!r}")
         self.setting, self.device, self.index = setting, device, index
-        own = default_generator(device)
+        own, cpu = default_generator(device), torch.device("cpu")
+        self.probes = own is not None
         owned = owner == ALL or (owner == DEVICE and device.type == "cuda")
         self.fork = setting == "auto" and owned and own is not None and _rewinds_nothing(module)
-        cpu = torch.device("cpu")
-        self.forked: list[tuple[torch.device, torch.Generator]] = []
+        self.forked: Generators = []
         if self.fork:
             self.forked = [(device, own)] + ([(cpu, torch.default_generator)]
                                              if owner == ALL and device.type != "cpu" else [])
-        # the default generators a forward must leave alone (those it does not fork)
-        watched = [(cpu, torch.default_generator)] + ([(device, own)] if device.type == "cuda" else [])
-        self.watched = [(d, g) for d, g in watched if all(d != f for f, _ in self.forked) and g is not None]
-        self.draws: dict[bool, bool] = {}  # per training flag: the probe found draws outside StageDropout
+        # the default generators a forward must leave alone (those it does not fork), its own first
+        watched = ([(device, own)] if device.type == "cuda" else []) + [(cpu, torch.default_generator)]
+        self.watched: Generators = [(d, g) for d, g in watched
+                                    if g is not None and all(d != f for f, _ in self.forked)]
+        self.draws: dict[bool, bool] = {}  # per training flag: the probe saw draws outside StageDropout
+        self.settled: set[bool] = set()  # the training flags whose probe step is over
 
-    def first_kind(self, training: bool, probe: Callable[[], None], seed: int) -> str:
-        """How a micro-batch's first forward runs; probes the stage the first time it must judge it.
+    def settle(self) -> None:
+        """A new step begins: the probes of the last one are final."""
+        self.settled.update(self.draws)
 
-        ``probe`` runs the forward without a graph or side effects; ``StageDropout`` draws in it
-        from a generator seeded with ``seed``. Raises what ``probe`` raises.
-        """
-        if self.setting is True:
+    def first_kind(self, training: bool) -> str:
+        """How a micro-batch's first forward runs (its re-materialization runs the same way,
+        except a ``DISPATCH`` forward that drew nothing, which needs no mode)."""
+        if self.setting is True or (self.setting == "auto" and not self.fork and not self.probes):
             return DISPATCH
         if self.setting is False:
             return OFF
         if self.fork:
             return FORK
-        if training not in self.draws:
-            self.draws[training] = self._probe(probe, seed)
-        return DISPATCH if self.draws[training] else GUARD
-
-    def _probe(self, probe: Callable[[], None], seed: int) -> bool:
-        """Whether ``probe`` moves a watched default generator (which is restored afterwards)."""
-        with _default_generator_lock:  # a DISPATCH stage reseeds the shared one under this lock
-            before = [g.get_state() for _, g in self.watched]
-            try:
-                with microbatch_context(self._generator(seed), recomputing=True, replay=False):
-                    probe()
-            finally:
-                after = [g.get_state() for _, g in self.watched]
-                for (_, g), state in zip(self.watched, before):
-                    g.set_state(state)
-        return any(not torch.equal(a, b) for a, b in zip(before, after))
-
-    def _generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
+        if training in self.settled:
+            return DISPATCH if self.draws[training] else GUARD
+        self.draws.setdefault(training, False)
+        return PROBE
 
     @contextmanager
-    def forward(self, kind: str, seed: int, recomputing: bool, where: tuple[int, int]) -> Iterator[RandomReplay | None]:
+    def forward(self, kind: str, seed: int, recomputing: bool, where: tuple[int, int],
+                training: bool) -> Iterator[RandomReplay | None]:
         """Run one forward of micro-batch ``where = (step, micro-batch)`` the ``kind`` way.
 
         Yields the ``RandomReplay`` mode for ``DISPATCH`` (its ``draws`` count), else None.
@@ -137,32 +154,35 @@ class StageReplay:
             UnreplayableRandomError: a ``GUARD`` forward moved a default generator (naming the
                 stage, the step, the micro-batch and the fix), or what the mode raises.
         """
-        if kind == FORK:
-            states = [g.get_state() for _, g in self.forked]
-            for d, g in self.forked:
-                g.manual_seed(device_seed(seed, self.device, d))
-            try:
-                with microbatch_context(self.forked[0][1], recomputing, replay=False):
-                    with self._guarded(where):
+        if kind in (FORK, PROBE):
+            generators = self.forked if kind == FORK else self.watched
+            with _default_generator_lock if kind == PROBE else nullcontext():
+                states = [g.get_state() for _, g in generators]
+                for d, g in generators:
+                    g.manual_seed(device_seed(seed, self.device, d))
+                watch = DrawWatch(generators) if kind == PROBE and not recomputing else None
+                try:
+                    with microbatch_context(generators[0][1], recomputing, replay=False, watch=watch), \
+                            self._guarded(where, kind == FORK):
                         yield None
-            finally:
-                for (_, g), state in zip(self.forked, states):
-                    g.set_state(state)
+                    if watch is not None and watch.done():
+                        self.draws[training] = True
+                finally:
+                    for (_, g), state in zip(generators, states):
+                        g.set_state(state)
             return
-        with microbatch_context(self._generator(seed), recomputing, replay=kind == DISPATCH) as mode:
-            if kind == GUARD:
-                with self._guarded(where):
-                    yield None
-            else:
-                yield mode
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        with microbatch_context(generator, recomputing, replay=kind == DISPATCH) as mode, \
+                self._guarded(where, kind == GUARD):
+            yield mode
 
     @contextmanager
-    def _guarded(self, where: tuple[int, int]) -> Iterator[None]:
+    def _guarded(self, where: tuple[int, int], on: bool) -> Iterator[None]:
         """Raise after the enclosed forward if it moved a watched default generator."""
-        if not self.watched:
+        if not on or not self.watched:
             yield
             return
-        with _default_generator_lock:
+        with _default_generator_lock:  # a PROBE or DISPATCH stage moves them under this lock only
             before = [g.get_state() for _, g in self.watched]
         yield
         with _default_generator_lock:
@@ -174,3 +194,4 @@ class StageReplay:
                 "step's probe found no such draw (or another thread of this process drew from it "
                 "meanwhile), so re-materialization would not repeat it; set random_replay=True "
                 "(pipeline.random_replay=true) to replay every draw")
+

@@ -126,6 +126,7 @@ class StageRuntime:
             self.clock.begin()
         self._param_storages = storage_keys([*self.module.parameters(), *self.module.buffers()])
         self._norms = running_stat_layers(self.module)
+        self.replay.settle()
 
     def abort(self) -> None:
         """Free what a failed step left behind."""
@@ -141,13 +142,6 @@ class StageRuntime:
 
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
-
-    def _probe(self, inputs: tuple[Tensor, ...], was_tensor: bool, target: object) -> None:
-        """The forward (and loss) without a graph or a trace: what ``StageReplay`` probes for draws."""
-        with torch.no_grad(), running_stats_untouched(self._norms):
-            out = self.module(unwrap(inputs, was_tensor))
-            if self.is_last and self.plan.loss_fn is not None:
-                self.plan.loss_fn(out, target)
 
     def _start(self) -> tuple[float, Any]:
         """Host time and (on a GPU) a device event at an action's start."""
@@ -179,11 +173,11 @@ class StageRuntime:
                  else nullcontext())
         # every micro-batch gets its generator: any layer may draw from current_generator()
         seed = microbatch_seed(self.base_seed, self.plan.step, self.index, mb)
+        training = self.module.training
         if not recomputing:
-            saved.replay = self.replay.first_kind(self.module.training,
-                                                  lambda: self._probe(inputs, was_tensor, target), seed)
+            saved.replay = self.replay.first_kind(training)
         kind = OFF if recomputing and saved.replay == DISPATCH and saved.drew_nothing else saved.replay
-        with self.replay.forward(kind, seed, recomputing, (self.plan.step, mb)) as mode, hooks, \
+        with self.replay.forward(kind, seed, recomputing, (self.plan.step, mb), training) as mode, hooks, \
                 checkpointing(mb in self.plan.checkpointed and not recomputing):
             x = unwrap(inputs, was_tensor)
             # the module is read at each call: a front end may wrap it (autocast) after construction
