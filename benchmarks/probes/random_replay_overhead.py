@@ -6,7 +6,8 @@ every forward) and ``False`` (only ``nn.Dropout`` replayed: the reference that p
 nothing), alternated in the same rounds, on models that draw nothing (the 8-block MLP,
 ``transformer_tiny`` with dropout 0, ``amoebanet_d_tiny``) and on ``transformer_tiny``
 with dropout 0.1 (draws only through ``nn.Dropout``), at the yardstick's quick sizes.
-Then the dropout kernel alone, forward and backward: the float-mask way ``StageDropout``
+Step times are also taken in this process's CPU time (steadier on a loaded machine), and the
+guard's own cost per forward is timed alone. Then the dropout kernel alone, forward and backward: the float-mask way ``StageDropout``
 drew before (float mask, bool copy, ``where``, scale) against ``dropout_kernel.fused_dropout``.
 
     python -m benchmarks.probes.random_replay_overhead [rounds]
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -25,8 +28,10 @@ from benchmarks.bench_common import SIZES, make_workload, prepare_process
 from gpipe_lab.bench import Workload, WorkloadSpec, time_rounds
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.dropout_kernel import fused_dropout
+from gpipe_lab.pipeline.replay_policy import GUARD, NONE, StageReplay
 
 SETTINGS = {"auto": "auto", "True": True, "False": False}
+CHUNKS = 4
 TRANSFORMER = dict(seq_len=32, num_layers=3, d_model=128, ffn_dim=512, num_heads=4, vocab_size=256)
 
 
@@ -46,24 +51,46 @@ def builders() -> dict[str, Callable[[], Workload]]:
 
 
 def measure(name: str, build: Callable[[], Workload], rounds: int) -> None:
-    """Median step time of each setting and its cost against ``False``, in one run."""
-    fns: dict[str, Callable[[], object]] = {}
+    """Median step time (wall and this process's CPU time) of each setting and its cost against
+    ``False``, in the same alternated rounds. CPU time counts what the step itself ran, so on a
+    loaded machine it shows the replay's cost better than the wall clock."""
+    steps: dict[str, Callable[[], object]] = {}
     works = []
     for label, setting in SETTINGS.items():
         work = build()
-        pipe = GPipe(work.module, balance=list(work.balance), chunks=4, checkpoint="except_last", seed=0,
+        pipe = GPipe(work.module, balance=list(work.balance), chunks=CHUNKS, checkpoint="except_last", seed=0,
                      threads_per_stage=1, random_replay=setting)
         works.append(work)
-        fns[label] = lambda pipe=pipe, work=work: pipe.train_step(work.inputs, work.targets, work.loss_fn)
+        steps[label] = lambda pipe=pipe, work=work: pipe.train_step(work.inputs, work.targets, work.loss_fn)
+    wall: dict[str, list[float]] = {label: [] for label in steps}
+    cpu: dict[str, list[float]] = {label: [] for label in steps}
+    for r in range(rounds + 1):
+        for label in (list(steps) if r % 2 else list(steps)[::-1]):
+            for work in works:
+                work.module.zero_grad(set_to_none=True)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            steps[label]()
+            if r:  # round 0 warms up (and probes)
+                wall[label].append(time.perf_counter() - start)
+                cpu[label].append(time.process_time() - start_cpu)
 
-    def zero() -> None:
-        for work in works:
-            work.module.zero_grad(set_to_none=True)
+    def cost(times: dict[str, list[float]], label: str) -> str:
+        return f"{(statistics.median(times[label]) / statistics.median(times['False']) - 1) * 100:+.1f}%"
 
-    times = time_rounds(fns, rounds, 1, zero)
-    off = times["False"].median
-    print(f"{name}: off {off * 1e3:.1f} ms/step; auto {(times['auto'].median / off - 1) * 100:+.1f}%, "
-          f"True {(times['True'].median / off - 1) * 100:+.1f}% (medians of {rounds})", flush=True)
+    print(f"{name}: off {statistics.median(wall['False']) * 1e3:.0f} ms/step (CPU "
+          f"{statistics.median(cpu['False']) * 1e3:.0f} ms); auto {cost(wall, 'auto')} wall, "
+          f"{cost(cpu, 'auto')} CPU; True {cost(wall, 'True')} wall, {cost(cpu, 'True')} CPU "
+          f"(medians of {rounds})", flush=True)
+
+
+def guard_cost(repeats: int = 20000) -> float:
+    """Seconds one guarded forward adds (its enter and exit around an empty forward)."""
+    replay = StageReplay("auto", torch.device("cpu"), NONE, torch.nn.Sequential(), 0)
+    start = time.process_time()
+    for i in range(repeats):
+        with replay.forward(GUARD, i, False, (0, 0), True):
+            pass
+    return (time.process_time() - start) / repeats
 
 
 def dropout_kernel(rounds: int) -> None:
@@ -88,6 +115,10 @@ def main(rounds: int) -> None:
     prepare_process()
     torch.set_num_threads(1)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    per_forward = guard_cost()
+    forwards = 2 * (2 * CHUNKS - 1)  # K=2 stages: M first forwards, M - 1 replays (except_last)
+    print(f"guard: {per_forward * 1e6:.1f} us CPU per forward, {forwards} forwards a step "
+          f"(K=2, M={CHUNKS}, except_last): {per_forward * forwards * 1e3:.2f} ms a step", flush=True)
     for name, build in builders().items():
         measure(name, build, rounds)
     dropout_kernel(rounds)
