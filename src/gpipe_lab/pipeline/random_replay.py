@@ -3,8 +3,10 @@
 A checkpointed micro-batch runs its forward twice (once without a graph, once
 in the backward to rebuild it), and the two must draw the same random numbers,
 whatever the other stage threads do in between. ``RandomReplay`` is a
-thread-local ``TorchDispatchMode`` entered around each stage forward; it sees
-every aten op below autograd and:
+thread-local ``TorchDispatchMode`` entered around the stage forwards that need it
+(``replay_policy`` says which: with ``random_replay=True`` every one; with ``"auto"``
+those of CPU stages found drawing outside ``nn.Dropout``); it sees every aten op
+below autograd and:
 
 - gives every random op that takes a generator (``bernoulli_``, ``uniform_``,
   ``normal_``, ``rrelu_with_noise``, ``multinomial`` ...) the micro-batch's
@@ -15,7 +17,8 @@ every aten op below autograd and:
   takes that generator (``dropout_kernel``: one kernel on CUDA);
 - runs any other seeded op (fused attention kernels with dropout, which read
   the device's default generator) with the device's default generator reseeded
-  from the micro-batch, under a lock, and restores its state afterwards;
+  from the micro-batch, under a lock (``replay_policy`` moves the shared default
+  generators only under it too), and restores its state afterwards;
 - refuses, naming the layer, a draw it cannot replay (cuDNN RNN dropout keeps
   its own state; devices without a default generator) before any output exists.
 
