@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpipe_lab.pipeline.dropout_kernel import fused_dropout
 
-__all__ = ["RandomReplay", "UnreplayableRandomError", "device_seed"]
+__all__ = ["RandomReplay", "UnreplayableRandomError", "device_seed", "generator_argument"]
 
 _MASK = (1 << 63) - 1
 _SEEDED = torch.Tag.nondeterministic_seeded
@@ -125,6 +125,14 @@ def _native_dropout(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> An
         return x * 0.0, torch.zeros_like(x, dtype=torch.bool)
     mode.draws += 1
     return fused_dropout(x, p, mode.generator_for(x.device))
+
+
+def generator_argument(func: Any, args: tuple, kwargs: dict) -> torch.Generator | None:
+    """The generator an aten op was called with (a keyword or, as ``_fused_dropout``'s, positional)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "generator":
+            return kwargs.get("generator", args[i] if i < len(args) and not a.kwarg_only else None)
+    return None
 
 
 def _dropout_probability(func: Any, args: tuple, kwargs: dict) -> float | None:
