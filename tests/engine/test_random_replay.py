@@ -192,6 +192,7 @@ def distributed_worker(rank: int, world: int) -> list:
     for kind in DISTRIBUTED_KINDS:
         for checkpoint in ("never", "always"):
             pipe = DistributedGPipe(model(kind), balance=[3, 3], chunks=4, checkpoint=checkpoint, seed=11)
+            assert all(r.replay.fork for r in pipe.runtimes.values())  # auto: a rank owns its generators
             loss = pipe.train_step(*data(), F.mse_loss)
             grads = {}
             for first, part in pipe._chunks.values():
@@ -204,7 +205,8 @@ def distributed_worker(rank: int, world: int) -> list:
 
 @pytest.mark.distributed
 def test_distributed_transport_replays_like_the_local_one() -> None:
-    """K=2 on two gloo ranks: recompute replays, and the draws equal the local transport's."""
+    """K=2 on two gloo ranks (``auto``: each reseeds its own default generator per micro-batch):
+    recompute replays, and the draws equal the local transport's (probe, then the per-op mode)."""
     from gpipe_lab.pipeline.distributed.launch import run_local
 
     results = run_local(distributed_worker, 2, timeout=200)
