@@ -111,9 +111,10 @@ class StageReplay:
             raise ValueError(f"random_replay: must be one of {list(REPLAY_SETTINGS)}, got {setting!r}")
         self.setting, self.device, self.index = setting, device, index
         own, cpu = default_generator(device), torch.device("cpu")
-        self.probes = own is not None
+        # no generator to reseed, or cuDNN RNN dropout (whose state only the mode can refuse, by name)
+        self.probes = own is not None and (device.type != "cuda" or _rewinds_nothing(module))
         owned = owner == ALL or (owner == DEVICE and device.type == "cuda")
-        self.fork = setting == "auto" and owned and own is not None and _rewinds_nothing(module)
+        self.fork = setting == "auto" and owned and self.probes
         self.forked: Generators = []
         if self.fork:
             self.forked = [(device, own)] + ([(cpu, torch.default_generator)]
