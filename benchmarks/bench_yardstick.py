@@ -8,7 +8,7 @@ alternated rounds, ``GPipe.train_step`` with ``checkpoint="never"`` and one thre
 - K=1: the engine's pure overhead (the same work, the same thread count; 1.0 is free);
 - K=2: the pipeline's gain (plain / engine; above 1 the pipeline pays);
 
-each with ``random_replay`` on (the default) and off. Every contender owns a module built
+each with ``random_replay`` as users get it (``"auto"``, the default) and off. Every contender owns a module built
 from the same seed, so each trains the same weights on the same batch. The workloads are the
 mode's (``bench_common.SIZES``), the MLP at ``yardstick_mlp_batch`` (512 rows: the 1024 of the
 other MLP rows would take most of ``--quick``'s time here).
@@ -36,7 +36,7 @@ from gpipe_lab.pipeline.options import PipelineOptions
 
 CHUNKS = 4
 #: contender -> (K, random_replay)
-ENGINES = {"K=1": (1, True), "K=1, no replay": (1, False), "K=2": (2, True), "K=2, no replay": (2, False)}
+ENGINES = {"K=1": (1, "auto"), "K=1, no replay": (1, False), "K=2": (2, "auto"), "K=2, no replay": (2, False)}
 
 
 def _split(value: torch.Tensor | tuple[torch.Tensor, ...], chunks: int) -> list:
@@ -59,7 +59,7 @@ def plain_step(work: Workload, chunks: int, device: str) -> Callable[[], None]:
     return step
 
 
-def engine(work: Workload, chunks: int, device: str, random_replay: bool) -> GPipe:
+def engine(work: Workload, chunks: int, device: str, random_replay: bool | str) -> GPipe:
     """``GPipe`` over ``work``'s balance, ``checkpoint="never"``, one intra-op thread per stage."""
     options = PipelineOptions(balance=list(work.balance), chunks=chunks, checkpoint="never",
                               devices=[device] * len(work.balance), threads_per_stage=1, seed=0,

@@ -22,6 +22,7 @@ from gpipe_lab.pipeline.schedules import SCHEDULES
 CHECKPOINT_MODES = ("always", "except_last", "never")
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 TRANSPORTS = ("local", "distributed")
+REPLAY_SETTINGS = ("auto", True, False)
 
 
 class OptionError(ValueError):
@@ -61,13 +62,13 @@ class PipelineOptions:
     timeout: float = 300.0
     #: a NaN/inf loss or gradient: ``raise`` NonFiniteError, ``skip`` the step, or ``ignore``.
     nonfinite: str = "raise"
-    #: replay every random draw of a stage's forward from its per-micro-batch generator
-    #: (``random_replay``), so re-materialization repeats it exactly and runs are repeatable
-    #: whatever the thread timing. It costs one Python hop per op of each forward (measured in
-    #: ``results/benchmarks.md``); the re-materialization of a micro-batch whose forward
-    #: drew nothing skips it. Turn it off only for models that draw nothing in ``forward``
-    #: besides ``nn.Dropout`` (which is always replayed, by ``StageDropout``).
-    random_replay: bool = True
+    #: how a stage forward's random draws come from its per-(step, stage, micro-batch) generators,
+    #: so re-materialization repeats them and runs do not depend on thread timing (README, "Random
+    #: replay"). ``auto``: a stage that alone uses its device's generator reseeds it per micro-batch;
+    #: CPU stage threads take the per-op replay mode only where a first-step probe found draws
+    #: outside ``nn.Dropout``, and raise if such a draw appears later. ``true``: the per-op mode on
+    #: every forward (one Python hop per op). ``false``: only ``nn.Dropout`` (``StageDropout``) is replayed.
+    random_replay: bool | str = "auto"
     #: compile each stage's module with ``torch.compile``: ``false``, ``true``, or a dict of its
     #: keywords (``mode``, ``dynamic``, ``backend`` ...). A compiled stage replays only
     #: ``nn.Dropout`` draws (see ``compiling``); it raises for any other draw. The first steps
@@ -116,6 +117,8 @@ class PipelineOptions:
             fail("schedule", f"must be one of {sorted(SCHEDULES)}")
         if self.transport not in TRANSPORTS:
             fail("transport", f"must be one of {list(TRANSPORTS)}")
+        if not isinstance(self.random_replay, (bool, str)) or self.random_replay not in REPLAY_SETTINGS:
+            fail("random_replay", f"must be one of {list(REPLAY_SETTINGS)}")
         if self.nonfinite not in NONFINITE_POLICIES:
             fail("nonfinite", f"must be one of {list(NONFINITE_POLICIES)}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
