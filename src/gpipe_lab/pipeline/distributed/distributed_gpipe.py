@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from gpipe_lab.pipeline.allocator import retain_freed_memory
 from gpipe_lab.pipeline.autograd_forward import refuse_backward, wants_graph
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
+from gpipe_lab.pipeline.clipping import clip_grad_norm_
 from gpipe_lab.pipeline.core import PipelineCore
 from gpipe_lab.pipeline.devices import move_target
 from gpipe_lab.pipeline.distributed.failure import AbortChannel
@@ -187,6 +188,16 @@ class DistributedGPipe(PipelineCore):
         merged = Timeline.merge(every)  # type: ignore[arg-type]
         merged.num_microbatches = t.num_microbatches
         return merged
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip by the global 2-norm over every stage of this pipeline (collective over the
+        pipeline group; ``clipping.clip_grad_norm_``); returns the norm before clipping.
+
+        Raises:
+            ValueError: ``max_norm`` is not a positive finite number.
+        """
+        group = self.pp_group if self.num_stages > 1 else None
+        return clip_grad_norm_(self.parameters(), max_norm, group=group, device=self.device)
 
     def memory(self) -> list[dict[str, int]]:
         """Per local chunk: parameter bytes, peak saved-activation bytes, peak live micro-batches."""
