@@ -139,23 +139,26 @@ def _live(ctx: Context) -> int:
 
 
 def leak(ctx: Context) -> dict[str, Any]:
-    """After two warm-up steps, what is allocated stays flat over three more (train step + optimizer)."""
+    """After two warm-up steps, what is allocated and what is reserved stay flat over three more."""
     module = mlp_model(16 if ctx.dry else 1024, 4).to(ctx.device)
     pipe = GPipe(module, partitions=2, chunks=4, devices=[ctx.device] * 2, checkpoint="except_last")
     optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-3, momentum=0.9)
     x = torch.randn(32 if ctx.dry else 512, module[0].in_features, device=ctx.device)
-    readings = []
+    readings, reserved = [], []
     for step in range(5):
         pipe.train_step(x, x, F.mse_loss)
         optimizer.step()
         optimizer.zero_grad()
         if step >= 2:
             readings.append(_live(ctx))
-    flat = len(set(readings)) == 1
+            if ctx.device.type == "cuda":  # the caching allocator's pool: copy streams reuse their blocks
+                reserved.append(torch.cuda.memory_reserved(ctx.device))
+    flat = len(set(readings)) == 1 and len(set(reserved)) <= 1
     return {
         "status": "PASS" if flat else "FAIL",
         "flat": flat,
         "readings": readings,
+        "reserved_bytes": reserved if ctx.device.type == "cuda" else "not measured (CPU, dry run)",
         "unit": "bytes (torch.cuda.memory_allocated)"
         if ctx.device.type == "cuda"
         else "live tensors (CPU, dry run)",
