@@ -4,7 +4,8 @@ On every rank, over three steps: each incoming link's receive stream is made onc
 stream factory); every link is warmed with a real send/receive pair, in the global order, before
 the first step's traffic; a sent activation's storage is freed once its send completes, inside
 the step (checkpointed micro-batches keep nothing else alive); the data-parallel all-reduce is
-launched during the last backward, not after it; global-norm clipping equals
+launched during the last backward, not after it; ``gather_timeline(on_device=True)`` takes a GPU
+rank's device events (a stand-in here) and a CPU rank's host events; global-norm clipping equals
 ``torch.nn.utils.clip_grad_norm_`` on the unpipelined model (1e-5).
 """
 
@@ -29,6 +30,7 @@ def worker(rank: int, world: int) -> dict:
 
     from gpipe_lab.pipeline.distributed import DistributedGPipe
     from gpipe_lab.pipeline.stage import StageRuntime
+    from gpipe_lab.pipeline.timeline import Event
 
     log: list[tuple] = []
     held: dict[str, object] = {}
@@ -84,6 +86,16 @@ def worker(rank: int, world: int) -> dict:
         sent.clear()
         step_start = len(log)
         pipe.train_step(x[mine], y[mine], F.mse_loss)
+    host = pipe.gather_timeline()
+    if pipe.stage_index == 1:  # as a GPU rank: its actions come from device events, no host waits
+        t0 = pipe.timeline.start
+        pipe.timeline.device_source = lambda: [Event(1, "F", 0, t0 + 100.0, t0 + 101.0)]
+    device = pipe.gather_timeline(on_device=True)
+    timelines = {"host_kinds": sorted({(e.stage, e.kind) for e in host.events}),
+                 "device_stage1": [(e.kind, e.microbatch, round(e.end - e.start, 6))
+                                   for e in device.events if e.stage == 1],
+                 "stage0_same": [e for e in device.events if e.stage == 0] == [e for e in host.events
+                                                                               if e.stage == 0]}
     norm = pipe.clip_grad_norm_(MAX_NORM)
     F.mse_loss(ref(x), y).backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
@@ -100,7 +112,7 @@ def worker(rank: int, world: int) -> dict:
             "freed_inside": freed_inside, "released": pipe.channel.sends.released,
             "reduces": reduces, "b_begin": b_begin, "b_end": b_end,
             "in_backward": pipe.grad_sync.launched_in_backward,
-            "norm": float(norm), "ref_norm": float(ref_norm), "grads_match": grads_match}
+            "timelines": timelines, "norm": float(norm), "ref_norm": float(ref_norm), "grads_match": grads_match}
 
 
 def test_links_streams_sends_all_reduce_and_clipping_under_gloo() -> None:
@@ -118,3 +130,6 @@ def test_links_streams_sends_all_reduce_and_clipping_under_gloo() -> None:
         assert v["in_backward"] == 3 * 2, "each stage's two buckets (weight, bias) launched by hooks, every step"
         assert abs(v["norm"] - v["ref_norm"]) <= 1e-5 * v["ref_norm"] and v["ref_norm"] > MAX_NORM
         assert v["grads_match"]
+        timelines = v["timelines"]  # on_device(): the GPU rank's device events, the CPU rank's host ones
+        assert (0, "wait") in timelines["host_kinds"] and (1, "wait") in timelines["host_kinds"]
+        assert timelines["device_stage1"] == [("F", 0, 1.0)] and timelines["stage0_same"]

@@ -170,15 +170,19 @@ class DistributedGPipe(PipelineCore):
         return outputs
 
     # ------------------------------------------------------------ reporting
-    def gather_timeline(self) -> Timeline:
+    def gather_timeline(self, on_device: bool = False) -> Timeline:
         """The whole pipeline's last step on one clock, on every rank (collective over the pipeline).
+
+        ``on_device``: each rank on a GPU contributes its actions timed by CUDA events
+        (``Timeline.on_device``: anchored to its host clock by an event that ran, no host
+        ``wait`` events); a CPU rank contributes its host events, waits included.
 
         Raises:
             RuntimeError: no step has run yet.
         """
         if self.timeline is None:
             raise RuntimeError("gather_timeline() needs a step first (train_step or forward)")
-        t = self.timeline
+        t = self.timeline.on_device() if on_device else self.timeline
         z = self._clock_zero
         mine = Timeline(t.num_stages, t.start - z, t.end - z,
                         [Event(e.stage, e.kind, e.microbatch, e.start - z, e.end - z) for e in t.events],
