@@ -16,7 +16,8 @@ of the compute, while the rank works on earlier actions.
 On a GPU each link receives on a CUDA stream of its own, made once and reused
 by every step (``LinkStreams``): the caching allocator caches blocks per
 stream, so a fresh stream per step would never reuse a receive buffer, and
-streams taken from the pool NCCL also draws from could alias one of its own.
+streams taken from the pool NCCL also draws from could alias one of its own (these
+come from the other, high-priority, pool).
 """
 
 from __future__ import annotations
@@ -78,17 +79,23 @@ def accept(values: tuple, ready: object, device: torch.device) -> tuple:
     return values
 
 
+def _receive_stream(device: torch.device) -> object:
+    """A stream from the high-priority pool: NCCL draws its own streams from the other one
+    (unless told to use high priority), so a receive stream never aliases one of NCCL's."""
+    return torch.cuda.Stream(device, priority=-1)
+
+
 class LinkStreams:
     """One receive stream per incoming link, made on first use and kept for every later step.
 
-    ``factory(device)`` makes a stream (``torch.cuda.Stream`` on a GPU; off a GPU
+    ``factory(device)`` makes a stream (a high-priority CUDA stream on a GPU; off a GPU
     none is made unless a test installs a factory). ``made`` counts the calls.
     """
 
     def __init__(self, device: torch.device,
                  factory: Callable[[torch.device], object] | None = None) -> None:
         self.device = device
-        self.factory = factory if factory is not None else (torch.cuda.Stream if device.type == "cuda" else None)
+        self.factory = factory if factory is not None else (_receive_stream if device.type == "cuda" else None)
         self.made = 0
         self._streams: dict[LinkKey, object] = {}
         self._lock = threading.Lock()
