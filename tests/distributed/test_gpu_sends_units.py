@@ -60,3 +60,34 @@ def test_receive_streams_are_made_once_per_link() -> None:
     got = [[streams.get(link) for link in links] for _ in range(3)]  # three steps
     assert streams.made == len(made) == 2 and got[0] == got[1] == got[2] and got[0][0] is not got[0][1]
     assert LinkStreams(torch.device("cpu")).get(links[0]) is None  # no stream off a GPU
+
+
+class DeviceSend(HeldWork):
+    """Like an NCCL send: ``wait()`` before completion would order a stream; completion is polled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited_before_done = False
+
+    def wait(self) -> bool:
+        self.waited_before_done |= not self.done.is_set()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+class CudaLike:
+    """A stand-in for a CUDA tensor (only ``is_cuda`` is read)."""
+
+    is_cuda = True
+
+
+def test_a_device_send_is_polled_and_never_waited_before_it_completes() -> None:
+    sends = InFlightSends()
+    work = DeviceSend()
+    sends.add([(work, CudaLike())])
+    assert not sends.idle(0.05)
+    work.done.set()
+    assert sends.idle(30.0) and not work.waited_before_done
+    sends.close(30.0, AbortChannel(None, 0))

@@ -6,7 +6,9 @@ to the end of the step would keep every micro-batch's output alive at once.
 One helper thread per step waits for the sends in the order they were started
 (gloo's point-to-point ``Work`` never reports ``is_completed()``, so only a
 blocked ``wait()`` observes completion; an NCCL ``Work`` is polled until the
-device finished) and drops both references as soon as each one is done.
+device finished, and waited only then: ``wait()`` on an unfinished one would make
+this thread's current stream, the device's default stream, wait for the peer)
+and drops both references as soon as each one is done.
 
 ``close`` waits (bounded, polling the abort channel) until every send is done.
 """
@@ -54,9 +56,13 @@ class InFlightSends:
             del item
             try:
                 if self._failure is None and not self._stopped.is_set():
-                    work.wait()  # type: ignore[attr-defined]
+                    on_device = getattr(tensor, "is_cuda", False)
+                    if not on_device:
+                        work.wait()  # type: ignore[attr-defined]
                     while not _completed(work) and not self._stopped.is_set():
                         self._stopped.wait(_NCCL_POLL_SECONDS)
+                    if on_device and not self._stopped.is_set():
+                        work.wait()  # done already: only surfaces an error, orders nothing
             except BaseException as exc:  # noqa: BLE001 - raised by ``close`` in the rank's thread
                 if self._failure is None:
                     self._failure = (exc, work)
