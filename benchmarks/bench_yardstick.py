@@ -8,11 +8,11 @@ alternated rounds, ``GPipe.train_step`` with ``checkpoint="never"`` and one thre
 - K=1: the engine's pure overhead (the same work, the same thread count; 1.0 is free);
 - K=2: the pipeline's gain (plain / engine; above 1 the pipeline pays);
 
-each with ``random_replay`` at its default and off; their ratio less one is random replay's cost
-(the MLP and AmoebaNet draw nothing). ``replay_row`` measures that cost where something is
-drawn: the Transformer with ``dropout=0.1``. Every contender owns a module built from the same
-seed, so each trains the same weights on the same batch. The workloads are the mode's
-(``bench_common.SIZES``), the MLP at ``yardstick_mlp_batch`` (512 rows: the 1024 of the
+each with ``random_replay`` as users get it (``"auto"``, the default) and off; their ratio less one
+is random replay's cost (the MLP and AmoebaNet draw nothing). ``replay_row`` measures that cost
+where something is drawn: the Transformer with ``dropout=0.1``. Every contender owns a module built
+from the same seed, so each trains the same weights on the same batch. The workloads are the
+mode's (``bench_common.SIZES``), the MLP at ``yardstick_mlp_batch`` (512 rows: the 1024 of the
 other MLP rows would take most of ``--quick``'s time here).
 
     python -m benchmarks.bench_yardstick [--smoke] [--chunks 4]   # prints the table
@@ -37,9 +37,8 @@ from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.options import PipelineOptions
 
 CHUNKS = 4
-#: contender -> (K, random_replay; None: the option's default)
-ENGINES: dict[str, tuple[int, bool | None]] = {"K=1": (1, None), "K=1, no replay": (1, False), "K=2": (2, None),
-                                               "K=2, no replay": (2, False)}
+#: contender -> (K, random_replay)
+ENGINES = {"K=1": (1, "auto"), "K=1, no replay": (1, False), "K=2": (2, "auto"), "K=2, no replay": (2, False)}
 #: the drawing workload of the replay-cost row
 DROPOUT = 0.1
 
@@ -64,16 +63,15 @@ def plain_step(work: Workload, chunks: int, device: str) -> Callable[[], None]:
     return step
 
 
-def engine(work: Workload, chunks: int, device: str, random_replay: bool | None) -> GPipe:
-    """``GPipe`` over ``work``'s balance, ``checkpoint="never"``, one intra-op thread per stage
-    (``random_replay=None``: the option's default)."""
-    replay = {} if random_replay is None else {"random_replay": random_replay}
+def engine(work: Workload, chunks: int, device: str, random_replay: bool | str) -> GPipe:
+    """``GPipe`` over ``work``'s balance, ``checkpoint="never"``, one intra-op thread per stage."""
     options = PipelineOptions(balance=list(work.balance), chunks=chunks, checkpoint="never",
-                              devices=[device] * len(work.balance), threads_per_stage=1, seed=0, **replay)
+                              devices=[device] * len(work.balance), threads_per_stage=1, seed=0,
+                              random_replay=random_replay)
     return GPipe(work.module, options=options)
 
 
-def _engine_steps(name: str, sizes: Sizes, device: str, chunks: int, engines: dict[str, tuple[int, bool | None]],
+def _engine_steps(name: str, sizes: Sizes, device: str, chunks: int, engines: dict[str, tuple[int, bool | str]],
                   works: dict[str, Workload]) -> dict[str, Callable[[], None]]:
     """A step function per engine contender; each contender's workload lands in ``works``."""
     fns: dict[str, Callable[[], None]] = {}
@@ -124,8 +122,8 @@ def measure(name: str, sizes: Sizes, device: str, chunks: int = CHUNKS) -> dict[
 
 
 def replay_row(sizes: Sizes, device: str, chunks: int = CHUNKS, dropout: float = DROPOUT) -> dict[str, object]:
-    """Random replay's cost where something is drawn: the Transformer with ``dropout``, K=2, the
-    option's default against ``random_replay=False`` in alternated rounds."""
+    """Random replay's cost where something is drawn: the Transformer with ``dropout``, K=2,
+    ``random_replay="auto"`` against ``False`` in alternated rounds."""
     sizes = dataclasses.replace(sizes, transformer_dropout=dropout)
     works: dict[str, Workload] = {}
     fns = _engine_steps("transformer", sizes, device, chunks,

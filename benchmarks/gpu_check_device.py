@@ -19,6 +19,7 @@ from benchmarks.gpu_check_engine import Context
 from benchmarks.gpu_check_probes import busy_seconds, mlp_model, relative_gradient_error
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.device_timing import DeviceClock
+from gpipe_lab.pipeline.streams import Mark
 from gpipe_lab.pipeline.timeline import Event
 
 #: copies per hand-over: a link slower than one device-to-device copy
@@ -26,8 +27,8 @@ COPY_REPEATS = 4
 
 
 class _EmulatedLink:
-    """The pipe's streams, with each hand-over's values copied on the receiver's copy stream
-    (as a transfer from another GPU would be) and the copies handed over instead."""
+    """The pipe's streams, with each hand-over's values copied on the sender's copy stream
+    (where a transfer to another GPU runs) and the copies handed over instead."""
 
     def __init__(self, inner: Any, on_gpu: bool) -> None:
         self.inner, self.on_gpu = inner, on_gpu
@@ -56,14 +57,14 @@ class _EmulatedLink:
         return tuple(out)
 
     def hand_over(self, values: Any, mark: Any, rank: int, device: torch.device) -> Any:
-        if not (self.on_gpu and device.type == "cuda"):
+        if not (self.on_gpu and device.type == "cuda" and mark is not None):
             start = time.perf_counter()
             moved = self._copies(values)
             self.spans.append((start, time.perf_counter()))
             return self.inner.hand_over(moved, mark, rank, device)
-        copy_stream = self.inner.streams_of(rank, device)[1]
-        if mark is not None:
-            copy_stream.wait_event(mark)
+        # as between two GPUs: the copy runs on the SENDER's copy stream, after its compute
+        copy_stream = self.inner.streams_of(mark.rank, mark.device)[1]
+        copy_stream.wait_event(mark.event)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(copy_stream):
             start.record()
@@ -73,7 +74,8 @@ class _EmulatedLink:
             if v is not None:
                 v.record_stream(copy_stream)  # the sender's tensor must outlive the copy
         self.spans.append((start, end))
-        return self.inner.hand_over(moved, mark, rank, device)  # the receiver waits for the copy stream
+        # the receiver's compute stream waits for the copy (not only for the sender's compute)
+        return self.inner.hand_over(moved, Mark(end, mark.rank, mark.device), rank, device)
 
     def host_spans(self, device: torch.device) -> list[tuple[float, float]]:
         """The copies in host-clock seconds (anchored like the device timeline)."""
@@ -137,23 +139,26 @@ def _live(ctx: Context) -> int:
 
 
 def leak(ctx: Context) -> dict[str, Any]:
-    """After two warm-up steps, what is allocated stays flat over three more (train step + optimizer)."""
+    """After two warm-up steps, what is allocated and what is reserved stay flat over three more."""
     module = mlp_model(16 if ctx.dry else 1024, 4).to(ctx.device)
     pipe = GPipe(module, partitions=2, chunks=4, devices=[ctx.device] * 2, checkpoint="except_last")
     optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-3, momentum=0.9)
     x = torch.randn(32 if ctx.dry else 512, module[0].in_features, device=ctx.device)
-    readings = []
+    readings, reserved = [], []
     for step in range(5):
         pipe.train_step(x, x, F.mse_loss)
         optimizer.step()
         optimizer.zero_grad()
         if step >= 2:
             readings.append(_live(ctx))
-    flat = len(set(readings)) == 1
+            if ctx.device.type == "cuda":  # the caching allocator's pool: copy streams reuse their blocks
+                reserved.append(torch.cuda.memory_reserved(ctx.device))
+    flat = len(set(readings)) == 1 and len(set(reserved)) <= 1
     return {
         "status": "PASS" if flat else "FAIL",
         "flat": flat,
         "readings": readings,
+        "reserved_bytes": reserved if ctx.device.type == "cuda" else "not measured (CPU, dry run)",
         "unit": "bytes (torch.cuda.memory_allocated)"
         if ctx.device.type == "cuda"
         else "live tensors (CPU, dry run)",

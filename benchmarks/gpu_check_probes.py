@@ -112,8 +112,8 @@ class _Amplified:
         return self.inner.mark(rank, device)
 
     def hand_over(self, values: Any, mark: Any, rank: int, device: torch.device) -> Any:
-        if self.on_gpu and device.type == "cuda":
-            copy_stream = self.inner.streams_of(rank, device)[1]
+        if self.on_gpu and device.type == "cuda" and mark is not None:
+            copy_stream = self.inner.streams_of(mark.rank, mark.device)[1]  # where GPU-to-GPU copies run
             with torch.cuda.stream(copy_stream):
                 self._sleep()
         else:

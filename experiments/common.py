@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from benchmarks.bench_common import git_commit
+from benchmarks.bench_common import git_commit, load_average, machine_info
 from omegaconf import DictConfig, OmegaConf
 
 from gpipe_lab.bench.launch import fresh_out
@@ -137,8 +137,9 @@ def configs(args: argparse.Namespace, defaults: Sequence[str], tiny: dict[str, S
             if overrides else c for n, c in base.items()}
 
 
-def provenance(argv: Sequence[str] | None = None) -> str:
-    """One markdown line: date, git commit, machine, torch version and the exact command.
+def provenance_meta(argv: Sequence[str] | None = None) -> dict[str, object]:
+    """Where a result came from: date, git commit, command, host, CPU model and cores, GPU,
+    torch version and the load average when it was written.
 
     A script of this repository is named as the module ``python -m`` runs (``-m experiments.table1_capacity``).
     """
@@ -147,20 +148,41 @@ def provenance(argv: Sequence[str] | None = None) -> str:
     path = Path(argv[0]).resolve() if argv else None
     if path is not None and path.suffix == ".py" and path.is_relative_to(ROOT):
         command = ["-m", ".".join(path.relative_to(ROOT).with_suffix("").parts)]
-    cpu = platform.processor() or platform.machine()
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    return (f"_Generated {now} at commit `{git_commit()}` on {platform.node()} ({cpu}, {os.cpu_count()} CPU cores, {gpu}), "
-            f"torch {torch.__version__}, by `python {shlex.join(command + argv[1:])}`._")
+    machine = machine_info("cuda" if torch.cuda.is_available() else "cpu")
+    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "commit": git_commit(),
+            "command": f"python {shlex.join(command + argv[1:])}", "host": platform.node(),
+            "cpu": machine.get("cpu"), "cores": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU",
+            "torch": torch.__version__, "load_average": load_average()}
+
+
+def provenance(argv: Sequence[str] | None = None) -> str:
+    """One markdown line of ``provenance_meta``."""
+    m = provenance_meta(argv)
+    return (f"_Generated {m['date']} at commit `{m['commit']}` on {m['host']} ({m['cpu']}, {m['cores']} CPU cores, "
+            f"{m['gpu']}), torch {m['torch']}, load average {m['load_average']}, by `{m['command']}`._")
 
 
 def write(out: Path, name: str, markdown: str, data: object | None = None) -> Path:
-    """Write ``name`` (markdown) and, with ``data``, ``name``'s JSON twin; returns the markdown path."""
+    """Write ``name`` (markdown) and, with ``data``, ``name``'s JSON twin; returns the markdown path.
+
+    The JSON carries ``provenance_meta()`` under ``meta``: a dict ``data`` gains that key, any
+    other value is stored under ``rows``.
+    """
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
     path.write_text(markdown.rstrip() + "\n")
     if data is not None:
-        path.with_suffix(".json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+        body = {"meta": provenance_meta(), **data} if isinstance(data, dict) else {"meta": provenance_meta(), "rows": data}
+        path.with_suffix(".json").write_text(json.dumps(body, indent=2, default=str) + "\n")
+    return path
+
+
+def save_figure(fig: object, path: Path, dpi: int = 120) -> Path:
+    """Save a matplotlib figure with its provenance (commit and command) in the PNG's metadata."""
+    meta = provenance_meta()
+    fig.savefig(path, dpi=dpi, metadata={"Source": f"gpipe-lab {meta['commit']}",
+                                         "Description": f"{meta['command']} ({meta['date']})"})
     return path
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.common import configs, log_wandb, parser, provenance, write
+from experiments.common import configs, log_wandb, parser, provenance, save_figure, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.nmt_lib import RunResult, train_translation
 from gpipe_lab.bench import Progress
@@ -64,7 +64,7 @@ def plot_collected(rows: dict[str, float], path: Path) -> Path:
     ax.set(ylabel="validation loss (token mean)", title="NMT scaling analogues (gpipe-train jobs)")
     ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -82,7 +82,7 @@ def plot(curves: dict[str, list[float]], path: Path) -> Path:
     ax.set(xlabel="step", ylabel="training loss", title="NMT scaling analogues")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

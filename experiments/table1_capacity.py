@@ -22,7 +22,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.common import configs, fmt_bytes, fmt_count, log_wandb, parser, provenance, write
+from experiments.common import (
+    configs,
+    fmt_bytes,
+    fmt_count,
+    log_wandb,
+    parser,
+    provenance,
+    save_figure,
+    write,
+)
 from gpipe_lab.bench import Progress
 from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.planner.capacity import GiB, Plan, best_plan, layer_records
@@ -209,7 +218,7 @@ def plot(amoeba: dict, transformer: dict, path: Path) -> Path:
         ax.set(yscale="log", ylabel="# parameters", title=title)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

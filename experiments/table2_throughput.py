@@ -32,7 +32,7 @@ if not __package__:  # started as a file (``python experiments/table2_throughput
 import argparse
 from pathlib import Path
 
-from experiments.common import log_wandb, provenance, throughput_rows_from_command_line, write
+from experiments.common import log_wandb, provenance, save_figure, throughput_rows_from_command_line, write
 from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
 from experiments.throughput_grid import run_grids
 from experiments.throughput_lib import (
@@ -92,7 +92,7 @@ def plot(rows: list[dict], path: Path, ms: list[int], ks: list[int]) -> Path:
         ax.set_title(NAMES[name] + " (ours: CPU analogue)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

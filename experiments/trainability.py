@@ -25,7 +25,7 @@ if not __package__:  # started as a file (``python experiments/trainability.py``
 import statistics
 from pathlib import Path
 
-from experiments.common import RESULTS, configs, log_wandb, parser, provenance, write
+from experiments.common import RESULTS, configs, log_wandb, parser, provenance, save_figure, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.nmt_lib import diverged, spikes, train_translation
 from gpipe_lab.bench import Progress
@@ -68,7 +68,7 @@ def plot(runs: dict[str, list], path: Path) -> Path:
     a.legend(fontsize=8)
     b.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -121,7 +121,7 @@ def plot_collected(data: dict[str, list[dict]], path: Path) -> Path:
     ax.set(ylabel="loss (token mean)", title="gpipe-train jobs: final losses per variant")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

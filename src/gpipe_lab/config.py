@@ -21,6 +21,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from gpipe_lab.config_checks import validate_model_data, validate_trainer_values, validate_transfer
 from gpipe_lab.config_schema import ConfigError, check_positive  # also registers the generated nodes
+from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
 from gpipe_lab.pipeline.partition import check_layer_count
 
@@ -109,11 +110,12 @@ def validate_model(cfg: DictConfig) -> None:
 
 def validate_data(cfg: DictConfig) -> None:
     from gpipe_lab.data import DATAMODULES
+    from gpipe_lab.data.registry import accepted_arguments
 
     name = cfg.data.get("name")
     if name not in DATAMODULES:
         raise ConfigError(f"data.name: unknown datamodule {name!r}; known: {', '.join(sorted(DATAMODULES))}")
-    allowed = [p for p in inspect.signature(DATAMODULES[name]).parameters if p not in ("variant",)]
+    allowed = accepted_arguments(name)
     _check_keys(cfg.data, ["name", *allowed], "data", f"datamodule {name!r}")
     for key in ("batch_size", "num_train", "num_val", "tokens_per_batch"):
         check_positive(cfg.data.get(key), f"data.{key}")
@@ -222,11 +224,12 @@ def validate_combinations(cfg: DictConfig, p: PipelineOptions) -> None:
         if not isinstance(devices, int) or isinstance(devices, bool):
             raise ConfigError(f"trainer.devices: the distributed transport needs an integer or auto (K processes "
                               f"per node), got {devices!r}")
-        if (devices * nodes) % k:
-            raise ConfigError(f"trainer.devices: world size {devices * nodes} (devices x num_nodes) is not "
-                              f"divisible by pipeline.partitions={k}: pipeline.transport=distributed runs one "
-                              f"process per stage and data-parallel replica; drop trainer.devices (it then "
-                              f"follows K) or set trainer.devices={k} (or a multiple of {k})")
+        try:
+            check_world(devices * nodes, k, what=f"trainer.devices: world size {devices * nodes} (devices x num_nodes)",
+                        stages="pipeline.partitions", fix=f"drop trainer.devices (it then follows K) or set "
+                        f"trainer.devices={k} (or a multiple of {k})")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     elif cfg.trainer.get("accelerator") in ("gpu", "cuda") and isinstance(devices, int) and devices < k:
         raise ConfigError(f"trainer.devices: {devices} GPUs for {k} local pipeline stages; set trainer.devices={k}")
 

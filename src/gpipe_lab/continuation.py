@@ -5,14 +5,13 @@ When ``gpipe-train`` resumes a checkpoint that lies in another run directory
 
 - recomposes the config from the old run's command-line overrides (``.hydra/overrides.yaml``)
   followed by this command's, so only what changes needs typing (this command wins);
-- resumes the old run's wandb run (same id: ``WANDB_RUN_ID``/``WANDB_RESUME=allow``);
+- names the old run's wandb run, which ``gpipe_lab.lightning.wandb_run`` continues (same id);
 - links the old run from the new run directory as ``resumed_run`` (the new directory holds
   the continued checkpoints, summary and logs).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -64,9 +63,7 @@ def continue_run(cfg: DictConfig) -> DictConfig:
     carried = [o for o in OmegaConf.load(saved)
                if _key(o) not in given and not _key(o).startswith(NOT_CARRIED)]
     new_cfg = compose(hydra_cfg.job.config_name, overrides=[*carried, *current, f"ckpt_path='{ckpt}'"])
-    run_id = wandb_run_id(old_run)
-    if run_id is not None and new_cfg.logger.get("name") == "wandb":
-        os.environ["WANDB_RUN_ID"], os.environ["WANDB_RESUME"] = run_id, "allow"
+    run_id = wandb_run_id(old_run)  # continued (and rewound) by gpipe_lab.lightning.wandb_run
     link = output_dir / "resumed_run"
     if not link.exists():
         link.symlink_to(old_run, target_is_directory=True)

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gpipe_lab.config import ConfigError, validate, validate_layer_count
 from gpipe_lab.models import build
+from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import PipelineOptions
 
 #: How to quote a checkpoint path holding ``=`` (Lightning's ``epoch=0-step=60.ckpt``) for Hydra.
@@ -95,10 +96,13 @@ def check_launcher_world_size(options: PipelineOptions) -> None:
     """Raises: ConfigError: a launcher's ``WORLD_SIZE`` (torchrun) that K does not divide."""
     world = os.environ.get("WORLD_SIZE")
     k = options.num_stages
-    if options.transport == "distributed" and world and world.isdigit() and int(world) % k:
-        raise ConfigError(f"pipeline.partitions={k}: torchrun started {world} processes (--nnodes x "
-                          f"--nproc-per-node), not a multiple of K: one process runs one stage of one replica; "
-                          f"use --nproc-per-node {k} (or a multiple of {k}), or a pipeline.partitions dividing {world}")
+    if options.transport == "distributed" and world and world.isdigit():
+        try:
+            check_world(int(world), k, what=f"pipeline.partitions={k}: torchrun started {world} processes "
+                        f"(--nnodes x --nproc-per-node), which", stages="K", fix=f"use --nproc-per-node {k} "
+                        f"(or a multiple of {k}), or a pipeline.partitions dividing {world}")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def preflight(cfg: DictConfig, output_dir: Path | None = None) -> PipelineOptions:

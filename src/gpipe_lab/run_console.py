@@ -3,11 +3,12 @@
 The pipeline's stages before training (instead of Lightning's one-row model summary), a note
 while ``pipeline.compile`` builds kernels, the final summary line, and after Ctrl-C the summary
 and the resume command as the last lines; Lightning's own lines once and without its
-advertising; no run folder left by a refused or dry run.
+advertising; no run folder left by a refused or dry run, nor by a failed one with nothing to keep.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -19,9 +20,10 @@ from typing import Any
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 from gpipe_lab.lightning.callbacks import PipelineMetrics
-from gpipe_lab.lightning.resume import resume_command
+from gpipe_lab.lightning.resume import ResumableCheckpoint, resume_command
 from gpipe_lab.pipeline.gpipe import resolve_balance
 from gpipe_lab.pipeline.options import PipelineOptions
 
@@ -61,6 +63,32 @@ class CompileNotice(pl.Callback):
             print(f"pipeline.compile: the first step, compilation included, took "
                   f"{time.monotonic() - self.started:.1f} s", flush=True)
             self.started = None
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's bar, also when a run resumes mid-epoch: Lightning then skips the epoch's start,
+    which would leave the bar without its epoch, its total or its count (``Training: 48/?``)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.fit_loop.restarted_mid_epoch:
+            self.on_train_epoch_start(trainer, pl_module)
+            bar, done = self.train_progress_bar, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            if bar.total is not None:  # Lightning's total counts the steps left to max_steps from here
+                bar.total = min(done + bar.total, trainer.num_training_batches)
+            bar.n = bar.initial = done
+            bar.refresh()
+
+
+class ValidateAtTheEnd(pl.Callback):
+    """Validate the final model inside ``fit`` when training stops mid-epoch (``max_steps``), as the
+    last step of every epoch does: the progress bar's last line then shows the validation metric
+    of the same step as the run's summary, not an earlier epoch's."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.enable_validation and ResumableCheckpoint.is_final_step(trainer):
+            trainer.should_stop = True  # Lightning validates before it stops (fit_loop's early-stop rule)
 
 
 def close_progress_bars(trainer: pl.Trainer) -> None:
@@ -130,9 +158,31 @@ class NoAdvertising(logging.Filter):
 BEFORE_TRAINING = {".hydra", "train.log", "resumed_run"}
 
 
-def discard_run_dir() -> None:
+def holds_results(run_dir: Path) -> bool:
+    """Whether a failed run's folder holds something to keep: a checkpoint or a logger's output."""
+    return any((run_dir / "checkpoints").glob("*.ckpt")) or any((run_dir / d).exists() for d in ("csv", "wandb"))
+
+
+def record_failure(metrics: PipelineMetrics, trainer: pl.Trainer, output_dir: Path, exc: BaseException) -> None:
+    """A run that failed while training: when its folder holds a checkpoint or a log, its
+    ``summary.json`` says how it failed (``failed``) and where it stopped; else nothing is written
+    (``discard_run_dir(failed=True)`` removes the folder)."""
+    if not trainer.is_global_zero or not holds_results(output_dir):
+        return
+    metrics.extra_summary["failed"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+    try:
+        metrics.write_summary(trainer)
+    except Exception:  # noqa: BLE001 - the run's own error is the one to report
+        summary = {"run_dir": output_dir.name, **metrics.extra_summary, "steps": trainer.global_step}
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    tell(f"failed at step {trainer.global_step}: {metrics.extra_summary['failed']}; kept {output_dir} "
+         f"(summary.json, its checkpoint and logs)")
+
+
+def discard_run_dir(failed: bool = False) -> None:
     """Remove a single run's directory when it holds only what was there before training (a
-    refused or dry run leaves nothing behind); a sweep's job folders stay (the sweep numbers them)."""
+    refused or dry run leaves nothing behind), or for a run that ``failed``, unless it holds a
+    checkpoint or a log; a sweep's job folders stay (the sweep numbers them)."""
     try:
         hydra_cfg = HydraConfig.get()
     except ValueError:  # not a Hydra run (tests call ``run``)
@@ -140,5 +190,5 @@ def discard_run_dir() -> None:
     if hydra_cfg.mode != RunMode.RUN or not hydra_cfg.runtime.output_dir:
         return
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    if run_dir.is_dir() and set(os.listdir(run_dir)) <= BEFORE_TRAINING:
+    if run_dir.is_dir() and (set(os.listdir(run_dir)) <= BEFORE_TRAINING or failed and not holds_results(run_dir)):
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -19,6 +19,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from gpipe_lab.bench.markdown import md_table
+
 #: The table's columns: (header, summary.json key or a function of the row).
 COLUMNS: list[tuple[str, Any]] = [
     ("job", "job_dir"), ("run", "run_name"), ("K", "K"), ("M", "M"), ("schedule", "schedule"),
@@ -66,10 +68,8 @@ def write_table(rows: list[dict[str, Any]], sweep_dir: str | Path) -> None:
         for row in rows:
             writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()})
     headers, data = table_rows(rows)
-    lines = [f"# Sweep {sweep_dir.name}: {len(rows)} jobs", "",
-             "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(_cell(v) for v in values) + " |" for values in data]
-    (sweep_dir / "sweep_summary.md").write_text("\n".join(lines) + "\n")
+    table = md_table(headers, data, cell=_cell)
+    (sweep_dir / "sweep_summary.md").write_text(f"# Sweep {sweep_dir.name}: {len(rows)} jobs\n\n{table}\n")
 
 
 def log_wandb_table(rows: list[dict[str, Any]], sweep_dir: Path, logger: DictConfig) -> None:

@@ -24,7 +24,6 @@ from typing import Any
 import hydra
 import lightning.pytorch as pl
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -37,8 +36,7 @@ from gpipe_lab.data.checks import DataNotFoundError
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
-from gpipe_lab.lightning.resume import ResumableCheckpoint, load_initial_weights
-from gpipe_lab.lightning.resume_checks import check_resume
+from gpipe_lab.lightning.resume import ResumableCheckpoint
 from gpipe_lab.lightning.wandb_run import build_wandb_logger, run_name
 from gpipe_lab.models import build, preset_costs
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
@@ -46,13 +44,17 @@ from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
 from gpipe_lab.run_console import (
     CompileNotice,
+    ProgressBar,
+    ValidateAtTheEnd,
     close_progress_bars,
     discard_run_dir,
     print_lightning_logs_once,
+    record_failure,
     stage_summary,
     summary_line,
     tell_interrupted,
 )
+from gpipe_lab.run_start import fetch_data, load_weights
 from gpipe_lab.suggest import suggest_overrides
 
 __all__ = ["CONFIG_DIR", "build_datamodule", "build_logger", "build_module", "cli", "engine_options",
@@ -69,26 +71,6 @@ def build_datamodule(cfg: DictConfig) -> Any:
     return build_named_datamodule(cfg.data.name, seed=cfg.seed, **kwargs)
 
 
-def fetch_data(cfg: DictConfig, datamodule: Any) -> None:
-    """``data.download=true``: fetch the dataset now, before a logger starts, so that a machine
-    without internet gets one line.
-
-    Raises:
-        ConfigError: the download failed (naming ``data.download`` and the local alternative).
-    """
-    if not cfg.data.get("download"):
-        return
-    try:
-        datamodule.prepare_data()
-    except DataNotFoundError:
-        raise
-    except OSError as exc:
-        reason = str(getattr(exc, "reason", None) or exc).splitlines()[0]
-        raise ConfigError(f"data.download=true: fetching {cfg.data.name} failed ({reason}); without internet, "
-                          f"copy the dataset's files under data.root={cfg.data.get('root')} and set "
-                          f"data.download=false") from None
-
-
 def build_module(cfg: DictConfig, datamodule: Any) -> Any:
     """``model.task``'s LightningModule (``hydra.utils.instantiate``) around ``models.build``'s layers,
     trained with the ``optimizer`` group's optimizer.
@@ -103,17 +85,6 @@ def build_module(cfg: DictConfig, datamodule: Any) -> Any:
     return instantiate(cfg.model.task, layers=layers, optimizer=instantiate(cfg.optimizer))
 
 
-def init_from_of(cfg: DictConfig) -> str | None:
-    """The checkpoint whose weights start a new run: ``init_from``, else (when not resuming)
-    an experiment's ``transfer.checkpoint``."""
-    if cfg.get("init_from") is not None:
-        return str(cfg.init_from)
-    transfer = cfg.get("transfer")
-    if cfg.get("ckpt_path") is None and transfer is not None and transfer.get("checkpoint") is not None:
-        return str(transfer.checkpoint)
-    return None
-
-
 def build_callbacks(cfg: DictConfig, output_dir: Path, trainer_kwargs: dict[str, Any]) -> list[Any]:
     """The checkpoint callback (``callbacks`` group) and the progress bar, as the trainer config asks."""
     callbacks: list[Any] = []
@@ -122,7 +93,7 @@ def build_callbacks(cfg: DictConfig, output_dir: Path, trainer_kwargs: dict[str,
         callbacks.append(ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=c.checkpoint_every_n_steps,
                                              save_top_k=c.keep_checkpoints, handle_sigint=c.graceful_ctrl_c))
     if trainer_kwargs.get("enable_progress_bar", True):
-        callbacks.append(TQDMProgressBar(refresh_rate=1))
+        callbacks.append(ProgressBar(refresh_rate=1))
     return callbacks
 
 
@@ -139,7 +110,8 @@ def build_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions | N
     if name == "csv":
         return CSVLogger(save_dir=str(output_dir), name="csv")
     if name == "wandb":
-        return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg))
+        return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg),
+                                  ckpt_path=resolve_checkpoint(cfg, output_dir))
     return False
 
 
@@ -160,23 +132,6 @@ def output_dir_of(cfg: DictConfig) -> Path:
         return Path(cfg.paths.log_dir) / cfg.task_name / "run"
 
 
-def load_weights(cfg: DictConfig, module: Any, ckpt_path: str | None) -> str | None:
-    """Check the checkpoint to resume against the module, or load ``init_from``'s weights into it;
-    returns the ``init_from`` checkpoint.
-
-    Raises:
-        ConfigError: the checkpoint cannot continue this run (``check_resume``).
-    """
-    if ckpt_path is not None:
-        check_resume(ckpt_path, cfg, module)
-    init_from = init_from_of(cfg)
-    if init_from is not None:
-        fresh = load_initial_weights(module, init_from, fresh_classifier=bool(cfg.get("fresh_classifier", True)))
-        print(f"init_from {init_from}: loaded every weight but {len(fresh)} new one(s) "
-              f"{fresh[:4]}{' ...' if len(fresh) > 4 else ''}")
-    return init_from
-
-
 def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output_dir: Path,
                   metrics: PipelineMetrics) -> pl.Trainer:
     """The Lightning trainer: the ``trainer`` group, the GPipe strategy, the logger and callbacks."""
@@ -184,7 +139,8 @@ def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output
     trainer_kwargs["devices"] = trainer_devices(cfg, options)  # type: ignore[index]
     # Lightning's summary shows one ``layers | Sequential`` row and 0 FLOPs; ``stage_summary`` replaces it.
     trainer_kwargs.setdefault("enable_model_summary", False)  # type: ignore[union-attr]
-    callbacks: list[Any] = [metrics, *build_callbacks(cfg, output_dir, trainer_kwargs)]  # type: ignore[arg-type]
+    callbacks: list[Any] = [metrics, ValidateAtTheEnd(),
+                            *build_callbacks(cfg, output_dir, trainer_kwargs)]  # type: ignore[arg-type]
     if options.compile:
         callbacks.append(CompileNotice())
     strategy = GPipeStrategy(options=engine_options(cfg, options, module))
@@ -213,6 +169,10 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metr
         if trainer.interrupted and trainer.is_global_zero:
             close_progress_bars(trainer)
             tell_interrupted(metrics, output_dir_of(cfg))
+        raise
+    except Exception as exc:
+        close_progress_bars(trainer)
+        record_failure(metrics, trainer, output_dir_of(cfg), exc)
         raise
 
 
@@ -269,8 +229,12 @@ def main(cfg: DictConfig) -> float | None:
         raise SystemExit(f"data error: {exc}") from None
     except PeerFailedError as exc:
         if "KeyboardInterrupt" not in str(exc):
+            discard_run_dir(failed=True)
             raise
         raise SystemExit(f"stopped: {str(exc).splitlines()[0]}") from None  # Ctrl-C on another rank
+    except Exception:
+        discard_run_dir(failed=True)  # kept only with a checkpoint or a log (and then its summary.json)
+        raise
     if cfg.get("dry_run"):
         discard_run_dir()
     value = summary.get("validation_value")

@@ -102,12 +102,24 @@ class WandbRun:
         return [row[key] for row in self.history if key in row]
 
 
-def read_run(path: str | Path) -> WandbRun:
-    """Parse one ``.wandb`` file into a ``WandbRun``."""
+def _payloads_before_any_cut(path: str | Path) -> Iterator[bytes]:
+    try:
+        yield from iter_payloads(path)
+    except ValueError:  # a run killed while writing ends with a cut record: what came before stands
+        return
+
+
+def read_run(path: str | Path, cut_end: bool = False) -> WandbRun:
+    """Parse one ``.wandb`` file into a ``WandbRun``; ``cut_end``: a file whose last record is cut
+    (its process was killed) gives the records before it.
+
+    Raises:
+        ValueError: not a wandb log, or (without ``cut_end``) a record is cut.
+    """
     from wandb.proto import wandb_internal_pb2
 
     run = WandbRun()
-    for payload in iter_payloads(path):
+    for payload in (_payloads_before_any_cut(path) if cut_end else iter_payloads(path)):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(payload)
         kind = record.WhichOneof("record_type") or "unknown"
@@ -124,6 +136,25 @@ def read_run(path: str | Path) -> WandbRun:
         elif kind == "files":
             run.files += [f.path for f in record.files.files]
     return run
+
+
+def branch_point(run: WandbRun) -> tuple[str, int] | None:
+    """``(run id, step)`` when ``run`` resumes a run rewound to that step (``wandb.init(resume_from=...)``):
+    once synced, the history is the earlier run's rows up to ``step``, then this run's."""
+    point = run.config.get("_wandb", {}).get("branch_point") if isinstance(run.config.get("_wandb"), dict) else None
+    return (str(point["run_id"]), int(point["step"])) if point else None
+
+
+def synced_history(runs: Sequence[WandbRun]) -> list[dict[str, Any]]:
+    """The history wandb shows for the runs (in time order) of one run id once they are synced:
+    each run that resumes from a branch point first drops the rows after that step."""
+    history: list[dict[str, Any]] = []
+    for run in runs:
+        point = branch_point(run)
+        if point is not None:
+            history = [row for row in history if row.get("_step", 0) <= point[1]]
+        history += run.history
+    return history
 
 
 #: Characters of the text plot, lowest to highest.
@@ -169,7 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "history": run.history}, indent=2, default=str))
             continue
         summary = {k: v for k, v in run.summary.items() if not k.startswith("_") and not isinstance(v, dict)}
-        print(f"{path} (run {run.name or '?'}, group {run.group or '-'}): {len(run.history)} history rows")
+        point = branch_point(run)
+        resumes = f", resumes run {point[0]} after its step {point[1]}" if point else ""
+        print(f"{path} (run {run.name or '?'}, group {run.group or '-'}{resumes}): {len(run.history)} history rows")
         print("  summary: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                         for k, v in sorted(summary.items())))
         print("\n".join(history_lines(run, args.key)))

@@ -214,7 +214,8 @@ def test_sigint_stops_cleanly_and_leaves_a_resumable_checkpoint(reference, tmp_p
 @pytest.mark.timeout(600)
 def test_sigint_stops_every_rank_of_a_distributed_run_started_from_a_script(tmp_path):
     """``gpipe-train pipeline.transport=distributed ... &`` from a script starts with SIGINT ignored;
-    kill -INT on the main pid still stops every rank and leaves what the local transport leaves."""
+    kill -INT on the main pid still stops every rank after the step it interrupted and leaves what
+    the local transport leaves: that step's checkpoint, the summary and the resume command."""
     run_dir = tmp_path / "distributed"
     proc = start_app(run_dir, "pipeline.transport=distributed", f"trainer.max_steps={100 * STEPS}",
                      *PROGRESS_BAR, sigint_ignored=True)
@@ -229,6 +230,9 @@ def test_sigint_stops_every_rank_of_a_distributed_run_started_from_a_script(tmp_
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["steps"] < 100 * STEPS, summary
     assert (run_dir / "timeline_last.png").is_file() and (run_dir / "checkpoints" / "last.ckpt").is_file()
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    # the interrupted step, as the local transport saves it, not the step-3 periodic checkpoint
+    assert saved["global_step"] == summary["steps"] > STEPS_PER_EPOCH, (saved["global_step"], summary["steps"])
     log = [line for line in (run_dir / "train.log").read_text().splitlines() if line.strip()]
     assert "resume with: gpipe-train" in log[-1] and log[-1].endswith(f"ckpt_path={run_dir}/checkpoints/last.ckpt")
     assert "Traceback" not in text, text

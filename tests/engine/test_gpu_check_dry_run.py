@@ -22,11 +22,12 @@ def test_dry_run_wires_every_section(tmp_path: Path) -> None:
     """Run as the README says, a file (from another directory): it reruns itself as the module."""
     script = Path(gpu_check.__file__)
     done = subprocess.run([sys.executable, str(script), "--dry-run", "--two-gpus", "--out", str(tmp_path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=280)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=360)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     names = [s[0] for s in gpu_check.SECTIONS] + [gpu_check.TWO_GPUS[0]]
-    assert {"backward_probe", "race", "launch_bound", "copy_overlap", "leak", "amp_fp16"} <= set(names)
+    assert {"backward_probe", "race", "launch_bound", "copy_overlap", "leak", "amp_fp16",
+            "distributed_links"} <= set(names)
     assert list(report["sections"]) == names
     assert {r["status"] for r in report["sections"].values()} == {"PASS"}, report
     sections = report["sections"]
@@ -34,6 +35,12 @@ def test_dry_run_wires_every_section(tmp_path: Path) -> None:
     assert sections["race"]["amplifying_sleeps"] > 0 and sections["copy_overlap"]["hand_overs"] > 0
     assert sections["amp_fp16"]["inf_step_skipped"] and sections["amp_fp16"]["scale_backed_off"]
     assert len(sections["launch_bound"]["configs"]) == 4 and len(sections["leak"]["readings"]) == 3
+    links = sections["distributed_links"]
+    assert links["clipping"]["norm_relative_error"] <= 1e-5 and len(links["ranks"]) == 2
+    for rank in links["ranks"]:  # receive streams made once over 5 steps; warm-up first, in order
+        assert rank["receive_streams_made"] == rank["incoming_links"] == 1
+        assert rank["warm_up_in_global_order"] and rank["warm_up_before_first_send"]
+    assert links["ranks"][0]["sent_alive_at_last_backward"] == [0] * 5
     md = (tmp_path / "gpu_check.md").read_text()
     assert all(f"## {name}: PASS" in md for name in names)
     assert "CPU figures, not GPU ones" in md

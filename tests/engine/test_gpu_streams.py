@@ -88,3 +88,96 @@ def test_two_gpus_equal_unpipelined_with_streams() -> None:
         pipe.train_step(x, y, nn.functional.mse_loss)
         for a, b in zip(ref.parameters(), model.parameters()):
             torch.testing.assert_close(a.grad, b.grad.to(a.device), rtol=1e-5, atol=1e-5)
+
+
+class FakeStream:
+    def __init__(self, device: torch.device, log: list) -> None:
+        self.device, self.log = device, log
+
+    def wait_event(self, event: Any) -> None:
+        self.log.append(("wait_event", self, event))
+
+    def wait_stream(self, other: Any) -> None:
+        self.log.append(("wait_stream", self, other))
+
+
+class FakeCuda:
+    """``TorchCuda`` on the CPU: streams and events are tokens, every call is logged."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.made: list[FakeStream] = []
+        self.entered: list[FakeStream] = []
+
+    def Stream(self, device: torch.device) -> FakeStream:  # noqa: N802 - torch.cuda's name
+        self.made.append(FakeStream(device, self.log))
+        return self.made[-1]
+
+    def Event(self) -> Any:  # noqa: N802
+        log = self.log
+
+        class _Event:
+            def record(self, stream: FakeStream) -> None:
+                log.append(("record_event", self, stream))
+
+        return _Event()
+
+    @contextmanager
+    def stream(self, s: FakeStream):  # noqa: ANN201 - a context manager
+        self.entered.append(s)
+        try:
+            yield
+        finally:
+            self.entered.pop()
+
+    def current_stream(self, device: torch.device) -> str:
+        return f"current:{device}"
+
+    def move(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.log.append(("copy", tuple(self.entered)))
+        return tensor.clone()
+
+    def record(self, tensor: torch.Tensor, stream: FakeStream) -> None:
+        self.log.append(("record_stream", id(tensor), stream))
+
+
+def test_a_copy_between_gpus_runs_on_the_sender_s_copy_stream_with_both_entered() -> None:
+    cuda = FakeCuda()
+    streams = CudaStreams(cuda)
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    src_compute, src_copy = streams.streams_of(0, gpu0)
+    dst_compute, dst_copy = streams.streams_of(1, gpu1)
+    value = torch.ones(3)
+    mark = streams.mark(0, gpu0)
+    cuda.log.clear()
+    (moved,) = streams.hand_over((value,), mark, 1, gpu1)
+    assert cuda.log[0] == ("wait_event", src_copy, mark.event), "the sender's copy stream waits for its compute"
+    assert cuda.log[1] == ("copy", (src_copy, dst_copy)), "entered on both devices, source first"
+    assert ("record_stream", id(value), src_copy) in cuda.log, "the source is recorded on its own device"
+    assert ("record_stream", id(moved), dst_compute) in cuda.log, "the copy is recorded for the receiver"
+    assert cuda.log[-1] == ("wait_stream", dst_compute, dst_copy)
+    streams.hand_over((moved,), streams.mark(1, gpu1), 0, gpu0)  # the gradient, the other way
+    assert len(cuda.made) == 4, "one compute and one copy stream per rank, for both directions"
+    assert ("copy", (dst_copy, src_copy)) in cuda.log
+
+
+def test_a_hand_over_on_one_gpu_copies_nothing_and_orders_the_receiver() -> None:
+    cuda = FakeCuda()
+    streams = CudaStreams(cuda)
+    gpu = torch.device("cuda", 0)
+    value = torch.ones(2)
+    mark = streams.mark(0, gpu)
+    cuda.log.clear()
+    (out,) = streams.hand_over((value,), mark, 1, gpu)
+    compute = streams.streams_of(1, gpu)[0]
+    assert out is value and not any(e[0] == "copy" for e in cuda.log)
+    assert cuda.log == [("wait_event", compute, mark.event), ("record_stream", id(value), compute)]
+
+
+def test_a_hand_over_from_the_host_copies_on_the_receiver_s_copy_stream() -> None:
+    cuda = FakeCuda()
+    streams = CudaStreams(cuda)
+    gpu = torch.device("cuda", 0)
+    streams.hand_over((torch.ones(2),), streams.mark(0, torch.device("cpu")), 1, gpu)
+    compute, copy = streams.streams_of(1, gpu)
+    assert ("copy", (copy,)) in cuda.log and cuda.log[-1] == ("wait_stream", compute, copy)

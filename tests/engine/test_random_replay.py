@@ -192,6 +192,7 @@ def distributed_worker(rank: int, world: int) -> list:
     for kind in DISTRIBUTED_KINDS:
         for checkpoint in ("never", "always"):
             pipe = DistributedGPipe(model(kind), balance=[3, 3], chunks=4, checkpoint=checkpoint, seed=11)
+            assert all(r.replay.fork for r in pipe.runtimes.values())  # auto: a rank owns its generators
             loss = pipe.train_step(*data(), F.mse_loss)
             grads = {}
             for first, part in pipe._chunks.values():
@@ -204,7 +205,8 @@ def distributed_worker(rank: int, world: int) -> list:
 
 @pytest.mark.distributed
 def test_distributed_transport_replays_like_the_local_one() -> None:
-    """K=2 on two gloo ranks: recompute replays, and the draws equal the local transport's."""
+    """K=2 on two gloo ranks (``auto``: each reseeds its own default generator per micro-batch):
+    recompute replays, and the draws equal the local transport's (probe, then the per-op mode)."""
     from gpipe_lab.pipeline.distributed.launch import run_local
 
     results = run_local(distributed_worker, 2, timeout=200)
@@ -267,8 +269,9 @@ class SometimesNoisy(nn.Module):
 
 
 def test_a_forward_that_drew_nothing_is_replayed_without_the_mode() -> None:
-    """The per-op replay mode is skipped in the recompute of a micro-batch that drew nothing,
-    kept for one that drew; gradients still equal the never-checkpointed pipeline's."""
+    """With ``random_replay=True``, the per-op replay mode is skipped in the recompute of a
+    micro-batch that drew nothing, kept for one that drew; gradients still equal the
+    never-checkpointed pipeline's."""
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(2)).abs()
     x[2:4, 0] *= -1  # micro-batch 1 of 4 draws nothing
     x[6:8, 0] *= -1  # nor does micro-batch 3
@@ -278,7 +281,8 @@ def test_a_forward_that_drew_nothing_is_replayed_without_the_mode() -> None:
         torch.manual_seed(0)
         noisy = SometimesNoisy()
         net = nn.Sequential(noisy, nn.Linear(8, WIDTH), nn.Linear(WIDTH, 4))
-        pipe = GPipe(net, balance=[2, 1], chunks=4, checkpoint=checkpoint, seed=7, retain_cpu_memory=False)
+        pipe = GPipe(net, balance=[2, 1], chunks=4, checkpoint=checkpoint, seed=7, retain_cpu_memory=False,
+                     random_replay=True)  # the per-op mode on every forward (no probe forward)
         pipe.train_step(x, y, F.mse_loss)
         return noisy, [p.grad.clone() for p in net.parameters()]
 

@@ -188,7 +188,7 @@ def test_tiny_multirun_is_collected_into_table2(tmp_path: Path, scripts: object,
     assert row_m1.split(" | ")[2:] == ["1.00", "1", "1.13", "1.38 |"]  # ours (basis), the paper's K=2,4,8
     assert "| 1.07 | 1.26 | 1.72 |" in text  # the paper's M=4 row
     assert (out / "table2_throughput.png").stat().st_size > 0
-    rows = json.loads((out / "table2_throughput.json").read_text())
+    rows = json.loads((out / "table2_throughput.json").read_text())["rows"]
     assert sorted((r["K"], r["M"]) for r in rows) == [(2, 1), (2, 4)] and all(r["measured_sps"] for r in rows)
 
 

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from gpipe_lab.bench.workloads import Workload, WorkloadSpec, mse
 from gpipe_lab.pipeline import balance_by_cost
+from gpipe_lab.pipeline.forwarding import forwarded
 
 
 class _Sleep(torch.autograd.Function):
@@ -126,13 +127,8 @@ class EmulatedSpec:
     backward_ratio: float = 2.0
     uniform: bool = False
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def batch(self) -> int:
-        return self.spec.batch
+    name = forwarded("spec.name", "The emulated network's name.")
+    batch = forwarded("spec.batch", "The mini-batch size.")
 
     def per_sample_seconds(self) -> list[float]:
         """Each layer's forward seconds per sample.

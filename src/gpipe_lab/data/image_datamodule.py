@@ -14,6 +14,9 @@ the exact next batch (its order depends only on (seed, epoch)).
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
@@ -127,40 +130,26 @@ class SyntheticImageDataModule(ImageDataModule):
 
     Args:
         num_train / num_val: sample counts; the two splits never share a sample.
-        image_size: 32 by default, 224 for the paper configurations.
-        num_classes: number of classes; ``class_offset`` picks a disjoint class set
-            (e.g. pretrain with offset 0, fine-tune with offset 1000).
-        noise: pixel noise standard deviation.
         random_flip / cutout: training-set augmentation (see ``Augmented``); off by default.
-        Other arguments: see ``ImageDataModule``.
+        Other arguments: the images' (``image_size``, ``num_classes``, ``class_offset``,
+            ``class_seed``, ``noise``: see ``SyntheticImageDataset``; both splits share them and
+            ``seed``), else the loader's (see ``ImageDataModule``).
 
     Raises:
         ValueError: for non-positive sizes or counts (message names the key and range).
     """
 
-    def __init__(
-        self,
-        batch_size: int = 32,
-        num_workers: int = 0,
-        seed: int = 0,
-        num_train: int = 5000,
-        num_val: int = 1000,
-        image_size: int = 32,
-        num_classes: int = 10,
-        class_offset: int = 0,
-        class_seed: int = 1234,
-        noise: float = 0.1,
-        random_flip: bool = False,
-        cutout: int = 0,
-        drop_last: bool = True,
-        data_parallel_rank: int = 0,
-        data_parallel_size: int = 1,
-    ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last, data_parallel_rank, data_parallel_size)
+    #: keyword arguments passed on to both splits' ``SyntheticImageDataset``
+    dataset_arguments = tuple(p for p in inspect.signature(SyntheticImageDataset).parameters
+                              if p not in ("num_samples", "seed", "split"))
+
+    def __init__(self, batch_size: int = 32, num_train: int = 5000, num_val: int = 1000,
+                 random_flip: bool = False, cutout: int = 0, **options: Any) -> None:
+        images = {k: options.pop(k) for k in self.dataset_arguments if k in options}
+        super().__init__(batch_size=batch_size, **options)
         check_positive_int("num_train", num_train)
         check_positive_int("num_val", num_val)
-        common = dict(num_classes=num_classes, image_size=image_size, seed=seed, class_offset=class_offset,
-                      class_seed=class_seed, noise=noise)
+        common = dict(images, seed=self.seed)
         self.train_set = SyntheticImageDataset(num_train, split=0, **common)
         self.val_set = SyntheticImageDataset(num_val, split=1, **common)
         self.num_classes = self.train_set.num_classes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from gpipe_lab.data.checks import check_positive_int, require_path
 from gpipe_lab.data.subword import load_or_train_tokenizer
@@ -43,20 +44,15 @@ class ParallelTextDataModule(TranslationDataModule):
         root: str | Path,
         src_lang: str = "src",
         tgt_lang: str = "tgt",
-        tokens_per_batch: int | None = 4096,
-        batch_size: int | None = None,
-        num_workers: int = 0,
-        seed: int = 0,
         tokenizer: str = "bpe",
         vocab_size: int = 8000,
         max_tokens: int = 256,
         test_src: str | Path | None = None,
         test_ref: str | Path | None = None,
         tokenizer_dir: str | Path | None = None,
-        data_parallel_rank: int | None = None,
-        data_parallel_size: int | None = None,
+        **loader: Any,
     ) -> None:
-        super().__init__(tokens_per_batch, batch_size, num_workers, seed, data_parallel_rank, data_parallel_size)
+        super().__init__(**loader)
         self.root = Path(root).expanduser()
         self.max_tokens = check_positive_int("max_tokens", max_tokens)
         hint = f"Set data.root to a folder holding train.{src_lang}/train.{tgt_lang}/valid.{src_lang}/valid.{tgt_lang}."

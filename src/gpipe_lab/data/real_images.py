@@ -8,6 +8,7 @@ Hydra override that provides it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from torchvision import datasets
 
@@ -52,18 +53,14 @@ class CIFARDataModule(ImageDataModule):
         variant: int = 10,
         download: bool = False,
         batch_size: int = 128,
-        num_workers: int = 0,
-        seed: int = 0,
         image_size: int = 32,
         random_crop: bool = True,
         random_flip: bool = True,
         cutout: int = 0,
         num_classes: int | None = None,
-        drop_last: bool = True,
-        data_parallel_rank: int = 0,
-        data_parallel_size: int = 1,
+        **loader: Any,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last, data_parallel_rank, data_parallel_size)
+        super().__init__(batch_size=batch_size, **loader)
         if variant not in _CIFAR:
             raise ValueError(f"variant must be 10 or 100, got {variant!r}")
         self.dataset_cls, self.num_classes = _CIFAR[variant]
@@ -117,17 +114,13 @@ class ImageNetDataModule(ImageDataModule):
         self,
         root: str | Path,
         batch_size: int = 64,
-        num_workers: int = 0,
-        seed: int = 0,
         image_size: int = 224,
         random_flip: bool = True,
         cutout: int = 0,
         num_classes: int | None = None,
-        drop_last: bool = True,
-        data_parallel_rank: int = 0,
-        data_parallel_size: int = 1,
+        **loader: Any,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last, data_parallel_rank, data_parallel_size)
+        super().__init__(batch_size=batch_size, **loader)
         self.root = Path(root).expanduser()
         self.image_size = check_positive_int("image_size", image_size, minimum=8)
         self.cutout = check_positive_int("cutout", cutout, minimum=0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -149,21 +150,9 @@ class SyntheticTranslationDataModule(TranslationDataModule):
         ValueError: for non-positive counts or an impossible length range.
     """
 
-    def __init__(
-        self,
-        tokens_per_batch: int | None = 2048,
-        batch_size: int | None = None,
-        num_workers: int = 0,
-        seed: int = 0,
-        num_train: int = 10000,
-        num_val: int = 500,
-        language_seed: int = 0,
-        min_len: int = 3,
-        max_len: int = 12,
-        data_parallel_rank: int | None = None,
-        data_parallel_size: int | None = None,
-    ) -> None:
-        super().__init__(tokens_per_batch, batch_size, num_workers, seed, data_parallel_rank, data_parallel_size)
+    def __init__(self, tokens_per_batch: int | None = 2048, num_train: int = 10000, num_val: int = 500,
+                 language_seed: int = 0, min_len: int = 3, max_len: int = 12, **loader: Any) -> None:
+        super().__init__(tokens_per_batch=tokens_per_batch, **loader)
         check_positive_int("num_train", num_train)
         check_positive_int("num_val", num_val)
         if not 3 <= min_len <= max_len:
@@ -171,7 +160,7 @@ class SyntheticTranslationDataModule(TranslationDataModule):
         self.language = SyntheticLanguagePair(language_seed)
         self.vocab = self.language.vocab
         self.vocab_size = len(self.vocab)
-        rng = random.Random(mix_seed(seed, language_seed, 3))
+        rng = random.Random(mix_seed(self.seed, language_seed, 3))
         train = [self.language.sample(rng, min_len, max_len) for _ in range(num_train)]
         seen = {tuple(s) for s, _ in train}
         val: list[tuple[list[str], list[str]]] = []

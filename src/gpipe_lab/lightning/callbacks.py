@@ -7,8 +7,10 @@ Lightning would skip them): ``perf/samples_per_s``, ``perf/tokens_per_s``,
 ``pipeline/bubble_measured`` (that step's), ``pipeline/bubble_theory`` (the schedule's own idle
 fraction, simulated at equal forward/backward/weight costs: ``theory_bubble``),
 ``pipeline/stage{k}_busy_s``, ``memory/stage{k}_param_bytes``,
-``memory/stage{k}_activation_bytes``. The timeline picture is saved (and sent to wandb as
-``pipeline/timeline``) at the first logged step and at the end of training (Ctrl-C too).
+``memory/stage{k}_activation_bytes``. The timeline picture (the measured step above the
+simulator's prediction from its action times; K, M, D and the transport in its title) is
+saved (and sent to wandb as ``pipeline/timeline``) at the first logged step and at the end of
+training (Ctrl-C too).
 
 ``summary.json`` uses the history's names for the same figures (``train/loss``,
 ``perf/samples_per_s``, ``pipeline/bubble_measured``: the MEAN over the steps after the first,
@@ -30,7 +32,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 
 from gpipe_lab.lightning.strategy import GPipeStrategy
-from gpipe_lab.lightning.timeline_figure import save_timeline_figure
+from gpipe_lab.lightning.timeline_figure import predicted_timeline, save_timeline_figure
 from gpipe_lab.pipeline import get_schedule
 
 #: The flat summary names kept as aliases of the history's names.
@@ -137,8 +139,11 @@ class PipelineMetrics(pl.Callback):
     def _picture(self, trainer: pl.Trainer, strategy: GPipeStrategy, when: str) -> None:
         if not trainer.is_global_zero or self._timeline is None:
             return
-        title = f"K={strategy.num_stages} M={strategy.chunks} {strategy.schedule} ({when} step)"
-        path = save_timeline_figure(self._timeline, self.output_dir / f"timeline_{when}.png", title)
+        d = int(getattr(strategy, "data_parallel_size", 1) or 1)
+        title = (f"K={strategy.num_stages} M={strategy.chunks} D={d} {strategy.schedule} "
+                 f"transport={strategy.transport} ({when} step{', replica 0' if d > 1 else ''})")
+        predicted = predicted_timeline(self._timeline, strategy.schedule, strategy.chunks, strategy.checkpoint)
+        path = save_timeline_figure(self._timeline, self.output_dir / f"timeline_{when}.png", title, predicted)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 logger.log_image("pipeline/timeline", [str(path)], step=trainer.global_step, caption=[when])

@@ -26,7 +26,9 @@ from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.lightning.placement import place_outside
 from gpipe_lab.lightning.scaling import agreeing_precision
 from gpipe_lab.lightning.strategy import GPipeStrategy
+from gpipe_lab.pipeline.clipping import clip_grad_norm_
 from gpipe_lab.pipeline.distributed.resolve import nccl_failure_settings
+from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import PipelineOptions
 
 if TYPE_CHECKING:
@@ -80,12 +82,9 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
         Raises:
             ValueError: the world size is not a multiple of the number of stages.
         """
-        world = self.num_nodes * self.num_processes
-        if world % self.num_stages:
-            k = self.num_stages
-            raise ValueError(f"trainer.devices: world size {world} (devices x num_nodes) is not divisible by "
-                             f"pipeline.partitions={k}: the distributed transport runs one process per stage "
-                             f"and data-parallel replica; set trainer.devices={k} (or a multiple of {k})")
+        world, k = self.num_nodes * self.num_processes, self.num_stages
+        check_world(world, k, what=f"trainer.devices: world size {world} (devices x num_nodes)",
+                    stages="pipeline.partitions", fix=f"set trainer.devices={k} (or a multiple of {k})")
         if self.root_device.type == "cpu":
             # Every rank, as each stage of the local transport, gets threads_per_stage (default:
             # cores / processes here): Lightning sets it on rank 0 only, and kernels reduce in an
@@ -110,15 +109,9 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
             module.log_train(loss, outputs, targets)
 
     def clip_grad_norm(self, optimizer: Any, max_norm: float) -> None:
-        """Clip by the norm over ALL stages: the squared norms are all-reduced over the pipeline."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        local = torch.zeros((), device=self.root_device, dtype=torch.float64)
-        for g in grads:
-            local += g.detach().double().pow(2).sum().to(self.root_device)
-        dist.all_reduce(local, group=self.engine.pp_group)
-        coef = (float(max_norm) / (local.sqrt() + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
+        """Clip by the norm over ALL stages: foreach norms, their squares summed over the pipeline."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_(params, float(max_norm), group=self.engine.pp_group, device=self.root_device)
 
     def step_report(self) -> tuple[Any, list[dict[str, int]]]:
         if self.pipe is None or self.pipe.timeline is None:

@@ -16,6 +16,8 @@ KNOWN_HARMLESS: list[tuple[type[Warning], str, str]] = [
      "raised inside Lightning's own pytree helper on every batch; nothing a user can change"),
     (PossibleUserWarning, r"It is recommended to use `self\.log\('(val|test)/[^']*', \.\.\., sync_dist=True\)`",
      "evaluation outputs are broadcast to every stage of the pipeline, so each rank logs the same value"),
+    (UserWarning, r"The dirpath has changed from .* therefore `best_model_score`",
+     "every run writes its own checkpoints folder: resuming another run's checkpoint is how gpipe-train resumes"),
 ]
 
 

@@ -2,16 +2,18 @@
 
 ``ResumableCheckpoint`` (a ``ModelCheckpoint``, which names the files from its ``dirpath``
 and ``filename`` arguments) writes ``<dir>/last.ckpt`` (and keeps ``save_top_k`` numbered
-``epoch=E-step=S.ckpt`` copies) through ``trainer.save_checkpoint`` at the end of a
-training batch only:
+``epoch=E-step=S.ckpt`` copies; ``last.ckpt`` is then a hard link to the newest: one file on
+disk) through ``trainer.save_checkpoint`` at the end of a training batch only:
 
 - every ``every_n_train_steps`` optimizer steps (``callbacks.checkpoint_every_n_steps``);
 - at the final step (``max_steps`` or the last batch of ``max_epochs``);
 - on the first Ctrl-C (SIGINT): training stops after the current optimizer step, the
   checkpoint is written, then ``KeyboardInterrupt`` is raised at the start of the next batch
   (so that step's metrics are logged), and Lightning shuts down and exits with status 1.
-  A second Ctrl-C stops at once (no new checkpoint). Only for single-process runs (the
-  local transport); distributed runs keep Lightning's own Ctrl-C handling.
+  A second Ctrl-C stops at once (no new checkpoint). With several processes (the
+  distributed transport) every rank installs the handler and, at each step's end, the ranks
+  agree (one all-reduce) whether any of them was interrupted (``kill -INT`` reaches the main
+  process only): they all save that step together and stop.
 
 A batch-end checkpoint is what Lightning 2.6 resumes exactly: with the training loader's
 position (``gpipe_lab.data.ResumableDataLoader``) it continues at the next batch of the
@@ -30,6 +32,7 @@ checkpoint with other batches, and an exception can leave a step half done.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -39,7 +42,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
 
 from gpipe_lab.lightning.init_from import load_initial_weights
 from gpipe_lab.lightning.rng_states import RNG_KEY, rng_states, set_rng_states
@@ -72,6 +74,7 @@ class ResumableCheckpoint(ModelCheckpoint):
         self._previous_handler: Any = None
         self._step_at_batch_start = 0
         self._rng_to_restore: dict[str, Any] | None = None
+        self._announce = True
 
     # ------------------------------------------------------------------ RNG states
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -94,8 +97,8 @@ class ResumableCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ Ctrl-C
     def _install_handler(self, trainer: pl.Trainer) -> None:
         self.interrupt_requested = self._stop_pending = False
-        if (not self.handle_sigint or trainer.world_size != 1 or isinstance(trainer.strategy, DDPStrategy)
-                or threading.current_thread() is not threading.main_thread()):
+        self._announce = trainer.is_global_zero
+        if not self.handle_sigint or threading.current_thread() is not threading.main_thread():
             return
         self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
 
@@ -109,9 +112,10 @@ class ResumableCheckpoint(ModelCheckpoint):
             self._restore_handler()
             raise KeyboardInterrupt
         self.interrupt_requested = True
-        print("\nCtrl-C: stopping after the current step and writing the checkpoint "
-              f"{Path(str(self.dirpath)) / 'last.ckpt'} (Ctrl-C again stops at once, without it)",
-              file=sys.stderr, flush=True)
+        if self._announce:  # rank 0 only: a terminal's Ctrl-C reaches every rank
+            print("\nCtrl-C: stopping after the current step and writing the checkpoint "
+                  f"{Path(str(self.dirpath)) / 'last.ckpt'} (Ctrl-C again stops at once, without it)",
+                  file=sys.stderr, flush=True)
 
     def _raise_if_stopping(self) -> None:
         if self._stop_pending:
@@ -155,6 +159,8 @@ class ResumableCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self.handle_sigint and trainer.world_size > 1:  # a collective: every rank, every batch
+            self.interrupt_requested = trainer.strategy.reduce_boolean_decision(self.interrupt_requested, all=False)
         step = trainer.global_step
         stepped = step > self._step_at_batch_start  # not inside an accumulation window
         periodic = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0
@@ -165,7 +171,8 @@ class ResumableCheckpoint(ModelCheckpoint):
             self._stop_pending = True
 
     def save_now(self, trainer: pl.Trainer) -> None:
-        """Write ``epoch=E-step=S.ckpt`` (unless ``save_top_k=0``) and ``last.ckpt``; a collective.
+        """Write ``epoch=E-step=S.ckpt`` (unless ``save_top_k=0``) and ``last.ckpt`` (then a hard link
+        to it); a collective.
 
         Names come from ``format_checkpoint_name`` (the ``filename`` argument); with
         ``save_top_k=1`` the previous numbered copy is removed.
@@ -180,14 +187,31 @@ class ResumableCheckpoint(ModelCheckpoint):
                 trainer.strategy.remove_checkpoint(previous)
             self.best_model_path = numbered
         self.last_model_path = self.format_checkpoint_name(metrics, filename=self.CHECKPOINT_NAME_LAST)
-        self._write(trainer, self.last_model_path)
+        if self.save_top_k != 0:
+            self._link(trainer, self.best_model_path, self.last_model_path)
+        else:
+            self._write(trainer, self.last_model_path)
         self._saved_at_step = trainer.global_step
+
+    @staticmethod
+    def _link(trainer: pl.Trainer, numbered: str, last: str) -> None:
+        """``last.ckpt`` as a second name of the numbered copy just written: one file on disk, not two."""
+        if trainer.is_global_zero:
+            partial = f"{last}.partial"
+            if os.path.lexists(partial):
+                os.remove(partial)
+            try:
+                os.link(numbered, partial)
+            except OSError:  # a file system without hard links
+                shutil.copyfile(numbered, partial)
+            os.replace(partial, last)
+        trainer.strategy.barrier("ResumableCheckpoint.link")
 
     @staticmethod
     def _write(trainer: pl.Trainer, filepath: str) -> None:
         """Write to ``<file>.partial`` first, then rename: a kill never leaves a truncated file."""
         partial = f"{filepath}.partial"
-        trainer.save_checkpoint(partial)
+        trainer.save_checkpoint(partial, weights_only=False)  # said, so Lightning does not log its default
         if trainer.is_global_zero:
             os.replace(partial, filepath)
         trainer.strategy.barrier("ResumableCheckpoint.replace")

@@ -29,6 +29,7 @@ from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.lightning.pipeline_runner import PipelineRunnerMixin
 from gpipe_lab.lightning.scaling import engine_nonfinite
 from gpipe_lab.pipeline import Timeline
+from gpipe_lab.pipeline.forwarding import forwarded
 from gpipe_lab.pipeline.materialize import is_meta
 from gpipe_lab.pipeline.options import TRANSPORTS, OptionViews, PipelineOptions
 
@@ -134,22 +135,10 @@ class GPipeStrategy(OptionViews, PipelineRunnerMixin, ParallelStrategy):
 
     # ------------------------------------------------------------------ options, read-only
     # (chunks, checkpoint, schedule, virtual_stages, nonfinite, timeout: from OptionViews)
-    @property
-    def partitions(self) -> int | None:
-        return self.options.partitions
-
-    @property
-    def balance(self) -> list[int] | None:
-        return self.options.balance
-
-    @property
-    def transport(self) -> str:
-        return self.options.transport
-
-    @property
-    def stage_devices(self) -> list[str] | None:
-        """Alias of ``options.devices``."""
-        return self.options.devices
+    partitions = forwarded("options.partitions", "K as configured (None: len(balance), else 1).")
+    balance = forwarded("options.balance", "Layers per stage as configured (None: chosen by cost).")
+    transport = forwarded("options.transport", "'local' (threads) or 'distributed' (processes).")
+    stage_devices = forwarded("options.devices", "Alias of ``options.devices``.")
 
     # ------------------------------------------------------------------ reports
     @property

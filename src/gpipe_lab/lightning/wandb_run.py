@@ -8,6 +8,11 @@
 - config: the resolved Hydra config plus flat ``K``, ``M``, ``schedule``, ``checkpoint``,
   ``transport`` and ``compile`` keys.
 
+A run resumed from a checkpoint (``ckpt_path``) continues the wandb run of the checkpoint's run
+directory under the same id, rewound (``resume_from="<id>?_step=<n>"``) to its last history row
+before the checkpoint's step: rows a killed run logged past its checkpoint are dropped, so no
+step has two values once synced (``gpipe_lab.wandb_reader.synced_history`` reads it so offline).
+
 The run is created here (``wandb.init``) and handed to Lightning's ``WandbLogger`` as its
 ``experiment``, on global rank 0 only; other ranks get a logger that never starts a run.
 """
@@ -57,9 +62,32 @@ def run_config(resolved: dict[str, Any], options: PipelineOptions) -> dict[str, 
     return {**resolved, **flat}
 
 
+def resume_arguments(ckpt_path: str | None) -> dict[str, Any]:
+    """``wandb.init``'s arguments that continue the wandb run of ``ckpt_path``'s run directory
+    (``<run>/checkpoints/<file>``), rewound to before the checkpoint's step; none without one."""
+    if ckpt_path is None:
+        return {}
+    runs = sorted(Path(ckpt_path).resolve().parent.parent.glob("wandb/*run-*-*/run-*.wandb"),
+                  key=lambda p: p.parent.name.split("run-", 1)[1])
+    if not runs:
+        return {}
+    import torch
+
+    from gpipe_lab.wandb_reader import read_run
+
+    run_id = runs[-1].stem.removeprefix("run-")
+    step = int(torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)["global_step"])
+    rows = [row for row in read_run(runs[-1], cut_end=True).history if "_step" in row]
+    after = next((i for i, row in enumerate(rows) if row.get("trainer/global_step", -1) >= step), len(rows))
+    if after == 0:  # nothing logged before the checkpoint's step in this file: cannot rewind to it
+        return {"id": run_id, "resume": "allow"}
+    return {"id": run_id, "resume_from": f"{run_id}?_step={int(rows[after - 1]['_step'])}"}
+
+
 def build_wandb_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions,
-                       resolved: dict[str, Any]) -> Any:
-    """A ``WandbLogger`` writing to ``output_dir/wandb`` (see the module docstring)."""
+                       resolved: dict[str, Any], ckpt_path: str | None = None) -> Any:
+    """A ``WandbLogger`` writing to ``output_dir/wandb``, continuing ``ckpt_path``'s wandb run
+    (see the module docstring)."""
     from lightning.pytorch.loggers import WandbLogger
     from lightning.pytorch.utilities import rank_zero_only
 
@@ -69,10 +97,17 @@ def build_wandb_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptio
     if rank_zero_only.rank == 0:
         import wandb
 
-        experiment = wandb.init(dir=str(output_dir), project=cfg.logger.project, entity=cfg.logger.entity,
-                                group=sweep_group(cfg, output_dir), tags=list(cfg.logger.tags or []),
-                                mode=cfg.logger.mode, name=name, config=run_config(resolved, options),
-                                job_type="train")
+        common = dict(dir=str(output_dir), project=cfg.logger.project, entity=cfg.logger.entity,
+                      group=sweep_group(cfg, output_dir), tags=list(cfg.logger.tags or []), mode=cfg.logger.mode,
+                      name=name, config=run_config(resolved, options), job_type="train")
+        resume = resume_arguments(ckpt_path)
+        try:
+            experiment = wandb.init(**common, **resume)
+        except wandb.Error:
+            if "resume_from" not in resume:
+                raise
+            # a server without run rewinding: continue the run as it is (its later rows stay)
+            experiment = wandb.init(**common, id=resume["id"], resume="allow")
         # The x-axis Lightning's WandbLogger declares when it starts a run itself.
         experiment.define_metric("trainer/global_step")
         experiment.define_metric("*", step_metric="trainer/global_step", step_sync=True)

@@ -5,6 +5,14 @@ cut between any two elements; ``preset_costs`` gives a cost per element.
 This package never imports the pipeline engine.
 """
 
+__all__ = [
+    "BOS", "COST_KINDS", "EOS", "PAD", "PRESETS", "TRANSFORMER_L_PAPER", "TRANSFORMER_PRESETS", "UNK",
+    "ModelSpec", "TransformerConfig", "amoebanet_d_params", "beam_search", "build", "build_amoebanet",
+    "build_transformer", "count_tokens", "describe_presets", "example_input", "ffn_init_scale",
+    "greedy_decode", "preset_costs", "preset_names", "token_cross_entropy", "transformer_param_count",
+    "translation_loss",
+]
+
 from gpipe_lab.models.amoebanet import amoebanet_d_params, build_amoebanet
 from gpipe_lab.models.costs import COST_KINDS, example_input, preset_costs
 from gpipe_lab.models.decoding import beam_search, greedy_decode
@@ -18,11 +26,3 @@ from gpipe_lab.models.transformer_presets import (
     describe_presets,
     transformer_param_count,
 )
-
-__all__ = [
-    "BOS", "COST_KINDS", "EOS", "PAD", "PRESETS", "TRANSFORMER_L_PAPER", "TRANSFORMER_PRESETS", "UNK",
-    "ModelSpec", "TransformerConfig", "amoebanet_d_params", "beam_search", "build", "build_amoebanet",
-    "build_transformer", "count_tokens", "describe_presets", "example_input", "ffn_init_scale",
-    "greedy_decode", "preset_costs", "preset_names", "token_cross_entropy", "transformer_param_count",
-    "translation_loss",
-]

@@ -27,34 +27,28 @@ class Genotype:
     reduction: CellSpec
 
 
-AMOEBANET_D = Genotype(
-    normal=CellSpec(
-        ops=("1x1", "max_pool_3x3", "none", "1x7_7x1", "1x1", "1x7_7x1", "max_pool_3x3", "none",
-             "avg_pool_3x3", "1x1"),
-        indices=(1, 1, 1, 0, 0, 0, 2, 2, 1, 5),
-        concat=(0, 3, 4, 6),
-    ),
-    reduction=CellSpec(
-        ops=("max_pool_2x2", "max_pool_3x3", "none", "3x3", "1x7_7x1", "max_pool_3x3", "none",
-             "max_pool_2x2", "avg_pool_3x3", "1x1"),
-        indices=(0, 0, 2, 1, 2, 2, 3, 1, 2, 3),
-        concat=(4, 5, 6),
-    ),
-)
+# One cell per line: ``op@input`` for each of the 10 operations, then ``|`` and the concatenated states.
+_TABLE = """
+d normal    1x1@1 max_pool_3x3@1 none@1 1x7_7x1@0 1x1@0 1x7_7x1@0 max_pool_3x3@2 none@2 avg_pool_3x3@1 1x1@5 | 0 3 4 6
+d reduction max_pool_2x2@0 max_pool_3x3@0 none@2 3x3@1 1x7_7x1@2 max_pool_3x3@2 none@3 max_pool_2x2@1 avg_pool_3x3@2 1x1@3 | 4 5 6
+b normal    1x1@1 max_pool_3x3@1 none@1 separable_3x3_2@0 1x1@1 separable_3x3_2@0 1x1@2 none@2 avg_pool_3x3@1 1x1@5 | 0 3 4 6
+b reduction max_pool_2x2@0 max_pool_3x3@0 none@2 3x3@1 dil_2_separable_5x5_2@2 max_pool_3x3@2 none@3 separable_3x3_2@1 avg_pool_3x3@4 1x1@3 | 5 6
+"""
 
-AMOEBANET_B = Genotype(
-    normal=CellSpec(
-        ops=("1x1", "max_pool_3x3", "none", "separable_3x3_2", "1x1", "separable_3x3_2", "1x1", "none",
-             "avg_pool_3x3", "1x1"),
-        indices=(1, 1, 1, 0, 1, 0, 2, 2, 1, 5),
-        concat=(0, 3, 4, 6),
-    ),
-    reduction=CellSpec(
-        ops=("max_pool_2x2", "max_pool_3x3", "none", "3x3", "dil_2_separable_5x5_2", "max_pool_3x3",
-             "none", "separable_3x3_2", "avg_pool_3x3", "1x1"),
-        indices=(0, 0, 2, 1, 2, 2, 3, 1, 4, 3),
-        concat=(5, 6),
-    ),
-)
 
-GENOTYPES = {"d": AMOEBANET_D, "b": AMOEBANET_B}
+def _cell(text: str) -> CellSpec:
+    pairs, concat = text.split("|")
+    ops, indices = zip(*(token.split("@") for token in pairs.split()))
+    return CellSpec(ops=tuple(ops), indices=tuple(int(i) for i in indices), concat=tuple(int(c) for c in concat.split()))
+
+
+def _genotypes(table: str) -> dict[str, Genotype]:
+    cells: dict[str, dict[str, CellSpec]] = {}
+    for line in table.strip().splitlines():
+        name, kind, rest = line.split(maxsplit=2)
+        cells.setdefault(name, {})[kind] = _cell(rest)
+    return {name: Genotype(**kinds) for name, kinds in cells.items()}
+
+
+GENOTYPES = _genotypes(_TABLE)
+AMOEBANET_D, AMOEBANET_B = GENOTYPES["d"], GENOTYPES["b"]

@@ -4,6 +4,7 @@ from gpipe_lab.pipeline.allocator import retain_freed_memory
 from gpipe_lab.pipeline.batching import checkpointed_microbatches
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm, commit_forward
 from gpipe_lab.pipeline.checkpointing import is_checkpointing
+from gpipe_lab.pipeline.clipping import clip_grad_norm_
 from gpipe_lab.pipeline.context import is_recomputing
 from gpipe_lab.pipeline.core import PipelineCore
 from gpipe_lab.pipeline.dropout import StageDropout, convert_dropout
@@ -34,5 +35,5 @@ __all__ = [
     "balance_by_cost", "balance_by_size", "balance_by_time", "checkpointed_microbatches", "commit_forward",
     "convert_dropout", "get_schedule", "gpipe_schedule", "is_checkpointing", "is_recomputing", "layer_costs",
     "one_f_one_b_schedule", "register_schedule", "validate_schedule", "retain_freed_memory", "all_finite",
-    "seeded_init",
+    "seeded_init", "clip_grad_norm_",
 ]

@@ -24,7 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpipe_lab.pipeline.context import current_generator
 from gpipe_lab.pipeline.options import OptionError
-from gpipe_lab.pipeline.random_replay import UnreplayableRandomError, _current_layer, _dropout_probability
+from gpipe_lab.pipeline.random_replay import (
+    UnreplayableRandomError,
+    _current_layer,
+    _dropout_probability,
+    generator_argument,
+)
 
 __all__ = ["CompiledStage", "DrawCheck", "split_backward_error"]
 
@@ -37,7 +42,7 @@ class DrawCheck(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if _SEEDED in func.tags and _dropout_probability(func, args, kwargs) != 0.0:
-            generator, given = current_generator(), kwargs.get("generator")
+            generator, given = current_generator(), generator_argument(func, args, kwargs)
             # the dispatcher hands over a new Python wrapper of the same generator: compare its state
             if generator is None or given is None or given.initial_seed() != generator.initial_seed() \
                     or not torch.equal(given.get_state(), generator.get_state()):

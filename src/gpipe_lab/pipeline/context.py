@@ -4,8 +4,8 @@ Each stage runs in its own worker thread (local transport) or process
 (distributed transport). Layers that need to know about the pipeline (the
 deterministic dropout, the deferred BatchNorm) read this state; outside a
 pipeline it is empty and they behave like their ``torch.nn`` originals.
-Inside ``microbatch_context`` every random op draws from the micro-batch's
-generators (``random_replay``), so a re-materialized forward draws the same.
+Inside ``microbatch_context`` the stage's draws come from the micro-batch's generators
+(how: ``replay_policy``), so a re-materialized forward draws the same.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 
@@ -36,6 +37,12 @@ def current_generator() -> torch.Generator | None:
     return getattr(_state, "generator", None)
 
 
+def current_watch() -> Any:
+    """The running probe's draw watch (``replay_policy.DrawWatch``), or ``None``: a layer that
+    draws from ``current_generator()`` by name calls its ``before``/``after`` around the draw."""
+    return getattr(_state, "watch", None)
+
+
 def is_recomputing() -> bool:
     """True while a checkpointed micro-batch's forward is being replayed."""
     return getattr(_state, "recomputing", False)
@@ -43,7 +50,7 @@ def is_recomputing() -> bool:
 
 @contextmanager
 def microbatch_context(
-    generator: torch.Generator | None, recomputing: bool = False, replay: bool = True
+    generator: torch.Generator | None, recomputing: bool = False, replay: bool = True, watch: Any = None
 ) -> Iterator[RandomReplay | None]:
     """Run a stage's forward with its own generator (and the recompute flag).
 
@@ -51,12 +58,14 @@ def microbatch_context(
     ``RandomReplay``, which raises ``UnreplayableRandomError`` for a draw it cannot
     repeat) and the context yields the mode (its ``draws`` count what was drawn);
     without ``replay`` only layers that read ``current_generator()`` do, and it yields None.
+    ``watch`` is what ``current_watch()`` returns inside.
     """
-    previous = (getattr(_state, "generator", None), getattr(_state, "recomputing", False))
-    _state.generator, _state.recomputing = generator, recomputing
+    previous = (getattr(_state, "generator", None), getattr(_state, "recomputing", False),
+                getattr(_state, "watch", None))
+    _state.generator, _state.recomputing, _state.watch = generator, recomputing, watch
     try:
         mode = RandomReplay(generator) if generator is not None and replay else None
         with mode if mode is not None else nullcontext():
             yield mode
     finally:
-        _state.generator, _state.recomputing = previous
+        _state.generator, _state.recomputing, _state.watch = previous

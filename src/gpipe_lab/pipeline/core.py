@@ -32,6 +32,7 @@ from gpipe_lab.pipeline.executor import Executor, StepRecord
 from gpipe_lab.pipeline.half_steps import HalfSteps
 from gpipe_lab.pipeline.microbatch import Value, join, unwrap
 from gpipe_lab.pipeline.options import OptionViews, PipelineOptions, compile_kwargs
+from gpipe_lab.pipeline.replay_policy import StageReplay, generator_owners
 from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs
 from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
 from gpipe_lab.pipeline.step_policy import StepPolicy
@@ -71,10 +72,12 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
         compiling = compile_kwargs(options.compile)
         if compiling is not None and any(a.kind == "W" for actions in schedule for a in actions):
             raise split_backward_error(options.schedule)
-        for runtime in runtimes.values():
+        owners = generator_owners({j: r.device for j, r in runtimes.items()}, num_ranks, channel.holds_all_stages)
+        for j, runtime in runtimes.items():
             runtime.track_memory = options.track_memory
             # dynamo does not trace under the per-op replay mode: a compiled stage checks its draws instead
-            runtime.replay_random = options.random_replay and compiling is None
+            runtime.replay = StageReplay(options.random_replay if compiling is None else False, runtime.device,
+                                         owners[j], runtime.module, j)
             if compiling is not None:
                 runtime.compiled = CompiledStage(compiling)
         self.channel = channel

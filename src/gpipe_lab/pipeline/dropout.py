@@ -4,34 +4,18 @@ The CPU has a single default generator shared by all threads, so ``nn.Dropout``
 in two worker threads would draw in timing-dependent order. ``StageDropout``
 draws from the generator of the (step, stage, micro-batch) being computed, so
 the masks are the same on every run and identical when a checkpointed
-micro-batch is recomputed. Inside a stage every other random op is routed to
-the same generators (``random_replay``); ``StageDropout`` names it explicitly,
-so it also works in code that runs a stage's layers outside that mode.
+micro-batch is recomputed. Where a stage owns its device's generator, that
+generator, reseeded per micro-batch, is the running one; elsewhere it is a
+generator of the micro-batch's own (``replay_policy``). ``StageDropout`` names it
+explicitly, so it needs no per-op replay mode and works in compiled stages too.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
-from gpipe_lab.pipeline.context import current_generator
-
-
-def keep_mask(x: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
-    """A bool mask, True with probability ``1 - p``, drawn element for element as
-    ``bernoulli_(1 - p)`` on a tensor like ``x`` would draw (same generator use)."""
-    return torch.empty_like(x).bernoulli_(1.0 - p, generator=generator).bool()
-
-
-def masked_scale(x: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
-    """Inverted dropout of ``x`` whose autograd graph saves only a bool mask.
-
-    ``x * keep`` with a float mask saves the mask in ``x``'s dtype (4 bytes an
-    element in float32); ``where`` saves its bool condition (1 byte), and the
-    scaling by a Python number saves nothing.
-    """
-    keep = keep_mask(x, p, generator)
-    return torch.where(keep, x, x.new_zeros(())) * (1.0 / (1.0 - p))
+from gpipe_lab.pipeline.context import current_generator, current_watch
+from gpipe_lab.pipeline.dropout_kernel import fused_dropout
 
 
 class StageDropout(nn.Module):
@@ -46,7 +30,13 @@ class StageDropout(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
             return x
-        return masked_scale(x, self.p, current_generator())
+        generator, watch = current_generator(), current_watch()
+        if watch is None:
+            return fused_dropout(x, self.p, generator)[0]
+        watch.before(generator)  # a probe tells this draw from the forward's other draws
+        out = fused_dropout(x, self.p, generator)[0]
+        watch.after(generator)
+        return out
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

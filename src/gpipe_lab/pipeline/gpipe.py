@@ -25,6 +25,7 @@ from gpipe_lab.pipeline.allocator import retain_freed_memory
 from gpipe_lab.pipeline.autograd_forward import pipeline_forward
 from gpipe_lab.pipeline.batching import checkpointed_microbatches
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
+from gpipe_lab.pipeline.clipping import clip_grad_norm_
 from gpipe_lab.pipeline.core import PipelineCore
 from gpipe_lab.pipeline.devices import resolve_devices
 from gpipe_lab.pipeline.dropout import convert_dropout
@@ -154,6 +155,15 @@ class GPipe(PipelineCore):
             RuntimeError (on backward): the schedule needs the loss inside the pipeline.
         """
         return pipeline_forward(self, inputs)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip every stage's gradients by their global 2-norm (``clipping.clip_grad_norm_``);
+        returns the norm before clipping.
+
+        Raises:
+            ValueError: ``max_norm`` is not a positive finite number.
+        """
+        return clip_grad_norm_(self.parameters(), max_norm, device=self.devices[0])
 
     def memory(self) -> list[dict[str, int]]:
         """Per stage: parameter bytes, the last step's peak saved-activation bytes and, for a

@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
+from gpipe_lab.pipeline.forwarding import forwarded
 from gpipe_lab.pipeline.schedules import SCHEDULES
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 TRANSPORTS = ("local", "distributed")
+REPLAY_SETTINGS = ("auto", True, False)
 
 
 class OptionError(ValueError):
@@ -60,13 +62,13 @@ class PipelineOptions:
     timeout: float = 300.0
     #: a NaN/inf loss or gradient: ``raise`` NonFiniteError, ``skip`` the step, or ``ignore``.
     nonfinite: str = "raise"
-    #: replay every random draw of a stage's forward from its per-micro-batch generator
-    #: (``random_replay``), so re-materialization repeats it exactly and runs are repeatable
-    #: whatever the thread timing. It costs one Python hop per op of each forward (measured in
-    #: ``results/benchmarks.md``); the re-materialization of a micro-batch whose forward
-    #: drew nothing skips it. Turn it off only for models that draw nothing in ``forward``
-    #: besides ``nn.Dropout`` (which is always replayed, by ``StageDropout``).
-    random_replay: bool = True
+    #: how a stage forward's random draws come from its per-(step, stage, micro-batch) generators,
+    #: so re-materialization repeats them and runs do not depend on thread timing (README, "Random
+    #: replay"). ``auto``: a stage that alone uses its device's generator reseeds it per micro-batch;
+    #: CPU stage threads take the per-op replay mode only where a first-step probe found draws
+    #: outside ``nn.Dropout``, and raise if such a draw appears later. ``true``: the per-op mode on
+    #: every forward (one Python hop per op). ``false``: only ``nn.Dropout`` (``StageDropout``) is replayed.
+    random_replay: bool | str = "auto"
     #: compile each stage's module with ``torch.compile``: ``false``, ``true``, or a dict of its
     #: keywords (``mode``, ``dynamic``, ``backend`` ...). A compiled stage replays only
     #: ``nn.Dropout`` draws (see ``compiling``); it raises for any other draw. The first steps
@@ -115,6 +117,8 @@ class PipelineOptions:
             fail("schedule", f"must be one of {sorted(SCHEDULES)}")
         if self.transport not in TRANSPORTS:
             fail("transport", f"must be one of {list(TRANSPORTS)}")
+        if not isinstance(self.random_replay, (bool, str)) or self.random_replay not in REPLAY_SETTINGS:
+            fail("random_replay", f"must be one of {list(REPLAY_SETTINGS)}")
         if self.nonfinite not in NONFINITE_POLICIES:
             fail("nonfinite", f"must be one of {list(NONFINITE_POLICIES)}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
@@ -197,17 +201,13 @@ __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "TRANSPORTS", "OptionError"
            "compile_kwargs", "merged_options"]
 
 
-def _view(name: str, doc: str) -> property:
-    return property(lambda self: getattr(self.options, name), doc=doc)
-
-
 class OptionViews:
     """Read-only attributes over ``self.options``, shared by the engine core and the strategy."""
 
     options: PipelineOptions
-    virtual_stages = _view("virtual_stages", "v: model chunks per pipeline rank.")
-    chunks = _view("chunks", "M: micro-batches per mini-batch (fewer when a batch is smaller).")
-    checkpoint = _view("checkpoint", "The re-materialization mode.")
-    schedule = _view("schedule", "The schedule's name.")
-    nonfinite = _view("nonfinite", "What a NaN/inf step does: raise, skip or ignore.")
-    timeout = _view("timeout", "Seconds a stage may wait for a neighbour.")
+    virtual_stages = forwarded("options.virtual_stages", "v: model chunks per pipeline rank.")
+    chunks = forwarded("options.chunks", "M: micro-batches per mini-batch (fewer when a batch is smaller).")
+    checkpoint = forwarded("options.checkpoint", "The re-materialization mode.")
+    schedule = forwarded("options.schedule", "The schedule's name.")
+    nonfinite = forwarded("options.nonfinite", "What a NaN/inf step does: raise, skip or ignore.")
+    timeout = forwarded("options.timeout", "Seconds a stage may wait for a neighbour.")

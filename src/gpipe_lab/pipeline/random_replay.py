@@ -3,19 +3,22 @@
 A checkpointed micro-batch runs its forward twice (once without a graph, once
 in the backward to rebuild it), and the two must draw the same random numbers,
 whatever the other stage threads do in between. ``RandomReplay`` is a
-thread-local ``TorchDispatchMode`` entered around each stage forward; it sees
-every aten op below autograd and:
+thread-local ``TorchDispatchMode`` entered around the stage forwards that need it
+(``replay_policy`` says which: with ``random_replay=True`` every one; with ``"auto"``
+those of CPU stages found drawing outside ``nn.Dropout``); it sees every aten op
+below autograd and:
 
 - gives every random op that takes a generator (``bernoulli_``, ``uniform_``,
   ``normal_``, ``rrelu_with_noise``, ``multinomial`` ...) the micro-batch's
   generator of the op's device, whatever generator the caller named;
 - sends ``rand``/``randn``/``randint``/``randperm``/``*_like`` to their
   ``.generator`` overloads with that generator;
-- re-implements ``native_dropout`` (the fused dropout of accelerators) with a
-  mask drawn from that generator;
+- runs ``native_dropout`` (the fused dropout of accelerators) as a dropout that
+  takes that generator (``dropout_kernel``: one kernel on CUDA);
 - runs any other seeded op (fused attention kernels with dropout, which read
   the device's default generator) with the device's default generator reseeded
-  from the micro-batch, under a lock, and restores its state afterwards;
+  from the micro-batch, under a lock (``replay_policy`` moves the shared default
+  generators only under it too), and restores its state afterwards;
 - refuses, naming the layer, a draw it cannot replay (cuDNN RNN dropout keeps
   its own state; devices without a default generator) before any output exists.
 
@@ -38,7 +41,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["RandomReplay", "UnreplayableRandomError"]
+from gpipe_lab.pipeline.dropout_kernel import fused_dropout
+
+__all__ = ["RandomReplay", "UnreplayableRandomError", "device_seed", "generator_argument"]
 
 _MASK = (1 << 63) - 1
 _SEEDED = torch.Tag.nondeterministic_seeded
@@ -49,7 +54,7 @@ _WITH_GENERATOR = {"default": "generator", "out": "generator_out", "low": "low_g
                    "low_dtype_out": "low_generator_dtype_out"}
 # seeded ops that hold random state of their own, which no generator can rewind
 _UNREPLAYABLE = {"_cudnn_rnn", "miopen_rnn"}
-_default_generator_lock = threading.Lock()
+_default_generator_lock = threading.RLock()
 
 Handler = Callable[["RandomReplay", Any, tuple, dict], Any]
 
@@ -119,8 +124,15 @@ def _native_dropout(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> An
     if p >= 1.0:
         return x * 0.0, torch.zeros_like(x, dtype=torch.bool)
     mode.draws += 1
-    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=mode.generator_for(x.device)).bool()
-    return torch.where(keep, x, x.new_zeros(())) * (1.0 / (1.0 - p)), keep
+    return fused_dropout(x, p, mode.generator_for(x.device))
+
+
+def generator_argument(func: Any, args: tuple, kwargs: dict) -> torch.Generator | None:
+    """The generator an aten op was called with (a keyword or, as ``_fused_dropout``'s, positional)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "generator":
+            return kwargs.get("generator", args[i] if i < len(args) and not a.kwarg_only else None)
+    return None
 
 
 def _dropout_probability(func: Any, args: tuple, kwargs: dict) -> float | None:
@@ -191,6 +203,7 @@ class RandomReplay(TorchDispatchMode):
     def __init__(self, generator: torch.Generator) -> None:
         super().__init__()
         self.seed = generator.initial_seed()
+        self.device = generator.device
         self.generators = {_key(generator.device): generator}
         self.calls = 0
         self.draws = 0  # random numbers drawn so far (0: this forward drew nothing)
@@ -200,7 +213,7 @@ class RandomReplay(TorchDispatchMode):
         gen = self.generators.get(key)
         if gen is None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(_mix(self.seed, zlib.crc32(f"{key[0]}:{key[1]}".encode())))
+            gen.manual_seed(device_seed(self.seed, self.device, device))
             self.generators[key] = gen
         return gen
 
@@ -217,6 +230,13 @@ class RandomReplay(TorchDispatchMode):
         if plan is None:
             return func(*args, **kwargs)
         return plan(self, func, args, kwargs)
+
+
+def device_seed(seed: int, stage_device: torch.device, device: torch.device) -> int:
+    """The seed of the micro-batch generator of ``device`` in a stage on ``stage_device``
+    whose micro-batch seed is ``seed`` (what ``RandomReplay.generator_for`` seeds)."""
+    key = _key(device)
+    return seed if key == _key(stage_device) else _mix(seed, zlib.crc32(f"{key[0]}:{key[1]}".encode()))
 
 
 def _key(device: torch.device) -> tuple[str, int]:

@@ -27,9 +27,10 @@ from gpipe_lab.pipeline.backward_call import stage_backward
 from gpipe_lab.pipeline.batchnorm import running_stat_layers, running_stats_untouched
 from gpipe_lab.pipeline.checkpointing import AutocastState, autocast_as, autocast_state, checkpointing
 from gpipe_lab.pipeline.compiling import CompiledStage
-from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
+from gpipe_lab.pipeline.context import microbatch_seed
 from gpipe_lab.pipeline.device_timing import DeviceClock
 from gpipe_lab.pipeline.microbatch import as_tuple, final_output, unwrap
+from gpipe_lab.pipeline.replay_policy import DISPATCH, NONE, OFF, StageReplay
 from gpipe_lab.pipeline.timeline import Event
 from gpipe_lab.pipeline.weight_gradients import (
     SplitPlan,
@@ -74,6 +75,7 @@ class _Saved:
     # the forward drew no random number: its replay, on the same inputs, draws none either,
     # so it runs without the per-op replay mode (which costs a Python call per op)
     drew_nothing: bool = False
+    replay: str = OFF  # how its first forward replayed its draws (``replay_policy``), and so its replay
     autocast: AutocastState | None = None  # the first forward's, for its replay (checkpointed only)
 
     def clear(self) -> None:
@@ -109,7 +111,7 @@ class StageRuntime:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.track_memory = True
-        self.replay_random = True
+        self.replay = StageReplay("auto", device, NONE, module, index)  # the core sets the option's
         self.clock = DeviceClock(device) if device.type == "cuda" else None
         self.compiled: CompiledStage | None = None  # set by the core with ``compile``
 
@@ -128,6 +130,7 @@ class StageRuntime:
         self._param_storages = (storage_keys([*self.module.parameters(), *self.module.buffers()])
                                 if self.track_memory else frozenset())
         self._norms = None  # found at the step's first replay
+        self.replay.settle()
 
     def abort(self) -> None:
         """Free what a failed step left behind."""
@@ -136,13 +139,13 @@ class StageRuntime:
         self._saved = {}
         self.live_bytes = 0
 
+    @property
+    def replay_random(self) -> bool | str:
+        """The ``random_replay`` setting this stage runs with (False for a compiled stage)."""
+        return self.replay.setting
+
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
-
-    def _generator(self, mb: int) -> torch.Generator:
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(microbatch_seed(self.base_seed, self.plan.step, self.index, mb))
-        return gen
 
     def _start(self) -> tuple[float, Any]:
         """Host time and (on a GPU) a device event at an action's start."""
@@ -173,8 +176,12 @@ class StageRuntime:
         hooks = (SavedBytes(self._param_storages, inputs, count).hooks() if self.track_memory
                  else nullcontext())
         # every micro-batch gets its generator: any layer may draw from current_generator()
-        replay = self.replay_random and not (recomputing and saved.drew_nothing)
-        with microbatch_context(self._generator(mb), recomputing, replay) as mode, hooks, \
+        seed = microbatch_seed(self.base_seed, self.plan.step, self.index, mb)
+        training = self.module.training
+        if not recomputing:
+            saved.replay = self.replay.first_kind(training)
+        kind = OFF if recomputing and saved.replay == DISPATCH and saved.drew_nothing else saved.replay
+        with self.replay.forward(kind, seed, recomputing, (self.plan.step, mb), training) as mode, hooks, \
                 checkpointing(mb in self.plan.checkpointed and not recomputing):
             x = unwrap(inputs, was_tensor)
             # the module is read at each call: a front end may wrap it (autocast) after construction

@@ -62,16 +62,11 @@ def _children(node: Node) -> list[tuple[Node, int]]:
     return [(n, i) for n, i in node.next_functions if n is not None]
 
 
-def plan_split(roots: list[Tensor], inputs: list[Tensor], params: list[Tensor]) -> SplitPlan | None:
-    """Find the mixed nodes of the graph behind ``roots``.
-
-    Returns ``None`` when the cheap split is not sound for this graph (see the
-    module docstring) or when no stage input requires grad (then B has nothing
-    to compute and W is a plain backward).
-    """
+def _reachability(roots: list[Tensor], inputs: list[Tensor], params: list[Tensor]
+                  ) -> tuple[dict[Node, bool], dict[Node, int], dict[Node, set[int]]]:
+    """One post-order walk of the graph behind ``roots``: for each node, whether it reaches a stage
+    input, the bitset of parameters it reaches, and the output slots its parents read."""
     root_nodes = [r.grad_fn for r in roots]
-    if not inputs or any(n is None for n in root_nodes):
-        return None
     input_ids = {id(t) for t in inputs}
     param_index = {id(p): j for j, p in enumerate(params)}
     # Iterative post-order over the graph: reach_in[node], reach_params[node] (bitset).
@@ -104,6 +99,20 @@ def plan_split(roots: list[Tensor], inputs: list[Tensor], params: list[Tensor]) 
         for c, _ in kids:
             bits |= reach_params[c]
         reach_params[node] = bits
+    return reach_in, reach_params, parents_slots
+
+
+def plan_split(roots: list[Tensor], inputs: list[Tensor], params: list[Tensor]) -> SplitPlan | None:
+    """Find the mixed nodes of the graph behind ``roots``.
+
+    Returns ``None`` when the cheap split is not sound for this graph (see the
+    module docstring) or when no stage input requires grad (then B has nothing
+    to compute and W is a plain backward).
+    """
+    root_nodes = [r.grad_fn for r in roots]
+    if not inputs or any(n is None for n in root_nodes):
+        return None
+    reach_in, reach_params, parents_slots = _reachability(roots, inputs, params)
     if not all(reach_in[n] for n in root_nodes):  # type: ignore[index]
         return None
     tasks: list[WeightTask] = []

@@ -5,7 +5,8 @@
 
 Boxes are colored by kind (F forward, B backward, W weight gradients, R
 recompute, wait: blocked on a neighbour) and labelled with the micro-batch
-number when wide enough. With ``predicted``, the measured and the predicted
+number when wide enough; the legend names the kinds drawn, and a caption what
+the grey and the white gaps mean. With ``predicted``, the measured and the predicted
 timelines are drawn one above the other on the same time axis and colors, so
 their lengths compare at a glance. Uses matplotlib's Agg canvas (no display,
 no pyplot state): safe in worker threads and on headless machines.
@@ -23,7 +24,12 @@ from matplotlib.patches import Patch, Rectangle
 from gpipe_lab.pipeline.timeline import Timeline
 
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "R": "#8172b3", "wait": "#d9d9d9"}
-LABELS = {"F": "forward", "B": "backward", "W": "weight grad", "R": "recompute", "wait": "wait"}
+LABELS = {"F": "forward", "B": "backward", "W": "weight grad", "R": "recompute",
+          "wait": "wait (for a neighbour)"}
+#: What the picture's two kinds of gap mean, under the time axis.
+CAPTION = ("grey: the stage waits for a neighbour's activations or gradients.\n"
+           "white: no action and no wait recorded: the stage has not started or has finished its part of "
+           "the step, or is between two actions (hand-over, scheduling).")
 
 
 def _draw(ax: Axes, timeline: Timeline, name: str, scale: float, xmax: float) -> None:
@@ -54,7 +60,7 @@ def plot_timeline(timeline: Timeline, path: str | Path | None = None, title: str
 
     Returns:
         the matplotlib ``Figure`` (e.g. for ``wandb.Image(fig)``); one axis per timeline,
-        one ``Rectangle`` patch per event.
+        one ``Rectangle`` patch per event, the caption among the figure texts.
 
     Raises:
         ValueError: ``predicted`` has a different number of stages.
@@ -75,11 +81,13 @@ def plot_timeline(timeline: Timeline, path: str | Path | None = None, title: str
     for ax, (name, t) in zip(axes, panels):
         _draw(ax, t, name, scale, xmax)
     axes[-1].set_xlabel("time (ms)" if scale == 1e3 else "time")
-    handles = [Patch(facecolor=COLORS[k], edgecolor="black", label=LABELS[k]) for k in COLORS]
-    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
+    drawn = {e.kind for _, t in panels for e in t.events}
+    handles = [Patch(facecolor=COLORS[k], edgecolor="black", label=LABELS[k]) for k in COLORS if k in drawn]
+    fig.legend(handles=handles, loc="upper right", ncol=max(1, len(handles)), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, x=0.01, ha="left", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.text(0.01, 0.01, CAPTION, ha="left", va="bottom", fontsize=7)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.93))
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from gpipe_lab.pipeline.allocator import retain_freed_memory
 from gpipe_lab.pipeline.autograd_forward import refuse_backward, wants_graph
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
+from gpipe_lab.pipeline.clipping import clip_grad_norm_
 from gpipe_lab.pipeline.core import PipelineCore
 from gpipe_lab.pipeline.devices import move_target
 from gpipe_lab.pipeline.distributed.failure import AbortChannel
@@ -37,6 +38,7 @@ from gpipe_lab.pipeline.distributed.resolve import (
 from gpipe_lab.pipeline.distributed.state import gather_full_state_dict, local_state_dict
 from gpipe_lab.pipeline.distributed.topology import build_topology, connect_links
 from gpipe_lab.pipeline.dropout import convert_dropout
+from gpipe_lab.pipeline.forwarding import forwarded
 from gpipe_lab.pipeline.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions, merged_options
@@ -109,9 +111,11 @@ class DistributedGPipe(PipelineCore):
         self._clock_zero = time.perf_counter()  # aligned across the pipeline's ranks by the barrier
 
     # ------------------------------------------------------------ properties
-    @property
-    def stage_index(self) -> int:
-        return self.topo.stage_index
+    stage_index = forwarded("topo.stage_index", "This rank's stage (its first chunk's index).")
+    dp_rank = forwarded("topo.dp_rank", "This rank's data-parallel replica.")
+    dp_size = forwarded("topo.dp_size", "D: replicas of the whole pipeline.")
+    pp_group = forwarded("topo.pp_group", "This pipeline's process group.")
+    dp_group = forwarded("topo.dp_group", "The process group of this stage's replicas (gradient all-reduce).")
 
     @property
     def stage_module(self) -> nn.Module:
@@ -127,22 +131,6 @@ class DistributedGPipe(PipelineCore):
     def devices(self) -> list[torch.device]:
         """This rank's device (one entry: the others' are theirs)."""
         return [self.device]
-
-    @property
-    def dp_rank(self) -> int:
-        return self.topo.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.topo.dp_size
-
-    @property
-    def pp_group(self) -> object:
-        return self.topo.pp_group
-
-    @property
-    def dp_group(self) -> object:
-        return self.topo.dp_group
 
     @property
     def is_last_stage(self) -> bool:
@@ -169,15 +157,19 @@ class DistributedGPipe(PipelineCore):
         return outputs
 
     # ------------------------------------------------------------ reporting
-    def gather_timeline(self) -> Timeline:
+    def gather_timeline(self, on_device: bool = False) -> Timeline:
         """The whole pipeline's last step on one clock, on every rank (collective over the pipeline).
+
+        ``on_device``: each rank on a GPU contributes its actions timed by CUDA events
+        (``Timeline.on_device``: anchored to its host clock by an event that ran, no host
+        ``wait`` events); a CPU rank contributes its host events, waits included.
 
         Raises:
             RuntimeError: no step has run yet.
         """
         if self.timeline is None:
             raise RuntimeError("gather_timeline() needs a step first (train_step or forward)")
-        t = self.timeline
+        t = self.timeline.on_device() if on_device else self.timeline
         z = self._clock_zero
         mine = Timeline(t.num_stages, t.start - z, t.end - z,
                         [Event(e.stage, e.kind, e.microbatch, e.start - z, e.end - z) for e in t.events],
@@ -187,6 +179,16 @@ class DistributedGPipe(PipelineCore):
         merged = Timeline.merge(every)  # type: ignore[arg-type]
         merged.num_microbatches = t.num_microbatches
         return merged
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip by the global 2-norm over every stage of this pipeline (collective over the
+        pipeline group; ``clipping.clip_grad_norm_``); returns the norm before clipping.
+
+        Raises:
+            ValueError: ``max_norm`` is not a positive finite number.
+        """
+        group = self.pp_group if self.num_stages > 1 else None
+        return clip_grad_norm_(self.parameters(), max_norm, group=group, device=self.device)
 
     def memory(self) -> list[dict[str, int]]:
         """Per local chunk: parameter bytes, peak saved-activation bytes, peak live micro-batches."""

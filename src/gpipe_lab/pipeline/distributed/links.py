@@ -12,13 +12,20 @@ A receiver thread per incoming link walks its list: post the header receive,
 then the data receives as soon as the header says what to allocate, and put the
 value in the step's mailbox (``mailbox.Mailbox``). Receives therefore run ahead
 of the compute, while the rank works on earlier actions.
+
+On a GPU each link receives on a CUDA stream of its own, made once and reused
+by every step (``LinkStreams``): the caching allocator caches blocks per
+stream, so a fresh stream per step would never reuse a receive buffer, and
+streams taken from the pool NCCL also draws from could alias one of its own (these
+come from the other, high-priority, pool).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 
@@ -72,17 +79,57 @@ def accept(values: tuple, ready: object, device: torch.device) -> tuple:
     return values
 
 
+def _receive_stream(device: torch.device) -> object:
+    """A stream from the high-priority pool: NCCL draws its own streams from the other one
+    (unless told to use high priority), so a receive stream never aliases one of NCCL's."""
+    return torch.cuda.Stream(device, priority=-1)
+
+
+class LinkStreams:
+    """One receive stream per incoming link, made on first use and kept for every later step.
+
+    ``factory(device)`` makes a stream (a high-priority CUDA stream on a GPU; off a GPU
+    none is made unless a test installs a factory). ``made`` counts the calls.
+    """
+
+    def __init__(self, device: torch.device,
+                 factory: Callable[[torch.device], object] | None = None) -> None:
+        self.device = device
+        self.factory = factory if factory is not None else (_receive_stream if device.type == "cuda" else None)
+        self.made = 0
+        self._streams: dict[LinkKey, object] = {}
+        self._lock = threading.Lock()
+
+    def get(self, link: LinkKey) -> object | None:
+        """The link's stream (``None`` without a factory)."""
+        if self.factory is None:
+            return None
+        with self._lock:
+            if link not in self._streams:
+                self._streams[link] = self.factory(self.device)
+                self.made += 1
+            return self._streams[link]
+
+    def enter(self, stream: object | None) -> AbstractContextManager[Any]:
+        """Make ``stream`` current for the receives (on a GPU only)."""
+        if stream is None or self.device.type != "cuda":
+            return nullcontext()
+        return torch.cuda.stream(stream)  # type: ignore[arg-type]
+
+
 def start_receivers(plan: dict[LinkKey, list[MessageKey]], rank: int, links: dict[LinkKey, object],
                     mailbox: Mailbox, device: torch.device, header_device: torch.device,
                     on_thread_start: Callable[[], None] | None = None,
-                    header_links: dict[LinkKey, object] | None = None) -> list[threading.Thread]:
+                    header_links: dict[LinkKey, object] | None = None,
+                    streams: LinkStreams | None = None) -> list[threading.Thread]:
     """One daemon thread per incoming link, receiving its messages in order.
 
     Each mailbox item is ``(values, was_tensor, ready)``. On a GPU a thread receives
-    on a side stream of its own and ``ready`` is a CUDA event recorded there once
-    the data is in; the consumer makes its stream wait for it (``accept``).
-    Elsewhere ``ready`` is ``None``.
+    on its link's stream (``streams``, one per link for the channel's lifetime) and
+    ``ready`` is a CUDA event recorded there once the data is in; the consumer makes
+    its stream wait for it (``accept``). Elsewhere ``ready`` is ``None``.
     """
+    streams = streams if streams is not None else LinkStreams(device)
     threads = []
     for link, messages in plan.items():
         _, src, dst = link
@@ -92,18 +139,19 @@ def start_receivers(plan: dict[LinkKey, list[MessageKey]], rank: int, links: dic
         def run(link: LinkKey = link, messages: list[MessageKey] = messages, src: int = src) -> None:
             if on_thread_start is not None:
                 on_thread_start()
-            side = torch.cuda.Stream(device) if device.type == "cuda" else None
+            side = streams.get(link)
+            on_device = side is not None and device.type == "cuda"
             headers = None if header_links is None else header_links.get(link)
             try:
                 for seq, key in enumerate(messages):
-                    with torch.cuda.stream(side) if side is not None else nullcontext():
+                    with streams.enter(side):
                         values, was_tensor = recv_values(
                             src, links[link], seq, device, header_device,
                             lambda work, _what: work.wait(), headers)  # type: ignore[attr-defined]
                     ready = None
-                    if side is not None:
+                    if on_device:
                         ready = torch.cuda.Event()
-                        ready.record(side)
+                        ready.record(side)  # type: ignore[arg-type]
                     mailbox.put(key, (values, was_tensor, ready))
             except BaseException as exc:  # noqa: BLE001 - surfaces in the rank's wait (Undelivered)
                 mailbox.break_link(src, exc)

@@ -5,10 +5,12 @@ rank's locally; this file only moves tensors. Per step:
 
 1. receiver threads post every incoming receive of the step ahead of need and
    put each value into the step's mailbox (``links.start_receivers``);
-2. a send starts an asynchronous send, keeping its ``Work`` until completion;
-   a value for a chunk of this same rank goes straight into the mailbox;
-3. right after a chunk's last backward action, its data-parallel all-reduce
-   starts (``GradientSync``), overlapping the remaining actions;
+2. a send starts an asynchronous send, whose ``Work`` and tensor are dropped as
+   soon as it completes (``sends.InFlightSends``); a value for a chunk of this
+   same rank goes straight into the mailbox;
+3. during the backward of a chunk's last micro-batch, each gradient bucket's
+   data-parallel all-reduce starts as soon as the bucket is complete, the rest
+   right after the chunk's last backward action (``GradientSync``);
 4. ``close`` waits for the sends and the all-reduces.
 
 Every wait polls the abort channel; an error is annotated with rank, stage and
@@ -28,9 +30,10 @@ from torch import Tensor
 from gpipe_lab.pipeline.channel import RankDevices, Values
 from gpipe_lab.pipeline.distributed.failure import AbortChannel, PeerFailedError, PeerTimeoutError, wait_works
 from gpipe_lab.pipeline.distributed.grad_sync import GradientSync
-from gpipe_lab.pipeline.distributed.links import LinkKey, accept, message_plan, start_receivers
+from gpipe_lab.pipeline.distributed.links import LinkKey, LinkStreams, accept, message_plan, start_receivers
+from gpipe_lab.pipeline.distributed.sends import InFlightSends
 from gpipe_lab.pipeline.distributed.topology import Topology
-from gpipe_lab.pipeline.distributed.wire import Pending, send_values
+from gpipe_lab.pipeline.distributed.wire import send_values
 from gpipe_lab.pipeline.errors import annotate, describe
 from gpipe_lab.pipeline.mailbox import Mailbox
 from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule
@@ -57,7 +60,10 @@ class P2PChannel:
         self._mailbox = Mailbox()
         self.peak_live: dict[int, int] = {}
         self._seq: dict[LinkKey, int] = {}
-        self._pending: Pending = []
+        self.runtimes = runtimes
+        #: one receive stream per incoming link, for the channel's lifetime
+        self.link_streams = LinkStreams(device)
+        self.sends = InFlightSends()
 
     @property
     def timeout(self) -> float:
@@ -69,15 +75,24 @@ class P2PChannel:
         self.grad_sync.timeout = float(seconds)
 
     def prepare(self, schedule: Schedule) -> Any:
-        """The ordered messages of every link (checked once per schedule)."""
-        return message_plan(schedule, self.topo.pp_ranks, self.num_virtual)
+        """The ordered messages of every link (checked once per schedule), and per local chunk
+        how many backward accumulations complete its gradients (0 when ``W`` actions make them)."""
+        mine = schedule[self.topo.stage_index]
+        accumulations = {}
+        for j in self.runtimes:
+            kinds = [a.kind for a in mine if a.stage == j]
+            accumulations[j] = 0 if "W" in kinds else kinds.count("B")
+        return message_plan(schedule, self.topo.pp_ranks, self.num_virtual), accumulations
 
     def open(self, prepared: Any, mailbox: Mailbox, ranks: RankDevices) -> None:
-        self._mailbox, self._seq, self._pending = mailbox, {}, []
+        plan, accumulations = prepared
+        self._mailbox, self._seq, self.sends = mailbox, {}, InFlightSends()
+        for j, runtime in self.runtimes.items():
+            self.grad_sync.arm(j, list(runtime.module.parameters()), accumulations[j])
         device = self.device
-        start_receivers(prepared, self.topo.rank, self.topo.links, mailbox, device, self.header_device,
+        start_receivers(plan, self.topo.rank, self.topo.links, mailbox, device, self.header_device,
                         (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None,
-                        self.topo.header_links)
+                        self.topo.header_links, self.link_streams)
 
     def rank_context(self, rank: int, device: torch.device) -> AbstractContextManager[Any]:
         return nullcontext()
@@ -91,8 +106,8 @@ class P2PChannel:
         link = ("act" if key[0] == "F" else "grad", topo.rank, dst)
         n = self._seq.get(link, 0)
         self._seq[link] = n + 1
-        self._pending.extend(send_values(values, was_tensor, dst, topo.links[link], n, self.header_device,
-                                         topo.header_links.get(link)))
+        self.sends.add(send_values(values, was_tensor, dst, topo.links[link], n, self.header_device,
+                                   topo.header_links.get(link)))
 
     def receive(self, item: tuple, receiver: StageRuntime) -> tuple[Values, bool]:
         values, was_tensor, ready = item
@@ -121,11 +136,11 @@ class P2PChannel:
         self.grad_sync.start(runtime.module.parameters())
 
     def close(self, ranks: RankDevices, ok: bool, sync_gradients: bool) -> None:
-        pending, self._pending = self._pending, []
         if not ok:
+            self.sends.discard()
             self.grad_sync.discard()
             return
-        wait_works([w for w, _ in pending], "sending activations/gradients", None, self.timeout, self.abort)
+        self.sends.close(self.timeout, self.abort)
         if sync_gradients:
             self.grad_sync.finish()
 

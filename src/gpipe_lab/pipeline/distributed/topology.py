@@ -41,6 +41,8 @@ class Topology:
     links: dict[LinkKey, object] = field(default_factory=dict)
     #: the group each link's headers travel on (a CPU group under NCCL; else the link itself)
     header_links: dict[LinkKey, object] = field(default_factory=dict)
+    #: the links warmed with a send/receive pair before the first step, in the order warmed
+    warmed: list[LinkKey] = field(default_factory=list)
 
     @property
     def dp_size(self) -> int:
@@ -74,15 +76,22 @@ class Topology:
         return self.rank_of(self.num_stages * self.virtual_stages - 1)
 
 
-def check_world(world_size: int, num_stages: int) -> None:
-    """Raises:
-        ValueError: the world size is not a multiple of the number of stages.
+def check_world(world_size: int, num_stages: int, *, what: str | None = None,
+                stages: str = "the number of pipeline stages K", fix: str | None = None) -> None:
+    """The one rule for the distributed transport's world size: a multiple of K (one process per
+    stage of each data-parallel replica). Front doors name their own keys in ``what`` (where the
+    world size came from), ``stages`` (where K came from) and ``fix``.
+
+    Raises:
+        ValueError: ``num_stages`` below 1, or the world size is not a multiple of it.
     """
     if num_stages < 1:
         raise ValueError(f"the number of pipeline stages must be >= 1, got {num_stages}")
     if world_size % num_stages != 0:
-        raise ValueError(f"world size {world_size} is not divisible by the number of pipeline stages "
-                         f"{num_stages}: world size must be data_parallel_size × {num_stages}")
+        fix = fix or f"the world size must be data_parallel_size × {num_stages}"
+        raise ValueError(f"{what or f'world size {world_size}'} is not divisible by {stages}={num_stages}: "
+                         f"the distributed transport runs one process per stage of each data-parallel "
+                         f"replica; {fix}")
 
 
 def _edges(num_stages: int, virtual_stages: int) -> list[tuple[str, int, int]]:
@@ -137,14 +146,30 @@ def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size:
     return topo
 
 
-def connect_links(topo: Topology, device: torch.device) -> None:
-    """Create every link's NCCL communicator now, not inside the first step (collective).
+def connect_links(topo: Topology, device: torch.device) -> list[LinkKey]:
+    """Warm every link of this rank with a real send/receive pair now, not inside the first step.
 
-    Each rank touches its links in one global order (sorted link keys), so the
-    pairwise set-ups can never wait on each other in a cycle. Nothing to do off NCCL.
+    NCCL builds a separate two-rank communicator for point-to-point traffic, lazily, at a
+    group's first send or receive; made inside step 1 it would be set up from several
+    threads while kernels are in flight. Here each rank walks its links in one global order
+    (sorted link keys), source sending one element to destination, blocking: the earliest
+    unfinished link always has both ends waiting on it, so the pairs can never wait on each
+    other in a cycle. The same pairs run on gloo (cheap, and they check the links).
+    Returns the links warmed, in order (``topo.warmed`` keeps them).
     """
-    if device.type != "cuda" or dist.get_backend() != "nccl":
-        return
+    on = device if device.type == "cuda" and dist.get_backend() == "nccl" else torch.device("cpu")
+    warmed: list[LinkKey] = []
     for key in sorted(topo.links):
-        dist.all_reduce(torch.zeros(1, device=device), group=topo.links[key])
-    torch.cuda.synchronize(device)
+        _, src, dst = key
+        probe = torch.full((1,), float(src), device=on)
+        if topo.rank == src:
+            dist.send(probe, dst=dst, group=topo.links[key])
+        else:
+            dist.recv(probe, src=src, group=topo.links[key])
+            if int(probe.item()) != src:
+                raise RuntimeError(f"link {key}: the warm-up message came from rank {int(probe.item())}")
+        warmed.append(key)
+    if on.type == "cuda":
+        torch.cuda.synchronize(on)
+    topo.warmed = warmed
+    return warmed

@@ -1,0 +1,210 @@
+"""``random_replay="auto"`` (the default): randomness is paid for only where it is drawn.
+
+Each pipelined run is compared with the unpipelined model drawing as the engine
+promises (micro-batch i's layers of stage j inside ``microbatch_context`` with the
+generator seeded ``microbatch_seed(seed, step, j, i)``): losses and gradients to 1e-5.
+Local transport on CPU (stage threads share the default generator), K=2, M=4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gpipe_lab import GPipe
+from gpipe_lab.pipeline import (
+    OptionError,
+    PipelineOptions,
+    StageDropout,
+    UnreplayableRandomError,
+    convert_dropout,
+)
+from gpipe_lab.pipeline.context import current_generator, microbatch_context, microbatch_seed
+from gpipe_lab.pipeline.random_replay import RandomReplay
+from gpipe_lab.pipeline.replay_policy import ALL, DISPATCH, FORK, GUARD, NONE, PROBE, StageReplay
+
+pytestmark = pytest.mark.timeout(120)
+SEED, BALANCE, CHUNKS = 17, [3, 3], 4
+
+
+class Noise(nn.Module):
+    """Functional draws in ``forward`` (``torch.rand`` and ``F.dropout``), while ``active``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.active:
+            return x
+        return F.dropout(x, 0.3, self.training) * (1.0 + 0.1 * torch.rand(x.shape))
+
+
+def dropout_only() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(),
+                         nn.Linear(16, 16), nn.Dropout(0.3), nn.Linear(16, 4))
+
+
+def functional_in_stage_1() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(),
+                         nn.Linear(16, 16), Noise(), nn.Linear(16, 4))
+
+
+def batch() -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+def reference(make: Callable[[], nn.Sequential], step: int = 0, grad: bool = True) -> tuple[Tensor, list[Tensor]]:
+    """The unpipelined model's outputs (and gradients), drawing from the engine's generators."""
+    net = make()
+    convert_dropout(net)
+    stages = [net[:BALANCE[0]], net[BALANCE[0]:]]
+    x, y = batch()
+    outs = []
+    with torch.set_grad_enabled(grad):
+        for i, (xi, yi) in enumerate(zip(x.chunk(CHUNKS), y.chunk(CHUNKS))):
+            h = xi
+            for j, stage in enumerate(stages):
+                with microbatch_context(torch.Generator().manual_seed(microbatch_seed(SEED, step, j, i))):
+                    h = stage(h)
+            outs.append(h.detach())
+            if grad:
+                (F.mse_loss(h, yi) * (len(yi) / len(y))).backward()
+    return torch.cat(outs), [p.grad.clone() for p in net.parameters()] if grad else []
+
+
+def pipe_of(net: nn.Sequential, checkpoint: str = "always", **options: object) -> GPipe:
+    return GPipe(net, balance=BALANCE, chunks=CHUNKS, checkpoint=checkpoint, seed=SEED, threads_per_stage=1,
+                 retain_cpu_memory=False, **options)
+
+
+@pytest.fixture
+def dispatched(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the ops that went through the per-op replay mode."""
+    seen = [0]
+    original = RandomReplay.__torch_dispatch__
+
+    def counting(self: RandomReplay, *args: object, **kwargs: object) -> object:
+        seen[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(RandomReplay, "__torch_dispatch__", counting)
+    return seen
+
+
+def assert_grads(net: nn.Sequential, expected: list[Tensor]) -> None:
+    for p, g in zip(net.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_model_drawing_only_through_nn_dropout_never_enters_the_dispatch_mode(
+        checkpoint: str, dispatched: list[int]) -> None:
+    net = dropout_only()
+    pipe = pipe_of(net, checkpoint)
+    loss = pipe.train_step(*batch(), F.mse_loss)
+    grads = [p.grad.clone() for p in net.parameters()]
+    assert [s.replay.draws for s in pipe.stages] == [{True: False}, {True: False}]  # probed once, clean
+    pipe.train_step(*batch(), F.mse_loss)  # a guarded step after the probe
+    assert dispatched[0] == 0
+    out, expected = reference(dropout_only)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=0)
+    torch.testing.assert_close(loss, F.mse_loss(out, batch()[1]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_functional_draw_on_shared_cpu_generators_is_replayed(checkpoint: str, dispatched: list[int]) -> None:
+    """Step 0 probes (the shared generators reseeded under a lock), step 1 runs stage 1 only
+    through the per-op mode; both draw what the reference draws."""
+    net = functional_in_stage_1()
+    pipe = pipe_of(net, checkpoint)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    grads = []
+    for _ in range(2):
+        net.zero_grad()
+        pipe.train_step(*batch(), F.mse_loss)
+        grads.append([p.grad.clone() for p in net.parameters()])
+        assert torch.equal(torch.get_rng_state(), state)  # the caller's generator is left alone
+    assert [s.replay.draws for s in pipe.stages] == [{True: False}, {True: True}]  # the mode in stage 1 only
+    assert dispatched[0] > 0
+    for step in (0, 1):
+        for g, e in zip(grads[step], reference(functional_in_stage_1, step)[1]):
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=0)
+
+
+def test_a_draw_appearing_after_the_probe_raises_naming_the_stage_and_the_fix() -> None:
+    net = functional_in_stage_1()
+    net[4].active = False  # draws nothing at the first step
+    pipe = pipe_of(net)
+    pipe.train_step(*batch(), F.mse_loss)
+    net[4].active = True
+    with pytest.raises(UnreplayableRandomError, match=r"stage 1 .*step 1.*random_replay=True"):
+        pipe.train_step(*batch(), F.mse_loss)
+
+
+def test_explicit_true_replays_every_forward_through_the_mode(dispatched: list[int]) -> None:
+    net = dropout_only()
+    pipe_of(net, random_replay=True).train_step(*batch(), F.mse_loss)
+    assert dispatched[0] > 0
+    assert_grads(net, reference(dropout_only)[1])
+
+
+def test_explicit_false_neither_probes_nor_dispatches(dispatched: list[int]) -> None:
+    net = dropout_only()
+    pipe = pipe_of(net, random_replay=False)
+    pipe.train_step(*batch(), F.mse_loss)
+    assert dispatched[0] == 0 and [s.replay.draws for s in pipe.stages] == [{}, {}]
+    assert_grads(net, reference(dropout_only)[1])  # nn.Dropout is still replayed
+
+
+def test_mc_dropout_under_no_grad_draws_fresh_numbers_every_call() -> None:
+    pipe = pipe_of(dropout_only())
+    pipe.train()
+    x, _ = batch()
+    with torch.no_grad():
+        first, second = pipe(x), pipe(x)
+    assert not torch.equal(first, second)
+    torch.testing.assert_close(first, reference(dropout_only, step=0, grad=False)[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(second, reference(dropout_only, step=1, grad=False)[0], atol=1e-5, rtol=0)
+
+
+def test_a_stage_owning_its_generators_forks_and_reseeds_them() -> None:
+    """Where a rank is alone in its process: the default generator, reseeded for the micro-batch,
+    draws what the mode's micro-batch generator draws, and is restored afterwards."""
+    replay = StageReplay("auto", torch.device("cpu"), ALL, nn.Sequential(), 0)
+    assert replay.first_kind(True) == FORK
+    state = torch.get_rng_state()
+    with replay.forward(FORK, 5, False, (0, 0), True):
+        drawn = torch.rand(6)
+        assert current_generator() is torch.default_generator
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(drawn, torch.rand(6, generator=torch.Generator().manual_seed(5)))
+
+
+def test_a_probe_tells_stage_dropout_draws_from_other_draws_per_training_flag() -> None:
+    shared = StageReplay("auto", torch.device("cpu"), NONE, nn.Sequential(), 0)
+    state = torch.get_rng_state()
+    for training, draw in ((True, lambda: None), (False, lambda: torch.rand(1))):
+        assert shared.first_kind(training) == PROBE
+        with shared.forward(PROBE, 5, False, (0, 0), training):
+            StageDropout(0.5)(torch.ones(8))  # drawn from the reseeded shared generator, bracketed
+            draw()
+    assert torch.equal(torch.get_rng_state(), state)  # reseeded for the forward, then restored
+    shared.settle()
+    assert shared.first_kind(True) == GUARD and shared.first_kind(False) == DISPATCH
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_a_bad_random_replay_value_names_it_and_the_allowed_ones(value: object) -> None:
+    assert PipelineOptions().random_replay == "auto"
+    with pytest.raises(OptionError, match=r"^random_replay: must be one of \['auto', True, False\], got "):
+        PipelineOptions(random_replay=value).check()
