@@ -73,11 +73,17 @@ class Stall(nn.Module):
 
 def test_a_wait_longer_than_the_timeout_raises_and_a_new_timeout_reaches_the_waits() -> None:
     torch.manual_seed(0)
-    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), Stall(), nn.Linear(4, 4)), balance=[1, 2], chunks=4,
+    stall = Stall()
+    stall.armed = False
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), stall, nn.Linear(4, 4)), balance=[1, 2], chunks=4,
                  timeout=300.0)
-    pipe.timeout = 0.3  # set between steps: the executor's waits read it
     x, y = torch.randn(8, 4), torch.randn(8, 4)
-    with pytest.raises(PipelineTimeoutError, match="timeout of 0.3 s") as info:
+    pipe.train_step(x, y, F.mse_loss)  # one-off set-up costs are paid under the long timeout
+    stall.armed = True
+    # Set between steps: the executor's waits read it. Long enough that no wait but the stalled
+    # one can reach it on a loaded machine, short enough to keep the test quick.
+    pipe.timeout = 1.5
+    with pytest.raises(PipelineTimeoutError, match="timeout of 1.5 s") as info:
         pipe.train_step(x, y, F.mse_loss)
     assert "stage 0: last completed F3@0, waiting on B3@0" in str(info.value)  # waited for stage 1
     assert not stage_threads()
