@@ -240,7 +240,7 @@ class Executor:
                 raise Stopped
             runtime = runtimes[action.stage]
             run_action(action, runtime, receive, endpoint, feed, key, out)
-            live = len(runtime._saved)
+            live = runtime.live_microbatches()
             if live > peak[action.stage]:
                 peak[action.stage] = live
             if sync and last_of_stage:

@@ -144,6 +144,10 @@ class StageRuntime:
         """The ``random_replay`` setting this stage runs with (False for a compiled stage)."""
         return self.replay.setting
 
+    def live_microbatches(self) -> int:
+        """Micro-batches whose forward state this stage still holds (awaiting their backward)."""
+        return len(self._saved)
+
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
 
