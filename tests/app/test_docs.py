@@ -57,7 +57,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "gpipe-train pipeline.compile=true": ("skip", "tests/app/test_compile_app.py trains with pipeline.compile "
                                                   "(aot_eager: inductor's C++ build takes minutes on 2 cores)"),
     "gpipe-train pipeline.transport=distributed pipeline.partitions=2":
-        ("skip", "tests/app/test_multiprocess.py runs exactly this (smoke-sized)"),
+        ("skip", "tests/app/test_multiprocess.py runs this (smoke-sized, interleaved schedule)"),
     "wandb sync logs/train/runs/<time>/wandb/offline-run-*": ("skip", "uploads to wandb.ai (network)"),
     "python experiments/table2_throughput.py experiment.chunks=[1,4]": ("run", "--tiny --out out", ""),
     "gpipe-train -m experiment=paper_table2_amoebanet pipeline.partitions=1,2 pipeline.chunks=1,4,32":

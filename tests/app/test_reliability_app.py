@@ -10,8 +10,10 @@ it prints (bounded by each test's timeout mark), and kills its whole process gro
   bitwise identical (same seed, same K and M, whatever the re-materialization).
 - SIGKILL after the step-9 checkpoint (mid-epoch), then ``ckpt_path=<it>``: every resumed
   step has bitwise the reference's loss; ``last.ckpt`` is complete and at most one checkpoint behind the newest.
-- SIGINT (Ctrl-C) mid-epoch: the app finishes the step, writes ``checkpoints/last.ckpt``,
-  exits with status 1 (no hang), and resuming from it continues with the reference's losses.
+- SIGINT (Ctrl-C) mid-epoch: the app finishes the step, writes ``checkpoints/last.ckpt``, the
+  summary (marked interrupted) and the last timeline picture, prints the resume command with
+  the user's overrides, exits with status 1 (no hang), and resuming from it continues with the
+  reference's losses.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import csv
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -194,10 +197,13 @@ def test_sigint_stops_cleanly_and_leaves_a_resumable_checkpoint(reference, tmp_p
     last = run_dir / "checkpoints" / "last.ckpt"
     assert last.exists(), f"Ctrl-C did not write last.ckpt:\n{text}"
     lines = [line for line in text.splitlines() if line.strip()]
-    resume = "resume with: gpipe-train"
+    resume = f"resume with: {shlex.join(['gpipe-train', *APP[:3]])} "  # the user's overrides, retyped
     assert lines[-1].startswith(resume) and lines[-1].endswith(f"ckpt_path={last}"), text  # the last line
     assert lines[-2].startswith("summary: K=2") and lines[-2].endswith("(interrupted)"), text
     assert lines[-1] in (run_dir / "train.log").read_text() and lines[-2] in (run_dir / "train.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["steps"] >= 1, summary
+    assert (run_dir / "timeline_last.png").is_file()
     ckpt = Path(shutil.copy(last, tmp_path / "interrupted.ckpt"))
     saved_step = int(torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"])
     assert STEPS_PER_EPOCH < saved_step <= STEPS - STEPS_PER_EPOCH, saved_step  # within the reference's steps

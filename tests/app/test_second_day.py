@@ -7,47 +7,20 @@ user's mistake (a missing checkpoint, no GPU, no internet) is one line naming th
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from gpipe_lab.train import cli
-from helpers.app import SMALL, user_app
+from helpers.app import SMALL, Done, cli_here, user_app
 
 app = user_app
 
 
-@dataclass
-class Done:
-    """What ``gpipe-train`` left: its exit status (or message) and what it printed."""
-
-    code: int | str | None
-    out: str
-    err: str
-
-
 @pytest.fixture
 def gpipe_train(tmp_path, capsys, monkeypatch) -> Callable[..., Done]:
-    """``gpipe-train ARGS`` in this process (the console script's ``cli``, the user's ``sys.argv``):
-    the same command line without paying the imports of a new process for each test."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-
-    def call(*args: str) -> Done:
-        monkeypatch.setattr(sys, "argv", ["gpipe-train", *args, f"paths.log_dir={tmp_path}"])
-        code: int | str | None = 0
-        try:
-            cli()
-        except SystemExit as exc:
-            code = exc.code
-        out = capsys.readouterr()
-        return Done(code, out.out, out.err)
-    return call
+    """``gpipe-train ARGS`` in this process (``helpers.app.cli_here``)."""
+    return cli_here(tmp_path, capsys, monkeypatch)
 
 
 def one_line(done: Done) -> str:

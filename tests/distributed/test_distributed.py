@@ -19,7 +19,8 @@ from gpipe_lab.pipeline import PipelineOptions
 from gpipe_lab.pipeline.distributed import DistributedGPipe, seeded_init
 from gpipe_lab.pipeline.distributed.launch import run_local
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+# one worker runs the module: test_grid_equals_unpipelined reaches the launches by name
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240), pytest.mark.xdist_group("test_distributed")]
 
 
 def mlp(width: int = 8, blocks: int = 4) -> nn.Sequential:

@@ -54,6 +54,8 @@ def _params(cases: list[Case]) -> list:
     for case in cases:
         defect = defect_of(case)
         marks = [pytest.mark.xfail(strict=True, reason=f"issue 27 defect {defect}")] if defect else []
+        if case.transport == "distributed":  # one worker holds the module's one launch (``_distributed``)
+            marks.append(pytest.mark.xdist_group("differential_distributed"))
         out.append(pytest.param(case, id=case.recipe(), marks=marks))
     return out
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-from gpipe_lab.train import CONFIG_DIR
+from gpipe_lab.train import CONFIG_DIR, cli
 
 CONF = Path(CONFIG_DIR)
 
@@ -51,3 +54,32 @@ def user_app(args: list[str], tmp_path: Path, timeout: float = 240) -> subproces
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")
     return subprocess.run([sys.executable, "-m", "gpipe_lab.train", *args, f"paths.log_dir={tmp_path}"],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+
+
+@dataclass
+class Done:
+    """What ``gpipe-train`` left: its exit status (or message) and what it printed."""
+
+    code: int | str | None
+    out: str
+    err: str
+
+
+def cli_here(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Done]:
+    """``gpipe-train ARGS`` in this process (the console script's ``cli``, the user's ``sys.argv``,
+    cwd ``tmp_path``): the same command line without paying a new process's imports."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    def call(*args: str) -> Done:
+        monkeypatch.setattr(sys, "argv", ["gpipe-train", *args, f"paths.log_dir={tmp_path}"])
+        code: int | str | None = 0
+        try:
+            cli()
+        except SystemExit as exc:
+            code = exc.code
+        out = capsys.readouterr()
+        return Done(code, out.out, out.err)
+    return call
