@@ -123,8 +123,12 @@ class Stall(nn.Module):
 @pytest.mark.timeout(30)
 def test_timeout_error_carries_the_zb_h1_schedule_state():
     stall = Stall(at=2)
+    stall.armed = False
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), stall, nn.Linear(8, 8))
     pipe = GPipe(model, balance=[2, 2], chunks=4, schedule="zb-h1", checkpoint="never", timeout=1.0)
+    # a first step without the stall: the random-replay probe serializes the first step's forwards
+    pipe.train_step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss)
+    stall.armed, stall.calls = True, 0
     before = threading.active_count()
     with pytest.raises(PipelineTimeoutError, match="schedule state") as info:
         pipe.train_step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss)
