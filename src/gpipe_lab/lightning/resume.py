@@ -70,6 +70,7 @@ class ResumableCheckpoint(ModelCheckpoint):
         self.handle_sigint = handle_sigint
         self._saved_at_step = -1
         self.interrupt_requested = False
+        self._sigint_seen = False  # written only by the handler (and reset at train start)
         self._stop_pending = False
         self._previous_handler: Any = None
         self._step_at_batch_start = 0
@@ -96,7 +97,7 @@ class ResumableCheckpoint(ModelCheckpoint):
 
     # ------------------------------------------------------------------ Ctrl-C
     def _install_handler(self, trainer: pl.Trainer) -> None:
-        self.interrupt_requested = self._stop_pending = False
+        self.interrupt_requested = self._stop_pending = self._sigint_seen = False
         self._announce = trainer.is_global_zero
         if not self.handle_sigint or threading.current_thread() is not threading.main_thread():
             return
@@ -108,10 +109,10 @@ class ResumableCheckpoint(ModelCheckpoint):
         self._previous_handler = None
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
-        if self.interrupt_requested:  # the second Ctrl-C: stop now
+        if self._sigint_seen:  # the second Ctrl-C: stop now
             self._restore_handler()
             raise KeyboardInterrupt
-        self.interrupt_requested = True
+        self._sigint_seen = True  # acted on at the next batch end, by every rank together
         if self._announce:  # rank 0 only: a terminal's Ctrl-C reaches every rank
             print("\nCtrl-C: stopping after the current step and writing the checkpoint "
                   f"{Path(str(self.dirpath)) / 'last.ckpt'} (Ctrl-C again stops at once, without it)",
@@ -159,8 +160,13 @@ class ResumableCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.handle_sigint and trainer.world_size > 1:  # a collective: every rank, every batch
-            self.interrupt_requested = trainer.strategy.reduce_boolean_decision(self.interrupt_requested, all=False)
+        # The handler only records the signal; the decision is taken here, so that on several ranks
+        # it is the same everywhere (a collective, every rank, every batch). A signal that lands
+        # after the collective is in the next batch's decision.
+        seen = self._sigint_seen
+        if self.handle_sigint and trainer.world_size > 1:
+            seen = trainer.strategy.reduce_boolean_decision(seen, all=False)
+        self.interrupt_requested = seen
         step = trainer.global_step
         stepped = step > self._step_at_batch_start  # not inside an accumulation window
         periodic = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0
