@@ -139,7 +139,9 @@ class Executor:
         Raises:
             Exception: the first exception of any rank, with its original type, once every rank
                 thread has stopped, annotated by the endpoint with stage and action.
-            PipelineTimeoutError: a wait lasted longer than the timeout (a subclass names the peer).
+            PipelineTimeoutError: a wait lasted longer than the timeout (a subclass names the peer),
+                or no rank progressed for a whole timeout; a rank still inside a computation then
+                ends by itself at its next action (compute cannot be interrupted).
             KeyboardInterrupt: the caller was interrupted (every rank thread stopped first).
         """
         step = _Step(self._plan(schedule), feed, sync_gradients)
