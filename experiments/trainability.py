@@ -78,7 +78,7 @@ def findings(rows: dict[tuple[str, int], list[dict]], deep: int, clip: float, pe
     baseline = {d: rs for (n, d), rs in rows.items() if n == "none"}
     ok, reason = depth_verdict(baseline, rows.get(("both", deep)))
     lines = [f"- {'Reproduced here' if ok else 'Not reproduced here'}: {reason} (the claim needs the baseline to "
-             "diverge in >= 2 of 3 runs' share at the deepest depth, in none at the two shallowest, and every "
+             "diverge in at least two thirds of its runs at the deepest depth, in none at the two shallowest, and every "
              "run with both fixes to learn)."]
     for name in variants(clip):
         rs = rows[(name, deep)]
