@@ -175,7 +175,7 @@ def main() -> None:
         return "-" if value is None else f"{value:.1%}"
 
     header = ["model", "M", "balance", "recompute", "bubble measured", "bubble theory", "bubble simulated",
-              "load imbalance", "wait (incl. bubble)", "hand-over (estimate)", "weight update", "step (s)",
+              "load imbalance", "recorded waits (part of the bubble)", "hand-over (estimate)", "weight update", "step (s)",
               "simulated step (s)", "simulator error", "error without contention"]
     table = [[r["workload"], r["M"], r["balance"], pct(r.get("recompute")), pct(r["bubble_measured"]),
               pct(r["bubble_theory"]), pct(r.get("bubble_simulated")), pct(r["imbalance"]), pct(r.get("wait")),
