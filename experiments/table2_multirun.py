@@ -74,17 +74,18 @@ def pipelining_gains(rows: list[dict]) -> list[str]:
             continue
         best = max(pipelined, key=mean_sps)
         kind = "compiled stages" if all(r.get("compile") for r in [*base, *best]) else "eager stages"
-        threads = [sorted({r.get("threads") or 0 for r in jobs}) for jobs in (best, base)]
+        threads = [", ".join(str(t) for t in sorted({r["threads"] for r in jobs if r.get("threads")})) or "?"
+                   for jobs in (best, base)]
         line = (f"- {NAMES[label]} analogue ({kind}): K=2 at its fastest M (M={best[0]['M']}, "
-                f"{spread(best)} samples/s, {threads[0] or '?'} threads in all) is "
+                f"{spread(best)} samples/s, {threads[0]} threads in all) is "
                 f"{mean_sps(best) / mean_sps(base):.2f}x the unpipelined job (K=1, M=1, {spread(base)} samples/s, "
-                f"{threads[1] or '?'} threads)")
+                f"{threads[1]} threads)")
         two = groups.get((label, 2, 1))
         if two:
             line += (f"; in the table's normalization (K=2, M=1 = 1.00) K=1, M=1 is "
                      f"{mean_sps(base) / mean_sps(two):.2f} and K=2, M={best[0]['M']} is "
                      f"{mean_sps(best) / mean_sps(two):.2f}")
-        if threads[0] != threads[1]:
+        if threads[0] != threads[1] and "?" not in threads:
             line += "; the two ran on different thread counts, so the ratio mixes pipelining with threads"
         if min(len(base), len(best)) < 3:
             line += f"; fewer than 3 repeats ({len(base)} and {len(best)}): no spread to judge it by"

@@ -245,6 +245,8 @@ def test_table2_collector_states_the_pipelining_gain_of_each_model(tmp_path: Pat
     run_main(scripts("table2_throughput"), monkeypatch, "--from-multirun", str(tmp_path / "sweep"),
              "--out", str(tmp_path / "out"))
     text = (tmp_path / "out" / "table2_throughput.md").read_text()
-    assert ("- Transformer-48 analogue (compiled stages): K=2 at its fastest M (M=4, 15.0 samples/s) is 1.50x "
-            "the unpipelined job (K=1, M=1, 10.0 samples/s).") in text
+    assert ("- Transformer-48 analogue (compiled stages): K=2 at its fastest M (M=4, 15.00 samples/s, ? threads in "
+            "all) is 1.50x the unpipelined job (K=1, M=1, 10.00 samples/s, ? threads); in the table's normalization "
+            "(K=2, M=1 = 1.00) K=1, M=1 is 0.83 and K=2, M=4 is 1.25; fewer than 3 repeats (1 and 1): no spread "
+            "to judge it by.") in text
     assert "AmoebaNet-D(18, 256) analogue (" not in text

@@ -25,8 +25,8 @@ def test_repeats_are_averaged_and_the_k1_comparison_names_threads_and_spread(tmp
     text = (tmp_path / "o" / "table2_throughput.md").read_text()
     assert "| Transformer-48 analogue | 1 | 0.83 [0.75, 0.92] (n=3) | 1.00 [1.00, 1.00] (n=3) |" in text
     assert "| Transformer-48 analogue | 4 | - | 1.33 [1.25, 1.42] (n=3) |" in text
-    assert ("K=2 at its fastest M (M=4, 160.00 [150.00, 170.00] (n=3) samples/s, [2] threads in all) is 1.60x the "
-            "unpipelined job (K=1, M=1, 100.00 [90.00, 110.00] (n=3) samples/s, [2] threads); in the table's "
+    assert ("K=2 at its fastest M (M=4, 160.00 [150.00, 170.00] (n=3) samples/s, 2 threads in all) is 1.60x the "
+            "unpipelined job (K=1, M=1, 100.00 [90.00, 110.00] (n=3) samples/s, 2 threads); in the table's "
             "normalization (K=2, M=1 = 1.00) K=1, M=1 is 0.83 and K=2, M=4 is 1.33.") in text
     assert text.count("`abc123def456`") == 9
 
