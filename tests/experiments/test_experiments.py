@@ -33,6 +33,7 @@ CASES = {
     "trainability_search.py": ("trainability_search.md", ["depth effect", "1.5 x the lowest",
                                                             "extended after each miss"]),
     "emulated_scaling.py": ("emulated_scaling.md", ["K·M/(M+K-1)", "hand-over per hop"]),
+    "simulator_heldout.py": ("simulator_heldout.md", ["- in-sample: within 10%", "- held-out: within 10%"]),
 }
 
 
