@@ -69,7 +69,7 @@ def run_depth(setting: dict, layers: int, seeds: tuple[int, ...], num_train: int
 def try_setting(setting: dict, depths: tuple[int, ...], seeds: tuple[int, ...], num_train: int,
                 progress: Progress) -> dict:
     """Run ``setting`` until it misses or shows the effect; returns its row (runs by depth, verdict)."""
-    began = time.perf_counter()
+    began, meta = time.perf_counter(), provenance_meta()  # the code that runs: edits made meanwhile do not count
     baseline: dict[int, list[dict]] = {}
     fixed = None
     deep, shallow, rest = depths[-1], depths[:2], depths[2:-1]
@@ -83,7 +83,6 @@ def try_setting(setting: dict, depths: tuple[int, ...], seeds: tuple[int, ...], 
                 for d in rest:
                     baseline[d] = run_depth(setting, d, seeds, num_train, {}, progress)
     ok, reason = depth_verdict(baseline, fixed)
-    meta = provenance_meta()
     return {"setting": setting, "effect": ok, "reason": reason, "commit": meta["commit"], "date": meta["date"],
             "minutes": (time.perf_counter() - began) / 60,
             "baseline": {str(d): runs for d, runs in sorted(baseline.items())}, "both_fixes_deepest": fixed}
