@@ -45,6 +45,7 @@ GRID: list[dict] = [
     {**_NARROW, "pre_norm": True, "lr": 0.3, "warmup": 10, "steps": 80},
     {**_NARROW, "pre_norm": True, "lr": 0.2, "warmup": 0, "steps": 80},
     {**_NARROW, "pre_norm": True, "lr": 1.0, "warmup": 10, "steps": 80},
+    {**_NARROW, "pre_norm": True, "lr": 0.5, "warmup": 10, "steps": 80},
 ]
 SEEDS = (0, 1, 2)
 BOTH = {"ffn_init_scaling": True, "logit_clip": 10.0}
