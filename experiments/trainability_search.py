@@ -125,6 +125,23 @@ def table(tried: list[dict], depths: tuple[int, ...]) -> tuple[list[str], list[l
     return header, rows
 
 
+def depth_comparison(tried: list[dict], depths: tuple[int, ...]) -> str:
+    """A sentence computed from the rows: where the deepest baseline diverged, did the shallowest diverge less?"""
+    deep, shallow = str(depths[-1]), [str(d) for d in depths[:2]]
+    hits = [(i, t) for i, t in enumerate(tried) if 3 * sum(r["diverged"] for r in t["baseline"][deep])
+            >= 2 * len(t["baseline"][deep]) and all(d in t["baseline"] for d in shallow)]
+    if not hits:
+        return f"The L={deep} baseline diverged in >= 2 of 3 seeds in none of the settings tried."
+    count = {i: {d: sum(r["diverged"] for r in t["baseline"][d]) for d in (deep, *shallow)} for i, t in hits}
+    as_often = [i for i in count if all(count[i][d] >= count[i][deep] for d in shallow)]
+    parts = ", ".join(f"#{i}: L={deep} {c[deep]}, " + ", ".join(f"L={d} {c[d]}" for d in shallow)
+                      for i, c in count.items())
+    return (f"Where the L={deep} baseline diverged in >= 2 of 3 seeds ({parts} diverged runs), the shallow "
+            f"baselines diverged in as many seeds or more in {len(as_often)} of {len(hits)} setting(s)"
+            + (": in this grid divergence comes with the learning rate and warm-up, not with depth."
+               if len(as_often) == len(hits) else "."))
+
+
 def main() -> None:
     """Run the grid within ``--budget-min`` wall-clock minutes; write the search table under ``--out``.
 
@@ -148,6 +165,7 @@ def main() -> None:
         print(f"{setting}: {tried[-1]['reason']}", flush=True)
         found = tried[-1] if tried[-1]["effect"] else None
     minutes = (time.perf_counter() - start) / 60
+    verdict_depth = depth_comparison(tried, depths)
     header, rows = table(tried, depths)
     if found:
         verdict = (f"Depth effect found at setting #{tried.index(found)} {found['setting']}: {found['reason']}.")
@@ -165,7 +183,7 @@ def main() -> None:
           f"('not run' cells). {len(tried) - args.first} setting(s) run now in {minutes:.1f} wall minutes "
           f"(budget {args.budget_min:g}), {args.first} kept from the previous JSON (their commit below); "
           f"{sum(t['minutes'] for t in tried):.1f} wall minutes for all {len(tried)}.", "",
-          md_table(header, rows), "", verdict, ""]
+          md_table(header, rows), "", verdict, "", verdict_depth, ""]
     print(write(args.out, "trainability_search.md", "\n".join(md), {"depths": list(depths), "tried": tried,
                                                                      "found": found}))
 

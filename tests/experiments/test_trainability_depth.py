@@ -78,3 +78,15 @@ def test_first_keeps_only_rows_that_match_the_grid(tmp_path: Path) -> None:
     path.write_text(json.dumps({"tried": [{"setting": search.GRID[0], "effect": False}]}))
     assert search.kept_rows(path, 1, search.GRID)[0]["setting"] == search.GRID[0]
     assert search.kept_rows(path, 0, search.GRID) == []
+
+
+def test_the_depth_comparison_says_when_shallow_models_diverge_as_often() -> None:
+    def row(deep: int, one: int, two: int) -> dict:
+        return {"baseline": {"24": [fact(i < deep) for i in range(3)], "1": [fact(i < one) for i in range(3)],
+                             "2": [fact(i < two) for i in range(3)]}}
+
+    words = search.depth_comparison([row(3, 3, 3), {"baseline": {"24": [fact(False)] * 3}}], (1, 2, 24))
+    assert "(#0: L=24 3, L=1 3, L=2 3 diverged runs)" in words and "1 of 1 setting(s): in this grid" in words
+    words = search.depth_comparison([row(3, 3, 3), row(2, 0, 1)], (1, 2, 24))
+    assert "in 1 of 2 setting(s)." in words and "not with depth" not in words
+    assert "in none of the settings" in search.depth_comparison([{"baseline": {"24": [fact(False)]}}], (1, 2, 24))
