@@ -192,6 +192,7 @@ def test_tiny_multirun_is_collected_into_table2(tmp_path: Path, scripts: object,
     assert (out / "table2_throughput.png").stat().st_size > 0
     rows = json.loads((out / "table2_throughput.json").read_text())["rows"]
     assert sorted((r["K"], r["M"]) for r in rows) == [(2, 1), (2, 4)] and all(r["measured_sps"] for r in rows)
+    assert all(r["commit"] and r["threads"] >= 2 for r in rows)  # each job's own commit; its stages' threads
 
 
 def fake_job(sweep: Path, num: int, experiment: str, overrides: list[str], **summary: object) -> None:
