@@ -47,6 +47,14 @@ def test_every_figure_of_experiments_and_benchmarks_carries_its_commit():
     calls = [(p.name, line.strip()) for folder in ("experiments", "benchmarks") for p in (root / folder).rglob("*.py")
              for line in p.read_text().splitlines() if ".savefig(" in line]
     assert calls and all("metadata=" in line for _, line in calls), [c for c in calls if "metadata=" not in c[1]]
+    # plot_timeline saves without metadata when given a path: the scripts draw with it and save themselves
+    drawn = [(p.name, line.strip()) for folder in ("experiments", "benchmarks") for p in (root / folder).rglob("*.py")
+             for line in p.read_text().splitlines() if "plot_timeline(" in line and "import" not in line]
+    import re
+
+    positional_path = re.compile(r"plot_timeline\([^,()]+(\([^()]*\))?[^,()]*,(?!\s*[\w.]+\s*=)")
+    assert drawn and not [c for c in drawn if positional_path.search(c[1])]
+    assert positional_path.search("plot_timeline(tl, png, title=x)")
 
 
 def test_benchmark_figures_name_commit_and_module_command(monkeypatch):
