@@ -162,3 +162,23 @@ def git_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
+
+
+def command_line() -> str:
+    """This process's command, a script of this repository named as ``python -m`` runs it."""
+    import shlex
+    import sys
+
+    argv = list(sys.argv) or ["?"]
+    path = Path(argv[0]).resolve()
+    head = [argv[0]]
+    if path.suffix == ".py" and path.is_relative_to(ROOT):
+        head = ["-m", ".".join(path.relative_to(ROOT).with_suffix("").parts)]
+    return f"python {shlex.join(head + argv[1:])}"
+
+
+def figure_metadata() -> dict[str, str]:
+    """PNG metadata naming the commit and the command that drew a figure (``fig.savefig(..., metadata=)``)."""
+    import time
+
+    return {"Source": f"gpipe-lab {git_commit()}", "Description": f"{command_line()} ({time.strftime('%Y-%m-%d %H:%M')})"}

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_common import ROOT, git_commit
+from benchmarks.bench_common import ROOT, command_line, figure_metadata, git_commit, machine_info
 from gpipe_lab.bench import Progress, mlp, time_rounds
 from gpipe_lab.bench.launch import fresh_out
 from gpipe_lab.pipeline import GPipe, Timeline, get_schedule
@@ -68,8 +68,10 @@ def bench_chunks(chunks: int, steps: int, warmup: int, out: Path) -> list[dict]:
         # each step replayed with its own action durations: the step without hand-overs and waits
         replayed = [predict_step(actions, costs, durations=durations_from_timeline(t)).step_time / t.wall
                     for t in tls]
-        plot_timeline(tls[-1], out / f"timeline_{name}_M{chunks}.png", predicted=pred.timeline,
-                      title=f"{name}, K=2, M={chunks}: measured (top) vs predicted (bottom)")
+        fig = plot_timeline(tls[-1], predicted=pred.timeline,
+                            title=f"{name}, K=2, M={chunks}: measured (top) vs predicted (bottom)")
+        fig.savefig(out / f"timeline_{name}_M{chunks}.png", dpi=110, metadata=figure_metadata())
+        close_figure(fig)
         rows.append({
             "schedule": name, "chunks": chunks, "step_ms": median * 1e3,
             "step_ms_all": [w * 1e3 for w in walls],
@@ -82,6 +84,13 @@ def bench_chunks(chunks: int, steps: int, warmup: int, out: Path) -> list[dict]:
                          for k in ("forward", "backward_input", "backward_weight", "transfer")},
         })
     return rows
+
+
+def close_figure(fig: object) -> None:
+    """Release a pyplot figure (``plot_timeline`` leaves it open)."""
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)  # type: ignore[arg-type]
 
 
 def main() -> None:
@@ -108,7 +117,9 @@ def main() -> None:
             print(f"{m:>3} {r['schedule']:>8} {r['step_ms']:9.1f} {r['predicted_ms']:9.1f} "
                   f"{r['prediction_error']:+7.1%} {r['replayed_over_measured']:7.3f} {r['measured_bubble']:7.1%} "
                   f"{r['speedup_vs_1f1b']:7.3f}x")
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_commit(), "torch": torch.__version__, "machine": platform.machine(), "cpus": torch.get_num_threads(),
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_commit(),
+            "command": command_line(), **machine_info("cpu"),
+            "machine": platform.machine(), "cpus": torch.get_num_threads(),
             "model": "8 x (Linear 512-2048, GELU, Linear 2048-512)", "batch": 1024, "K": 2,
             "checkpoint": "never", "steps": args.steps, "warmup": args.warmup}
     (args.out / "schedules.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

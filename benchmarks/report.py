@@ -10,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from benchmarks.bench_common import figure_metadata  # noqa: E402
 from benchmarks.bench_yardstick import replay_line  # noqa: E402
 from benchmarks.bench_yardstick import table as yardstick_table  # noqa: E402
 from gpipe_lab.bench.markdown import md_table  # noqa: E402
@@ -57,7 +58,7 @@ def plot_throughput(results: dict, path: Path) -> None:
         ax.set_ylabel("speed-up over 1 thread")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, metadata=figure_metadata())
     plt.close(fig)
 
 
@@ -76,7 +77,7 @@ def plot_bubble(results: dict, path: Path) -> None:
     ax.set_ylabel("bubble")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, metadata=figure_metadata())
     plt.close(fig)
 
 
@@ -92,7 +93,7 @@ def plot_memory(results: dict, path: Path, m: int | None) -> None:
     ax.set_title(f"MLP, K=2, M={m}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, metadata=figure_metadata())
     plt.close(fig)
 
 

@@ -10,8 +10,9 @@ table of the fresh file is compared, table by table and row by row, with the sam
 table of ``--against``'s file (default ``results/``) on its deterministic columns:
 every column except the wall-clock ones (headers naming a measured, emulated or
 simulated time, a speed, a share of a step, a bubble seen in a step, an error or a
-hand-over). Prose and the provenance line are not compared. Exits 1 and prints
-each difference when a deterministic cell differs or a table changed shape.
+hand-over). Prose and the provenance line are not compared. Prints, per table, the
+columns it compared and those it skipped; exits 1 and prints each difference when a
+deterministic cell differs or a table changed shape.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ def differences(fresh: str, reference: str, name: str = "") -> list[str]:
     return out
 
 
+def compared_columns(markdown: str) -> list[tuple[list[str], list[str]]]:
+    """Per table of ``markdown``: (the headers ``differences`` compares, the wall-clock headers it skips)."""
+    return [([h for h in head if not WALL_CLOCK.search(h)], [h for h in head if WALL_CLOCK.search(h)])
+            for head, _ in tables(markdown)]
+
+
 def regenerate(name: str, out: Path, tiny: bool, timeout: float = 3600.0) -> Path:
     """Run ``experiments/<name>.py --out out`` (``--tiny``); returns the markdown it wrote.
 
@@ -101,6 +108,8 @@ def main() -> None:
                 continue
             found = differences(fresh.read_text(), reference.read_text(), name)
             print(f"{name}: {'agrees' if not found else f'{len(found)} differences'} on deterministic columns")
+            for t, (kept, skipped) in enumerate(compared_columns(fresh.read_text())):
+                print(f"  table {t + 1}: compared {kept or 'no column'}; skipped as wall-clock {skipped or 'none'}")
             problems += found
     for line in problems:
         print(line)

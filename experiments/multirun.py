@@ -97,7 +97,9 @@ def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
                      "simulated_s": None, "measured_sps": sps, "simulated_sps": None,
                      "measured_bubble": s.get("bubble_measured"), "bubble_theory": s.get("bubble_theory"),
                      "final_train_loss": s.get("final_train_loss"), "steps": s.get("steps"),
-                     "compile": bool(run.get("pipeline.compile", False)), "job": str(run.path)})
+                     "compile": bool(run.get("pipeline.compile", False)), "job": str(run.path),
+                     "threads": (s["K"] * s["threads_per_stage"]) if s.get("threads_per_stage") and s.get("K")
+                     else None, "commit": s.get("commit")})
     return rows
 
 
@@ -106,10 +108,12 @@ def f2(value: float | None, tag: str = "") -> str:
     return "-" if value is None else f"{value:.2f}{tag}"
 
 
-JOB_HEADER = ["job", "experiment", "K", "M", "samples/s", "bubble measured", "bubble theory", "final loss"]
+JOB_HEADER = ["job", "experiment", "K", "M", "threads", "samples/s", "bubble measured", "bubble theory", "final loss",
+              "commit"]
 
 
 def jobs_table(rows: Sequence[dict[str, Any]]) -> list[list[object]]:
     """One line per gpipe-train job of ``throughput_rows`` (columns ``JOB_HEADER``)."""
-    return [[Path(r["job"]).name, r["experiment"], r["K"], r["M"], f2(r["measured_sps"]),
-             f2(r["measured_bubble"]), f2(r["bubble_theory"]), f2(r["final_train_loss"])] for r in rows]
+    return [[Path(r["job"]).name, r["experiment"], r["K"], r["M"], r.get("threads") or "-", f2(r["measured_sps"]),
+             f2(r["measured_bubble"]), f2(r["bubble_theory"]), f2(r["final_train_loss"]),
+             f"`{r['commit']}`" if r.get("commit") else "not recorded"] for r in rows]

@@ -154,9 +154,9 @@ def train_translation(steps: int, seed: int = 0, lr: float = 1e-3, warmup: int =
     return result
 
 
-def diverged(losses: list[float], nonfinite_steps: int, factor: float = 1.5, after: int = 10) -> bool:
+def diverged(losses: list[float], nonfinite_steps: int, factor: float = 1.5, after: int = 1) -> bool:
     """True for a run with a non-finite step or a loss spike: a loss above ``factor`` x the lowest
-    loss so far, at any step from ``after`` on (the first steps' fall is not a baseline yet)."""
+    loss so far, at any step from ``after`` on (step 0 is the starting loss, before any update)."""
     if nonfinite_steps or any(not math.isfinite(v) for v in losses):
         return True
     lowest = math.inf

@@ -35,7 +35,7 @@ from gpipe_lab.bench.markdown import md_table
 EXPERIMENTS = ["paper_nmt_deep", "paper_nmt_wide", "paper_nmt_batch"]
 SIZE_KEYS = ("num_layers", "d_model", "ffn_dim", "num_heads")
 _TINY = ["model.d_model=16", "trainer.max_steps=4", "data.num_train=800", "data.num_val=32",
-         "experiment.eval_batches=1"]
+         "experiment.eval_batches=1", "experiment.seeds=[0]"]
 #: ``--tiny``: d 16, 4 steps, tiny token budgets.
 TINY = {"paper_nmt_deep": ["model.num_layers=4", "model.ffn_dim=64", *_TINY],
         "paper_nmt_wide": ["model.ffn_dim=192", *_TINY],
@@ -87,10 +87,10 @@ def plot(curves: dict[str, list[float]], path: Path) -> Path:
     return path
 
 
-def train(cfg: DictConfig, **data: object) -> RunResult:
+def train(cfg: DictConfig, seed: int, **data: object) -> RunResult:
     """``nmt_lib.train_translation`` with the config's model, optimizer, data, pipeline and steps."""
     e, d = cfg.experiment, cfg.data
-    return train_translation(int(cfg.trainer.max_steps), seed=cfg.seed, lr=float(cfg.optimizer.lr), warmup=e.warmup,
+    return train_translation(int(cfg.trainer.max_steps), seed=seed, lr=float(cfg.optimizer.lr), warmup=e.warmup,
                              num_train=d.num_train, num_val=d.num_val, eval_batches=e.eval_batches,
                              partitions=cfg.pipeline.partitions, chunks=cfg.pipeline.chunks,
                              **data, **{k: cfg.model[k] for k in SIZE_KEYS})  # type: ignore[arg-type]
@@ -135,7 +135,7 @@ def main() -> None:
     """
     p = parser(__doc__.split("\n")[0], EXPERIMENTS, multirun=True, selectable=False)  # the tables need all three
     p.add_argument("--steps", type=int, help="= trainer.max_steps")
-    p.add_argument("--seed", type=int, help="= seed")
+    p.add_argument("--seed", type=int, help="one seed (= experiment.seeds=[N])")
     args = p.parse_args()
     if args.from_multirun:
         d_header, d_rows, b_header, b_rows, text, data = collected(args.from_multirun)
@@ -153,37 +153,53 @@ def main() -> None:
         print(path)
         return
     args.overrides += [f"trainer.max_steps={args.steps}"] * (args.steps is not None)
-    args.overrides += [f"seed={args.seed}"] * (args.seed is not None)
+    args.overrides += [f"experiment.seeds=[{args.seed}]"] * (args.seed is not None)
     cfgs = configs(args, EXPERIMENTS, TINY)
     deep, wide, batch_cfg = (cfgs[n] for n in EXPERIMENTS)
-    steps, seed = int(deep.trainer.max_steps), deep.seed
+    steps, seeds = int(deep.trainer.max_steps), [int(x) for x in deep.experiment.seeds]
     shapes = {name: {k: c.model[k] for k in SIZE_KEYS} for name, c in (("deep", deep), ("wide", wide))}
     budgets = list(batch_cfg.experiment.tokens_per_batch)
-    progress = Progress(2 + len(budgets), "nmt_scaling", note=f"writing to {args.out}")
-    depth = {}
+    progress = Progress((2 + len(budgets)) * len(seeds), "nmt_scaling", note=f"writing to {args.out}")
+    depth: dict[str, list[RunResult]] = {}
     for name, c in (("deep", deep), ("wide", wide)):
-        depth[name] = train(c, batch_size=c.data.batch_size)
-        progress.done(f"{name} model")
-    batch = {}
+        depth[name] = []
+        for seed in seeds:
+            depth[name].append(train(c, seed, batch_size=c.data.batch_size))
+            progress.done(f"{name} model, seed {seed}")
+    batch: dict[int, list[RunResult]] = {}
     for b in budgets:
-        batch[b] = train(batch_cfg, tokens_per_batch=b, batch_size=None)
-        progress.done(f"deep model, {b} tokens per batch")
+        batch[b] = []
+        for seed in seeds:
+            batch[b].append(train(batch_cfg, seed, tokens_per_batch=b, batch_size=None))
+            progress.done(f"deep model, {b} tokens per batch, seed {seed}")
+
+    def spread(rs: list[RunResult], key: str, digits: int = 3) -> str:
+        v = [getattr(r, key) for r in rs]
+        mean = sum(v) / len(v)
+        return f"{mean:.{digits}f}" + (f" [{min(v):.{digits}f}, {max(v):.{digits}f}]" if len(v) > 1 else "")
+
     d_header = ["model (ours)", "shape", "params", "val NLL", "BLEU", "paper (1.3B, 102 languages)"]
-    d_rows = [[name, shapes[name], f"{r.params:,}", f"{r.val_nll:.3f}", f"{r.bleu:.2f}", PAPER_DEPTH[name]]
-              for name, r in depth.items()]
+    d_rows = [[name, shapes[name], f"{rs[0].params:,}", spread(rs, "val_nll"), spread(rs, "bleu", 2),
+               PAPER_DEPTH[name]] for name, rs in depth.items()]
     b_header = ["tokens per batch (ours, budget)", "target tokens / step (measured)", "val NLL", "BLEU",
                 "paper tokens / batch", "paper BLEU", "paper NLL"]
-    b_rows = [[b, f"{r.tokens_per_step:.0f}", f"{r.val_nll:.3f}", f"{r.bleu:.2f}", *paper_batch(i)]
-              for i, (b, r) in enumerate(batch.items())]
+    b_rows = [[b, f"{rs[0].tokens_per_step:.0f}", spread(rs, "val_nll"), spread(rs, "bleu", 2), *paper_batch(i)]
+              for i, (b, rs) in enumerate(batch.items())]
     args.out.mkdir(parents=True, exist_ok=True)
-    curves = {f"{n} ({r.params:,} params)": r.losses for n, r in depth.items()}
-    curves.update({f"deep, {b} tokens/batch": r.losses for b, r in batch.items()})
+    curves = {f"{n} ({rs[0].params:,} params)": rs[0].losses for n, rs in depth.items()}
+    curves.update({f"deep, {b} tokens/batch": rs[0].losses for b, rs in batch.items()})
     png = plot(curves, args.out / "nmt_scaling.png")
-    trend = [r.val_nll for r in batch.values()]
+
+    def nll(rs: list[RunResult]) -> float:
+        return sum(r.val_nll for r in rs) / len(rs)
+
+    trend = [nll(rs) for rs in batch.values()]
+    wins = sum(a.val_nll < b.val_nll for a, b in zip(depth["deep"], depth["wide"]))
     md = ["# NMT scaling analogues: depth vs width, and tokens per batch", "", provenance(), "",
           f"{'TINY smoke run. ' if args.tiny else ''}**Analogues, not the paper's experiments**: a "
-          f"synthetic language pair (~100-word vocabulary), models of ~{depth['deep'].params // 1000}K "
-          f"parameters, {steps} steps each, seed {seed}, Adam lr {deep.optimizer.lr} with {deep.experiment.warmup} "
+          f"synthetic language pair (~100-word vocabulary), models of ~{depth['deep'][0].params // 1000}K "
+          f"parameters, {steps} steps each, seeds {seeds} (cells: mean [min, max] over seeds; the curves: seed "
+          f"{seeds[0]}), Adam lr {deep.optimizer.lr} with {deep.experiment.warmup} "
           f"warm-up steps, GPipe K={deep.pipeline.partitions}, M={deep.pipeline.chunks} on CPU (settings: "
           f"{', '.join(f'`conf/experiment/{n}.yaml`' for n in EXPERIMENTS)}). The paper: 102-language in-house corpus, 1.3B-parameter models (depth vs width), "
           "Transformer-Big German-English (batch size).", "",
@@ -191,15 +207,15 @@ def main() -> None:
           "## Tokens per batch (the deep model)", "", md_table(b_header, b_rows), "",
           "![training curves](nmt_scaling.png)", "",
           "## Reading", "",
-          f"- Depth vs width: deep val NLL {depth['deep'].val_nll:.3f} vs wide {depth['wide'].val_nll:.3f} "
-          f"(BLEU {depth['deep'].bleu:.2f} vs {depth['wide'].bleu:.2f}). One seed and a short run: "
-          "the seed-to-seed spread is not measured here (see trainability.md for a spread at this scale). The paper's gain of depth was on "
+          f"- Depth vs width: mean val NLL deep {nll(depth['deep']):.3f} vs wide {nll(depth['wide']):.3f}; the deep "
+          f"model has the lower NLL in {wins} of {len(seeds)} seeds. The paper's gain of depth was on "
           "low-resource languages of a multilingual model, which a one-pair synthetic task cannot probe.",
-          f"- Tokens per batch: val NLL {' / '.join(f'{v:.3f}' for v in trend)} for token budgets 4x apart "
+          f"- Tokens per batch: mean val NLL {' / '.join(f'{v:.3f}' for v in trend)} for token budgets 4x apart "
           f"({'monotone, as in the paper' if trend == sorted(trend, reverse=True) else 'not monotone'}). "
           "At equal steps a larger batch also sees 4x more data and compute; we do not equalize "
           "either, so this shows the direction of the paper's result, not its cause.", ""]
-    data = {"depth": {n: vars(r) for n, r in depth.items()}, "batch": {b: vars(r) for b, r in batch.items()}}
+    data = {"seeds": seeds, "depth": {n: [vars(r) for r in rs] for n, rs in depth.items()},
+            "batch": {b: [vars(r) for r in rs] for b, rs in batch.items()}}
     path = write(args.out, "nmt_scaling.md", "\n".join(md), data)
     log_wandb(args.wandb, args.out, "nmt_scaling", {"depth_width": (d_header, d_rows),
                                                      "batch_size": (b_header, b_rows)}, [png])

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.common import configs, log_wandb, parser, provenance, write
+from experiments.common import configs, log_wandb, parser, provenance, save_figure, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.throughput_lib import (
     SIMULATOR_TEXT,
@@ -102,8 +102,12 @@ def breakdown(work: WorkloadSpec, chunks: int, steps: int, cost: CostModel, out:
            "update_share": update / (seconds + update), "simulated_wall_s": sim_s,
            "sim_error": error(sim_s, wall), "sim_alone_error": error(alone_s, wall)}
     png = out / f"overheads_timeline_{work.name}_m{chunks}.png"
-    plot_timeline(tl, png, title=f"{work.name} analogue, K={k}, M={chunks}: measured (top) vs simulated",
-                  predicted=sim_tl)
+    fig = plot_timeline(tl, title=f"{work.name} analogue, K={k}, M={chunks}: measured (top) vs simulated",
+                        predicted=sim_tl)
+    save_figure(fig, png, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
     return row, png
 
 
@@ -175,7 +179,7 @@ def main() -> None:
         return "-" if value is None else f"{value:.1%}"
 
     header = ["model", "M", "balance", "recompute", "bubble measured", "bubble theory", "bubble simulated",
-              "load imbalance", "wait (incl. bubble)", "hand-over (estimate)", "weight update", "step (s)",
+              "load imbalance", "recorded waits (part of the bubble)", "hand-over (estimate)", "weight update", "step (s)",
               "simulated step (s)", "simulator error", "error without contention"]
     table = [[r["workload"], r["M"], r["balance"], pct(r.get("recompute")), pct(r["bubble_measured"]),
               pct(r["bubble_theory"]), pct(r.get("bubble_simulated")), pct(r["imbalance"]), pct(r.get("wait")),

@@ -33,7 +33,8 @@ import argparse
 from pathlib import Path
 
 from experiments.common import log_wandb, provenance, save_figure, throughput_rows_from_command_line, write
-from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
+from experiments.multirun import JOB_HEADER, f2, jobs_table
+from experiments.table2_multirun import EXPERIMENTS, NAMES, PAPER, multirun_table, paper, pipelining_gains
 from experiments.throughput_grid import run_grids
 from experiments.throughput_lib import (
     SIMULATOR_TEXT,
@@ -43,25 +44,19 @@ from experiments.throughput_lib import (
 )
 from gpipe_lab.bench.markdown import md_table
 
-PAPER = {  # (model, M) -> K=2, K=4, K=8
-    ("amoeba", 1): (1, 1.13, 1.38), ("amoeba", 4): (1.07, 1.26, 1.72), ("amoeba", 32): (1.21, 1.84, 3.48),
-    ("transformer", 1): (1, 1.07, 1.3), ("transformer", 4): (1.7, 3.2, 4.8), ("transformer", 32): (1.8, 3.4, 6.3)}
-NAMES = {"amoeba": "AmoebaNet-D(18, 256)", "transformer": "Transformer-48"}
-EXPERIMENTS = ["paper_table2_amoebanet", "paper_table2_transformer"]
 #: ``--tiny``: toy networks, one timed step.
 TINY = tiny_overrides(*EXPERIMENTS)
 
 
 def normalized(rows: list[dict], key: str) -> dict[tuple[str, int, int], float]:
-    """samples/s of every (workload, K, M) divided by that workload's K=2, M=1."""
-    base = {r["workload"]: r[key] for r in rows if r["K"] == 2 and r["M"] == 1 and r.get(key)}
-    return {(r["workload"], r["K"], r["M"]): r[key] / base[r["workload"]] for r in rows
-            if r.get(key) and r["workload"] in base}
-
-
-def paper(label: str, m: int) -> list[object]:
-    """The paper's K=2, 4, 8 cells of this row ('-' for an M the paper did not run)."""
-    return list(PAPER.get((label, m), ("-", "-", "-")))
+    """Mean ``key`` of every (workload, K, M) (repeated jobs averaged) divided by that workload's K=2, M=1."""
+    groups: dict[tuple[str, int, int], list[float]] = {}
+    for r in rows:
+        if r.get(key):
+            groups.setdefault((r["workload"], r["K"], r["M"]), []).append(r[key])
+    means = {cell: sum(v) / len(v) for cell, v in groups.items()}
+    base = {w: v for (w, k, m), v in means.items() if (k, m) == (2, 1)}
+    return {(w, k, m): v / base[w] for (w, k, m), v in means.items() if w in base}
 
 
 def plot(rows: list[dict], path: Path, ms: list[int], ks: list[int]) -> Path:
@@ -184,37 +179,6 @@ def validation_table(rows: list[dict]) -> tuple[list[str], list[list[object]]]:
                           f"{r['emulated_sim_s']:.3f}", f"{r['emulated_error']:+.1%}", "-",
                           f"{r['emulated_bubble']:.3f}", "-", theory])
     return header, table
-
-
-def multirun_table(dirs: list[Path]) -> tuple[list[dict], list[str], list[list[object]], str]:
-    """The table from gpipe-train jobs of ``paper_table2_*`` under ``dirs``."""
-    runs = load_runs(dirs, EXPERIMENTS)
-    rows = throughput_rows(runs)
-    meas = normalized(rows, "measured_sps")
-    ks = sorted({r["K"] for r in rows if r["K"] != 1} or {1})
-    header = ["model (ours)", "M", *(f"K={k} gpipe-train" for k in ks), "paper K=2", "paper K=4", "paper K=8"]
-    table = [[f"{NAMES[label]} analogue", m, *(f2(meas.get((label, k, m))) for k in ks), *paper(label, m)]
-             for label in NAMES for m in sorted({r["M"] for r in rows if r["workload"] == label})]
-    text = (f"{run_dirs_note(dirs, runs)} Throughput = `samples_per_s` of each job's summary.json (mean over "
-            "the steps after the first, through Lightning and GPipeStrategy), normalized to K=2, M=1 of the "
-            "same model ('-' where that job is missing). Wall-clock: rerun on a quiet machine before quoting.")
-    return rows, header, table, text
-
-
-def pipelining_gains(rows: list[dict]) -> list[str]:
-    """Per model: K=2 at its fastest M against the unpipelined job (K=1, M=1), from the jobs' samples/s."""
-    lines = []
-    for label in NAMES:
-        base = [r for r in rows if (r["workload"], r["K"], r["M"]) == (label, 1, 1) and r["measured_sps"]]
-        pipelined = [r for r in rows if (r["workload"], r["K"]) == (label, 2) and r["measured_sps"]]
-        if not base or not pipelined:
-            continue
-        best = max(pipelined, key=lambda r: r["measured_sps"])
-        kind = "compiled stages" if all(r.get("compile") for r in [*base, *pipelined]) else "eager stages"
-        lines.append(f"- {NAMES[label]} analogue ({kind}): K=2 at its fastest M (M={best['M']}, "
-                     f"{best['measured_sps']:.1f} samples/s) is {best['measured_sps'] / base[0]['measured_sps']:.2f}x "
-                     f"the unpipelined job (K=1, M=1, {base[0]['measured_sps']:.1f} samples/s).")
-    return lines
 
 
 def main() -> None:

@@ -159,7 +159,7 @@ def main() -> None:
     """Run one transfer experiment and write ``transfer.md`` / ``.json`` under ``--out``."""
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--experiment", default="transfer_synthetic", help="a conf/experiment/transfer_*.yaml")
-    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--seeds", type=int, help="seeds 0..N-1 (default: the config's transfer.seeds)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. transfer.checkpoint=/x.ckpt")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -168,18 +168,26 @@ def main() -> None:
     overrides = tiny + list(args.overrides)  # the command line's own overrides win over --tiny's
     cfg = load_config(args.experiment, overrides)
     args.out.mkdir(parents=True, exist_ok=True)
-    seeds = 1 if args.tiny else args.seeds
-    progress = Progress(seeds, "transfer", note=f"writing to {args.out}")
+    from omegaconf import OmegaConf
+
+    seeds = [0] if args.tiny else (list(range(args.seeds)) if args.seeds
+                                   else [int(x) for x in OmegaConf.select(cfg, "transfer.seeds", default=[0, 1])])
+    progress = Progress(len(seeds), "transfer", note=f"writing to {args.out}")
     results = []
-    for s in range(seeds):
+    for s in seeds:
         results.append(run(cfg, args.out, s))
         progress.done(f"seed {s}: pretrain, fine-tune, from scratch")
     mean = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+
+    def spread(key: str) -> str:
+        values = [r[key] for r in results]
+        return f"{mean[key]:.1f}" + (f" [{min(values):.1f}, {max(values):.1f}]" if len(values) > 1 else "")
+
     label = cfg.transfer.dataset_label
     header = ["dataset", "config", "paper top-1 (AmoebaNet-B, ImageNet-pretrained)", "ours: pretrained",
               "ours: scratch, same steps", "status"]
-    rows = [[label, args.experiment, cfg.transfer.paper_top1 or "-", f"{mean['pretrained']:.1f}",
-             f"{mean['scratch']:.1f}", f"run here ({seeds} seed(s), {cfg.transfer.steps} fine-tuning steps)"]]
+    rows = [[label, args.experiment, cfg.transfer.paper_top1 or "-", spread("pretrained"), spread("scratch"),
+             f"run here ({len(seeds)} seed(s) {seeds}, mean [min, max]; {cfg.transfer.steps} fine-tuning steps)"]]
     for name, dataset, top1 in PAPER:
         if name != args.experiment:
             root = Path(load_config(name, []).data.root)
@@ -189,8 +197,11 @@ def main() -> None:
     md = ["# Transfer learning: fine-tune a pretrained AmoebaNet with a fresh classifier", "", provenance(), "",
           f"{'TINY smoke run. ' if args.tiny else ''}Model `{cfg.model.name}` "
           f"{ {k: v for k, v in cfg.model.items() if k != 'name'} }, GPipe K={cfg.pipeline.partitions}, "
-          f"M={cfg.pipeline.chunks}, deferred BatchNorm, SGD momentum 0.9 lr {cfg.transfer.lr}, random flips "
-          f"and cutout {cfg.transfer.cutout}. Pretraining: {cfg.transfer.pretrain_steps} steps on a disjoint "
+          f"M={cfg.pipeline.chunks}, deferred BatchNorm, SGD momentum 0.9 lr {cfg.transfer.lr}; augmentation: the "
+          f"datamodule's random flips ({OmegaConf.select(cfg, 'data.random_flip', default=False)}) and cutout "
+          f"{OmegaConf.select(cfg, 'data.cutout', default=0)} (data.random_flip / data.cutout), plus the loop's own "
+          f"flips ({bool(cfg.transfer.random_flip)}) and cutout {cfg.transfer.cutout} (transfer.random_flip / "
+          f"transfer.cutout). Pretraining: {cfg.transfer.pretrain_steps} steps on a disjoint "
           "class set (synthetic) — the checkpoint's classifier is dropped and a fresh one trained.", "",
           md_table(header, rows), "",
           f"Per seed (pretrained / scratch top-1 %): {[(round(r['pretrained'], 1), round(r['scratch'], 1)) for r in results]}. "

@@ -42,6 +42,7 @@ from gpipe_lab.models import build, preset_costs
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
+from gpipe_lab.provenance import source_commit
 from gpipe_lab.run_console import (
     CompileNotice,
     ProgressBar,
@@ -200,7 +201,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     init_from = load_weights(cfg, module, ckpt_path)
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
              "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
-             "init_from": init_from, "run_name": run_name(options)}
+             "init_from": init_from, "run_name": run_name(options), "commit": source_commit()}
     metrics = PipelineMetrics(output_dir, extra_summary=extra)
     trainer = build_trainer(cfg, options, module, output_dir, metrics)
     fit(cfg, trainer, module, datamodule, metrics, ckpt_path)

@@ -159,7 +159,9 @@ def test_training_scripts_train_what_their_configs_say(script: str, tmp_path: Pa
     run_main(module, monkeypatch, "--tiny", "--out", str(tmp_path), "optimizer.lr=0.05", "trainer.max_steps=3")
     assert calls and all(c["lr"] == 0.05 and c["steps"] == 3 and c["d_model"] == 16 for c in calls)
     if script == "trainability":
-        assert len(calls) == 4 and calls[1]["ffn_init_scaling"] and calls[2]["logit_clip"] == 10.0
+        assert len(calls) == 5 and calls[1]["ffn_init_scaling"] and calls[2]["logit_clip"] == 10.0
+        assert [c["num_layers"] for c in calls] == [2, 2, 2, 2, 1]  # four variants, then the depth control
+        assert all(c["warmup"] == 10 for c in calls)  # experiment.warmup
         assert "logit clip" in (tmp_path / "trainability.md").read_text()
     else:
         assert [c.get("tokens_per_batch") for c in calls] == [None, None, 64, 256, 1024]
@@ -190,6 +192,7 @@ def test_tiny_multirun_is_collected_into_table2(tmp_path: Path, scripts: object,
     assert (out / "table2_throughput.png").stat().st_size > 0
     rows = json.loads((out / "table2_throughput.json").read_text())["rows"]
     assert sorted((r["K"], r["M"]) for r in rows) == [(2, 1), (2, 4)] and all(r["measured_sps"] for r in rows)
+    assert all(r["commit"] and r["threads"] >= 2 for r in rows)  # each job's own commit; its stages' threads
 
 
 def fake_job(sweep: Path, num: int, experiment: str, overrides: list[str], **summary: object) -> None:
@@ -212,7 +215,7 @@ def fake_job(sweep: Path, num: int, experiment: str, overrides: list[str], **sum
      ["| AmoebaNet-D(18, 128) analogue | 32 | 0.67 | 1.00 | 1 | 1.7 | 2.7 |"]),
     ("trainability", [("paper_trainability", ["model.ffn_init_scaling=false", "model.logit_clip=null"], {}),
                       ("paper_trainability", [], {"seed": 1})],
-     ["| none | 1 ([0]) | 2.000 ± 0.000", "| both | 1 ([1]) |", "(i) + (ii)"]),
+     ["| none | 24 | 1 ([0]) | 2.000 ± 0.000", "| both | 24 | 1 ([1]) |", "(i) + (ii)"]),
     ("nmt_scaling", [("paper_nmt_deep", [], {}), ("paper_nmt_wide", [], {"val_loss": 3.0}),
                      ("paper_nmt_batch", ["data.tokens_per_batch=128"], {})],
      ["| deep | {'num_layers': 8", "| 2.500 | 1.000 | T(24, 8192, 16)", "| 128 | 1 | 100.000 | 2.500 | 1.000 | 260K | 30.92 | 2.58 |"]),
@@ -243,6 +246,8 @@ def test_table2_collector_states_the_pipelining_gain_of_each_model(tmp_path: Pat
     run_main(scripts("table2_throughput"), monkeypatch, "--from-multirun", str(tmp_path / "sweep"),
              "--out", str(tmp_path / "out"))
     text = (tmp_path / "out" / "table2_throughput.md").read_text()
-    assert ("- Transformer-48 analogue (compiled stages): K=2 at its fastest M (M=4, 15.0 samples/s) is 1.50x "
-            "the unpipelined job (K=1, M=1, 10.0 samples/s).") in text
+    assert ("- Transformer-48 analogue (compiled stages): K=2 at its fastest M (M=4, 15.00 samples/s, ? threads in "
+            "all) is 1.50x the unpipelined job (K=1, M=1, 10.00 samples/s, ? threads); in the table's normalization "
+            "(K=2, M=1 = 1.00) K=1, M=1 is 0.83 and K=2, M=4 is 1.25; fewer than 3 repeats (1 and 1): no spread "
+            "to judge it by.") in text
     assert "AmoebaNet-D(18, 256) analogue (" not in text

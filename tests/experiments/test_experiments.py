@@ -30,8 +30,10 @@ CASES = {
     "trainability.py": ("trainability.md", ["ffn init scaling", "logit clip", "non-finite"]),
     "nmt_scaling.py": ("nmt_scaling.md", ["30.92", "31.86", "32.71", "2.58", "2.51", "2.46"]),
     "transfer.py": ("transfer.md", ["99.0", "91.3", "94.6", "95.9", "93.0", "92.7", "83.6"]),
-    "trainability_search.py": ("trainability_search.md", ["diverged / seeds", "1.5 x the lowest"]),
+    "trainability_search.py": ("trainability_search.md", ["depth effect", "1.5 x the lowest",
+                                                            "extended after each miss"]),
     "emulated_scaling.py": ("emulated_scaling.md", ["K·M/(M+K-1)", "hand-over per hop"]),
+    "simulator_heldout.py": ("simulator_heldout.md", ["- in-sample: within 10%", "- held-out: within 10%"]),
 }
 
 

@@ -38,3 +38,43 @@ def test_png_metadata_names_the_commit(tmp_path):
     plt.close(fig)
     info = Image.open(tmp_path / "f.png").info
     assert info["Source"] == f"gpipe-lab {provenance_meta()['commit']}" and "python" in info["Description"]
+
+
+def test_every_figure_of_experiments_and_benchmarks_carries_its_commit():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    calls = [(p.name, line.strip()) for folder in ("experiments", "benchmarks") for p in (root / folder).rglob("*.py")
+             for line in p.read_text().splitlines() if ".savefig(" in line]
+    assert calls and all("metadata=" in line for _, line in calls), [c for c in calls if "metadata=" not in c[1]]
+    # plot_timeline saves without metadata when given a path: the scripts draw with it and save themselves
+    drawn = [(p.name, line.strip()) for folder in ("experiments", "benchmarks") for p in (root / folder).rglob("*.py")
+             for line in p.read_text().splitlines() if "plot_timeline(" in line and "import" not in line]
+    import re
+
+    positional_path = re.compile(r"plot_timeline\([^,()]+(\([^()]*\))?[^,()]*,(?!\s*[\w.]+\s*=)")
+    assert drawn and not [c for c in drawn if positional_path.search(c[1])]
+    assert positional_path.search("plot_timeline(tl, png, title=x)")
+
+
+def test_benchmark_figures_name_commit_and_module_command(monkeypatch):
+    import sys
+
+    from benchmarks.bench_common import figure_metadata, git_commit
+
+    monkeypatch.setattr(sys, "argv", [str(__import__("benchmarks.report").__path__[0]) + "/report.py", "--x"])
+    meta = figure_metadata()
+    assert meta["Source"] == f"gpipe-lab {git_commit()}"
+    assert meta["Description"].startswith("python -m benchmarks.report --x (")
+
+
+def test_jobs_record_the_commit_of_their_code_and_the_sweep_summary_shows_it(tmp_path):
+    import re
+
+    from gpipe_lab.provenance import source_commit
+    from gpipe_lab.sweep_summary import table_rows
+
+    assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", source_commit())
+    assert source_commit(tmp_path) == "unknown"  # not a git checkout
+    headers, rows = table_rows([{"K": 2, "M": 4, "commit": "abc123def456"}])
+    assert rows[0][headers.index("commit")] == "abc123def456"

@@ -25,3 +25,11 @@ def test_a_changed_deterministic_cell_is_reported_and_a_timed_one_is_not() -> No
     assert differences(timed, before) == []
     assert differences(changed, before, "t2") == ["t2 table 1 row 1 [paper K=2]: '1.70' now, '1.07' before"]
     assert "shape changed" in differences(before + "| extra | 1 | 2 | 3 |\n", before)[0]
+
+
+def test_the_check_names_the_columns_it_compared_and_skipped() -> None:
+    from experiments.check_results import compared_columns
+
+    table = "| model | M | paper K=2 | K=2 measured | recorded waits (part of the bubble) |\n|---|---|---|---|---|\n"
+    assert compared_columns(table) == [(["model", "M", "paper K=2"], ["K=2 measured",
+                                                                     "recorded waits (part of the bubble)"])]
