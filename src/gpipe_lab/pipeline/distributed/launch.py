@@ -75,6 +75,15 @@ def _worker(rank: int, fn: Callable, world_size: int, args: Sequence[object], po
     os._exit(code)
 
 
+def add_preload(ctx: object, modules: Sequence[str]) -> None:
+    """Add ``modules`` to the forkserver's preload list, read when the server starts (once per
+    process). The list is process-wide: keep what others put there for their own forks."""
+    from multiprocessing import forkserver
+
+    current = list(getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or [])
+    ctx.set_forkserver_preload(current + [m for m in modules if m not in current])  # type: ignore[attr-defined]
+
+
 def run_local(fn: Callable, world_size: int, args: Sequence[object] = (), timeout: float = 120.0,
               backend: str = "gloo", threads: int = 1, pg_timeout: float | None = None,
               start_method: str = "forkserver") -> list[RankResult]:
@@ -93,7 +102,7 @@ def run_local(fn: Callable, world_size: int, args: Sequence[object] = (), timeou
     server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, once per process
+        add_preload(ctx, PRELOAD)
     environ, cwd = dict(os.environ), os.getcwd()
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpipe-launch-") as outdir:
