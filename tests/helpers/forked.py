@@ -16,9 +16,11 @@ the real command gives; only what torch reads from the environment at import tim
 from __future__ import annotations
 
 import atexit
+import io
 import multiprocessing
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,16 +39,34 @@ _CONTEXT = multiprocessing.get_context("forkserver")
 _add_preload(_CONTEXT, PRELOAD)
 
 
-def _child(module: str, args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+def _text(fd: int, unbuffered: bool, line_buffering: bool) -> io.TextIOWrapper:
+    """``sys.stdout``/``sys.stderr`` as the interpreter makes them (``PYTHONUNBUFFERED``: no buffer)."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding="utf-8",
+                            errors="backslashreplace", line_buffering=line_buffering, write_through=unbuffered)
+
+
+def _child(module: str, args: list[str], cwd: str, env: dict[str, str], out: str, err: str | None,
+           new_session: bool = False, sigint_ignored: bool = False) -> None:
+    """Become ``python -m module *args``: output to ``out`` (and ``err``, or ``out`` too when None)."""
+    if new_session:
+        os.setsid()
+    if sigint_ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, fd)
+    target = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # a fifo: blocks until the reader opens
+    os.dup2(target, 1)
+    os.close(target)
+    if err is None:
+        os.dup2(1, 2)
+    else:
+        target = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, 2)
         os.close(target)
-    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    sys.stdout, sys.stderr = _text(1, unbuffered, line_buffering=False), _text(2, unbuffered, line_buffering=True)
     sys.path.insert(0, cwd)  # what ``python -m`` puts first
     sys.argv = [module, *args]  # runpy replaces argv[0] with the module's file
     code: int | str | None = 0
@@ -92,3 +112,40 @@ def run_module(module: str, args: Sequence[str], *, cwd: str | Path, env: Mappin
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
     return subprocess.CompletedProcess(command, proc.exitcode, stdout, stderr)
+
+
+class ForkedProcess:
+    """A ``subprocess.Popen`` look-alike (``pid``, ``stdout``, ``poll``, ``wait``) for a forked
+    ``python -m module``: stdout and stderr together on ``stdout``, read through a fifo."""
+
+    def __init__(self, module: str, args: Sequence[str], *, cwd: str | Path, env: Mapping[str, str] | None = None,
+                 new_session: bool = False, sigint_ignored: bool = False) -> None:
+        self._scratch = tempfile.TemporaryDirectory(prefix="gpipe-forked-")
+        fifo = os.path.join(self._scratch.name, "console")
+        os.mkfifo(fifo)
+        self._proc = _CONTEXT.Process(target=_child, args=(module, list(args), str(cwd),
+                                                            dict(os.environ if env is None else env), fifo, None,
+                                                            new_session, sigint_ignored))
+        self._proc.start()
+        self.stdout = open(fifo, "rb")  # noqa: SIM115 - opens once the child has opened its end
+        self.pid = self._proc.pid
+        self.args = [sys.executable, "-m", module, *args]
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return None if self._proc.is_alive() else self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status (negative: the signal that ended it).
+
+        Raises:
+            subprocess.TimeoutExpired: still running after ``timeout`` seconds.
+        """
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        self._scratch.cleanup()
+        return self._proc.exitcode  # type: ignore[return-value]
