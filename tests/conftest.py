@@ -8,11 +8,18 @@
   there is other work for the other worker, and the run ends on short tests.
 
 Without ``-n`` none of this changes what runs; only the order.
+- OpenMP threads wait passively (``OMP_WAIT_POLICY``, unless set): see below.
 """
 
 from __future__ import annotations
 
-import pytest
+import os
+
+# Two workers share two cores: an OpenMP thread that waits sleeps instead of spinning on the core
+# the other worker needs. Read when torch loads its OpenMP runtime, so before any test imports it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 
 def _shared_fixtures(item: pytest.Item) -> list[str]:

@@ -1,6 +1,6 @@
 """``gpipe-train`` under interruption: Ctrl-C and SIGKILL lose nothing, and runs are bitwise repeatable.
 
-Every test starts the real console app (``python -m gpipe_lab.train``) in a subprocess
+Every test starts the real console app (``python -m gpipe_lab.train``, forked: ``helpers.forked``)
 with a small AmoebaNet-D config (4 steps per epoch, a checkpoint every 3 optimizer steps,
 all of them kept, per-step losses in the CSV logger), follows its steps on the progress bar
 it prints (bounded by each test's timeout mark), and kills its whole process group in ``finally``.
@@ -25,12 +25,12 @@ import re
 import shlex
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers.forked import ForkedProcess
 
 pytestmark = [pytest.mark.slow]
 
@@ -48,32 +48,26 @@ APP = [
 PROGRESS_BAR = ["trainer.enable_progress_bar=true"]
 
 
-def ignore_sigint() -> None:
-    """What ``gpipe-train ... &`` in a script does to the child: SIGINT arrives ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def start_app(run_dir: Path, *overrides: str, sigint_ignored: bool = False) -> subprocess.Popen:
-    """The app with its console (stdout and stderr) on a pipe; ``console()`` shows what was read."""
+def start_app(run_dir: Path, *overrides: str, sigint_ignored: bool = False) -> ForkedProcess:
+    """The app in its own session with its console (stdout and stderr) on a pipe; ``console()`` shows
+    what was read. ``sigint_ignored``: what ``gpipe-train ... &`` in a script does to the child."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpipe_lab.train", *APP, *overrides, f"hydra.run.dir={run_dir}",
-         f"paths.log_dir={run_dir.parent / 'logs'}"],
-        cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        preexec_fn=ignore_sigint if sigint_ignored else None)
+    proc = ForkedProcess("gpipe_lab.train", [*APP, *overrides, f"hydra.run.dir={run_dir}",
+                                             f"paths.log_dir={run_dir.parent / 'logs'}"],
+                         cwd=run_dir, env=env, new_session=True, sigint_ignored=sigint_ignored)
     proc.log = open(run_dir / "console.log", "wb")  # type: ignore[attr-defined]  # noqa: SIM115 - closed by stop()
     return proc
 
 
-def drain(proc: subprocess.Popen) -> int:
+def drain(proc: ForkedProcess) -> int:
     """Read the app's console to its end (into console.log); returns its exit status."""
     for chunk in iter(lambda: proc.stdout.read1(65536), b""):  # type: ignore[union-attr]
         proc.log.write(chunk)  # type: ignore[attr-defined]
     return proc.wait(timeout=60)
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: ForkedProcess) -> None:
     """Kill the app and everything it started (its own session)."""
     if proc.poll() is None:
         try:
@@ -93,7 +87,7 @@ def console(run_dir: Path) -> str:
 PROGRESS = re.compile(rb"Epoch (\d+):\s+\d+%\|[^|]*\| (\d+)/\d+")
 
 
-def wait_for_step(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:
+def wait_for_step(proc: ForkedProcess, run_dir: Path, steps: int) -> None:
     """Block on the app's console until its progress bar shows ``steps`` finished batches.
 
     Lightning runs checkpoint callbacks after every other batch-end hook, so once the bar

@@ -112,3 +112,5 @@ def test_lightning_info_lines_are_printed_once(tmp_path):
     out = proc.stdout + proc.stderr
     assert out.count("Seed set to 0") == 1 and out.count("`Trainer.fit` stopped") == 1, out[-3000:]
     assert "litlogger" not in out and "powered by Hydra" not in out, out[-3000:]
+    (first,) = tmp_path.rglob("timeline_first.png")  # one step: its picture is drawn once, then copied
+    assert first.with_name("timeline_last.png").read_bytes() == first.read_bytes()

@@ -258,3 +258,24 @@ class _Picked:
 def _pick(result: object, key: str, index: int | None = None) -> _Picked:
     value = result.value[key]
     return _Picked(value if index is None else value[index])
+
+
+def environment_worker(rank: int, world: int, name: str) -> tuple[str | None, str, int]:
+    import os
+
+    return os.environ.get(name), os.getcwd(), torch.get_num_threads()
+
+
+def test_workers_start_from_the_callers_environment_and_directory(tmp_path, monkeypatch):
+    """Forked from a server started earlier, a worker still sees what the caller set just now."""
+    run_local(environment_worker, 1, args=("GPIPE_TEST_UNSET",), timeout=60)  # the server is up
+    monkeypatch.setenv("GPIPE_TEST_LATE", "late")
+    monkeypatch.chdir(tmp_path)
+    results = run_local(environment_worker, 2, args=("GPIPE_TEST_LATE",), timeout=60, threads=1)
+    assert [r.exitcode for r in results] == [0, 0], [r.error for r in results]
+    assert [r.value for r in results] == [("late", str(tmp_path), 1)] * 2
+
+
+def test_a_bad_start_method_is_refused_naming_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"start_method must be one of \['forkserver', 'spawn'\], got 'fork'"):
+        run_local(environment_worker, 1, args=("X",), start_method="fork")

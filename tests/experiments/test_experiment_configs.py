@@ -12,12 +12,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from experiments.common import compose_experiment
+
+from helpers.forked import run_module
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"
@@ -174,13 +175,13 @@ def test_tiny_multirun_is_collected_into_table2(tmp_path: Path, scripts: object,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     sweep = tmp_path / "sweep"
-    train = subprocess.run(
-        [sys.executable, "-m", "gpipe_lab.train", "-m", "experiment=paper_table2_amoebanet", "pipeline.partitions=2",
+    train = run_module(
+        "gpipe_lab.train", ["-m", "experiment=paper_table2_amoebanet", "pipeline.partitions=2",
          "pipeline.chunks=1,4", "trainer=smoke", "trainer.max_steps=1", "trainer.limit_val_batches=1",
          "model.num_layers=3", "model.num_filters=8", "data.batch_size=64", "data.num_train=128", "data.num_val=32",
          "logger=none",
          f"paths.log_dir={tmp_path}", f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        cwd=tmp_path, env=env, timeout=240)
     assert train.returncode == 0, train.stderr[-3000:]
     assert len(list(sweep.glob("*/summary.json"))) == 2
     out = tmp_path / "out"

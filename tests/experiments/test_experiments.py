@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from experiments.check_results import differences, tables
 from experiments.transfer import load_backbone, load_config
+
+from helpers.forked import run_module
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCES = Path(__file__).with_name("references")
@@ -40,8 +41,7 @@ CASES = {
 def run_script(script: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     module = f"experiments.{Path(script).stem}"
-    return subprocess.run([sys.executable, "-m", module, "--tiny", "--out", str(out), *extra],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    return run_module(module, ["--tiny", "--out", str(out), *extra], cwd=ROOT, env=env, timeout=280)
 
 
 @pytest.mark.slow

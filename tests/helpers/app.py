@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 from gpipe_lab.train import CONFIG_DIR, cli
+from helpers.forked import run_module
 
 CONF = Path(CONFIG_DIR)
 
@@ -37,8 +38,8 @@ def gpipe_train(args: list[str], tmp_path: Path, timeout: float = 240) -> subpro
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
     flags = [a for a in args if a.startswith("-")]
     overrides = [a for a in args if not a.startswith("-")]
-    proc = subprocess.run([sys.executable, "-m", "gpipe_lab.train", *flags, f"paths.log_dir={tmp_path}", *overrides],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    proc = run_module("gpipe_lab.train", [*flags, f"paths.log_dir={tmp_path}", *overrides], cwd=tmp_path, env=env,
+                      timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -52,8 +53,8 @@ def user_app(args: list[str], tmp_path: Path, timeout: float = 240) -> subproces
     """``gpipe-train`` as a user runs it (no HYDRA_FULL_ERROR), in ``tmp_path``."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")
-    return subprocess.run([sys.executable, "-m", "gpipe_lab.train", *args, f"paths.log_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    return run_module("gpipe_lab.train", [*args, f"paths.log_dir={tmp_path}"], cwd=tmp_path, env=env,
+                      timeout=timeout)
 
 
 @dataclass

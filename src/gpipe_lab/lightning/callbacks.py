@@ -23,6 +23,7 @@ command-line overrides (so a sweep's rows show what each job swept).
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from statistics import mean
@@ -76,6 +77,8 @@ class PipelineMetrics(pl.Callback):
         self._pictured = False
         self.last_validated_step = -1
         self._timeline: Any = None
+        self._reports = 0  # step reports seen: the last picture is the first one when none came after
+        self._pictured_at = -1
         self._memory: list[dict[str, int]] = []
         self.summary: dict[str, Any] = {}
 
@@ -100,6 +103,7 @@ class PipelineMetrics(pl.Callback):
         samples, tokens = strategy.last_batch_size
         timeline, memory = strategy.step_report()  # collective in distributed: every rank calls it
         self._timeline, self._memory = timeline, memory
+        self._reports += 1
         assert timeline is not None
         rates = (samples / seconds, tokens / seconds)
         if batch_idx >= self.warmup_steps or trainer.max_steps == 1:
@@ -139,11 +143,21 @@ class PipelineMetrics(pl.Callback):
     def _picture(self, trainer: pl.Trainer, strategy: GPipeStrategy, when: str) -> None:
         if not trainer.is_global_zero or self._timeline is None:
             return
+        first = self.output_dir / "timeline_first.png"
+        if when == "last" and self._pictured_at == self._reports and first.exists():
+            path = self.output_dir / "timeline_last.png"  # one step only: the same picture, not drawn twice
+            shutil.copyfile(first, path)
+            self._log_picture(trainer, path, when)
+            return
+        self._pictured_at = self._reports
         d = int(getattr(strategy, "data_parallel_size", 1) or 1)
         title = (f"K={strategy.num_stages} M={strategy.chunks} D={d} {strategy.schedule} "
                  f"transport={strategy.transport} ({when} step{', replica 0' if d > 1 else ''})")
         predicted = predicted_timeline(self._timeline, strategy.schedule, strategy.chunks, strategy.checkpoint)
         path = save_timeline_figure(self._timeline, self.output_dir / f"timeline_{when}.png", title, predicted)
+        self._log_picture(trainer, path, when)
+
+    def _log_picture(self, trainer: pl.Trainer, path: Path, when: str) -> None:
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 logger.log_image("pipeline/timeline", [str(path)], step=trainer.global_step, caption=[when])

@@ -13,7 +13,6 @@ deferred-BatchNorm commit, and the timeline. ``pipe(x)``'s differentiable path
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -34,11 +33,10 @@ from gpipe_lab.pipeline.microbatch import Value, join, unwrap
 from gpipe_lab.pipeline.options import OptionViews, PipelineOptions, compile_kwargs
 from gpipe_lab.pipeline.replay_policy import StageReplay, generator_owners
 from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs
-from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
+from gpipe_lab.pipeline.stage import StageRuntime
+from gpipe_lab.pipeline.stage_state import LossFn, StepPlan
 from gpipe_lab.pipeline.step_policy import StepPolicy
 from gpipe_lab.pipeline.timeline import Timeline
-
-LossFn = Callable[[object, object], Tensor]
 
 
 class _Scheduled(NamedTuple):

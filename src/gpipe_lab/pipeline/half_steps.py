@@ -21,7 +21,8 @@ from gpipe_lab.pipeline.batching import checkpointed_microbatches
 from gpipe_lab.pipeline.channel import StepFeed, Values
 from gpipe_lab.pipeline.microbatch import Value, split
 from gpipe_lab.pipeline.options import PipelineOptions
-from gpipe_lab.pipeline.stage import StageRuntime, StepPlan
+from gpipe_lab.pipeline.stage import StageRuntime
+from gpipe_lab.pipeline.stage_state import StepPlan
 
 
 class HalfStep(NamedTuple):

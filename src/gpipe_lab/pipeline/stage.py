@@ -15,9 +15,7 @@ then back-propagates.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,66 +23,21 @@ from torch import Tensor, nn
 
 from gpipe_lab.pipeline.backward_call import stage_backward
 from gpipe_lab.pipeline.batchnorm import running_stat_layers, running_stats_untouched
-from gpipe_lab.pipeline.checkpointing import AutocastState, autocast_as, autocast_state, checkpointing
+from gpipe_lab.pipeline.checkpointing import autocast_as, autocast_state, checkpointing
 from gpipe_lab.pipeline.compiling import CompiledStage
 from gpipe_lab.pipeline.context import microbatch_seed
 from gpipe_lab.pipeline.device_timing import DeviceClock
 from gpipe_lab.pipeline.microbatch import as_tuple, final_output, unwrap
 from gpipe_lab.pipeline.replay_policy import DISPATCH, NONE, OFF, StageReplay
+from gpipe_lab.pipeline.stage_state import SavedMicrobatch, StepPlan
 from gpipe_lab.pipeline.timeline import Event
 from gpipe_lab.pipeline.weight_gradients import (
-    SplitPlan,
     batched_weight_backward,
     input_backward,
     plan_split,
     split_weight_backward,
 )
 from gpipe_lab.saved_bytes import SavedBytes, storage_keys
-
-LossFn = Callable[[object, object], Tensor]
-
-
-@dataclass
-class StepPlan:
-    """What a stage needs to know about the current step."""
-
-    step: int
-    num_microbatches: int
-    checkpointed: frozenset[int]
-    split_backward: frozenset[int] = frozenset()
-    # {stage: {mb: the consecutive W run it belongs to}}: a run's W is done at once, at its last W
-    weight_runs: dict[int, dict[int, tuple[int, ...]]] = field(default_factory=dict)
-    loss_fn: LossFn | None = None
-    loss_weights: list[float] = field(default_factory=list)
-    # False for forward-only (evaluation) steps: grad mode is per thread, so the
-    # caller's no_grad/inference_mode does not reach the stage workers by itself.
-    grad_enabled: bool = True
-
-
-@dataclass
-class _Saved:
-    inputs: tuple[Tensor, ...]
-    was_tensor: bool
-    target: object = None
-    outputs: tuple[Tensor, ...] | None = None
-    grads: tuple[Tensor | None, ...] | None = None
-    saved_bytes: int = 0
-    split: SplitPlan | None = None
-    own_input_grads: bool = True  # False: the first stage's input only marks where its graph ends
-    full_w: bool = False  # W is the whole backward (the input belongs to the caller's graph)
-    # the forward drew no random number: its replay, on the same inputs, draws none either,
-    # so it runs without the per-op replay mode (which costs a Python call per op)
-    drew_nothing: bool = False
-    replay: str = OFF  # how its first forward replayed its draws (``replay_policy``), and so its replay
-    autocast: AutocastState | None = None  # the first forward's, for its replay (checkpointed only)
-
-    def clear(self) -> None:
-        """Drop the graph. With memory tracking the graph holds the pack hook, whose closure holds
-        this object: a cycle through C++ that Python's GC cannot see. A plain backward frees the
-        graph's buffers and breaks it; a graph kept for a split W (``retain_graph``) is only freed
-        here (otherwise ~25 MB/step leaks on the MLP under zb-h1)."""
-        self.outputs = self.grads = self.split = self.target = None
-        self.inputs = ()
 
 
 class StageRuntime:
@@ -105,7 +58,7 @@ class StageRuntime:
         self.losses: dict[int, Tensor] = {}
         self.outputs: dict[int, tuple[tuple[Tensor, ...], bool]] = {}
         self.keep_outputs = False
-        self._saved: dict[int, _Saved] = {}
+        self._saved: dict[int, SavedMicrobatch] = {}
         self._param_storages: frozenset[int] = frozenset()
         self._norms: list[nn.Module] | None = None
         self.live_bytes = 0
@@ -226,7 +179,7 @@ class StageRuntime:
             # the input-side gradients through the stage and leave every weight GEMM to W
             inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
             own_input_grads = False
-        saved = _Saved(inputs, was_tensor, target, own_input_grads=own_input_grads)
+        saved = SavedMicrobatch(inputs, was_tensor, target, own_input_grads=own_input_grads)
         self._saved[mb] = saved
         self._add_bytes(sum(t.numel() * t.element_size() for t in inputs))
         checkpointed = mb in self.plan.checkpointed

@@ -8,6 +8,12 @@ from it, runs ``fn(rank, world_size, *args)`` and hands back the return value
 or its exception. Workers end with ``os._exit`` (no shutdown wait on pending
 gloo operations); any worker still alive at the deadline is killed. Used by
 the tests and the benchmark; ``torchrun`` remains the launcher for real jobs.
+
+Workers are forked from a forkserver that has imported torch once (per calling
+process), so a launch does not pay torch's import in every rank; each worker
+still starts from the caller's current environment variables and working
+directory, as a spawned one would. Variables read by torch at import time
+(``OMP_NUM_THREADS``, ...) take effect only with ``start_method="spawn"``.
 """
 
 from __future__ import annotations
@@ -38,8 +44,15 @@ class RankResult:
     ended: float | None = None  # seconds after launch (None: killed at the deadline)
 
 
+PRELOAD = ["torch", "torch.distributed", "gpipe_lab.pipeline.distributed"]
+START_METHODS = ("forkserver", "spawn")
+
+
 def _worker(rank: int, fn: Callable, world_size: int, args: Sequence[object], port: int, backend: str,
-            threads: int, outdir: str, pg_timeout: float) -> None:
+            threads: int, outdir: str, pg_timeout: float, environ: dict[str, str], cwd: str) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     torch.set_num_threads(threads)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -62,24 +75,40 @@ def _worker(rank: int, fn: Callable, world_size: int, args: Sequence[object], po
     os._exit(code)
 
 
+def add_preload(ctx: object, modules: Sequence[str]) -> None:
+    """Add ``modules`` to the forkserver's preload list, read when the server starts (once per
+    process). The list is process-wide: keep what others put there for their own forks."""
+    from multiprocessing import forkserver
+
+    current = list(getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or [])
+    ctx.set_forkserver_preload(current + [m for m in modules if m not in current])  # type: ignore[attr-defined]
+
+
 def run_local(fn: Callable, world_size: int, args: Sequence[object] = (), timeout: float = 120.0,
-              backend: str = "gloo", threads: int = 1, pg_timeout: float | None = None) -> list[RankResult]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+              backend: str = "gloo", threads: int = 1, pg_timeout: float | None = None,
+              start_method: str = "forkserver") -> list[RankResult]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` worker processes.
 
     ``fn`` must be importable (a module-level function). Returns one result per
     rank, in rank order, whatever happened; never waits longer than ``timeout``.
 
     Raises:
-        ValueError: ``world_size`` < 1.
+        ValueError: ``world_size`` < 1, or ``start_method`` not one of ``START_METHODS``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {list(START_METHODS)}, got {start_method!r}")
     server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        add_preload(ctx, PRELOAD)
+    environ, cwd = dict(os.environ), os.getcwd()
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpipe-launch-") as outdir:
         procs = [ctx.Process(target=_worker, args=(r, fn, world_size, tuple(args), server.port, backend,
-                                                   threads, outdir, pg_timeout or timeout), daemon=True)
+                                                   threads, outdir, pg_timeout or timeout, environ, cwd),
+                             daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
