@@ -26,11 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpipe_lab.pipeline.gpipe import checkpointed_microbatches
-from gpipe_lab.pipeline.schedules import get_schedule
+from gpipe_lab.pipeline.schedules import Schedule, get_schedule
 from gpipe_lab.planner.contention import predict_contended
 from gpipe_lab.planner.simulator import Prediction, StageCosts, predict_step
 
-#: The per-layer times a cost model is fitted from (``experiments.layer_timing.layer_times``'s keys).
+#: The per-layer times a cost model is fitted from (``planner.layer_timing.layer_times``'s keys).
 KINDS = ("forward_grad", "forward_nograd", "backward")
 #: An optional kind: a checkpointed micro-batch's replayed forward (``forward_grad`` when absent).
 RECOMPUTE = "recompute"
@@ -213,23 +213,44 @@ class CostModel:
         return out
 
     def predict(self, balance: Sequence[int], chunks: int, batch: int, schedule: str = "gpipe",
-                checkpoint: str = "except_last") -> Prediction:
+                checkpoint: str = "except_last", weight_share: float | None = None) -> Prediction:
         """The simulator's step for ``balance`` with ``chunks`` micro-batches of a ``batch``-sample mini-batch.
 
+        ``weight_share``: for schedules with split backward (a ``W`` action), the share of a measured
+        backward that is the weight gradients (``W``), the rest being ``B``; ``None`` counts the whole
+        backward in ``B`` and ``W`` as free.
+
         Raises:
-            ValueError: a bad balance, schedule or checkpoint mode.
+            ValueError: a bad balance, schedule or checkpoint mode, or ``weight_share`` outside [0, 1].
         """
+        if weight_share is not None and not 0.0 <= weight_share <= 1.0:
+            raise ValueError(f"weight_share must be in [0, 1], got {weight_share}")
         k = len(balance)
         samples = batch / chunks
         grad, back = self.stage_seconds("forward_grad", balance, samples), self.stage_seconds("backward", balance,
                                                                                              samples)
         costs = StageCosts(grad, back, [0.0] * k, grad, [self.handover] * max(k - 1, 0))
         plan, replayed = get_schedule(schedule, k, chunks), checkpointed_microbatches(checkpoint, chunks)
-        alone = self.durations(balance, chunks, batch, checkpoint)
+        alone = _split(self.durations(balance, chunks, batch, checkpoint), plan, weight_share)
         if self.contended is None or k < 2:
             return predict_step(plan, costs, replayed, alone)
-        return predict_contended(plan, costs, alone, self.durations(balance, chunks, batch, checkpoint, True),
-                                 replayed)
+        contended = _split(self.durations(balance, chunks, batch, checkpoint, True), plan, weight_share)
+        return predict_contended(plan, costs, alone, contended, replayed)
+
+
+def _split(durations: dict[tuple[int, str, int], float], plan: Schedule, weight_share: float | None,
+           ) -> dict[tuple[int, str, int], float]:
+    """``durations`` with each split backward's time shared between its B and W (``weight_share``)."""
+    if weight_share is None:
+        return durations
+    out = dict(durations)
+    for k, actions in enumerate(plan):
+        for a in actions:
+            if a.kind == "W":
+                full = durations[(k, "B", a.microbatch)]
+                out[(k, "B", a.microbatch)] = full * (1.0 - weight_share)
+                out[(k, "W", a.microbatch)] = full * weight_share
+    return out
 
 
 def _fit_table(times_by_size: Mapping[int, Mapping[str, Sequence[float]]]) -> dict[str, list[PiecewiseCost]]:

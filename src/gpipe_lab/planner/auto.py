@@ -1,0 +1,237 @@
+"""``plan_auto``: the fastest pipeline plan (K, M, balance, schedule, checkpoint) that fits a memory budget.
+
+Every candidate is built from a measured ``Profile`` (``planner.profile_cache``):
+
+- K from 1 to the devices available (and the layers); M from 1, 2, 4, ... up to ``max_microbatches``,
+  dividing the mini-batch; each balance ``balance_by_cost`` gives for the per-layer time (forward +
+  backward at that micro-batch size) and for the per-layer memory; each allowed schedule; each
+  checkpoint mode (``never``, ``except_last``, ``always``).
+- Memory first (``planner.stage_memory``): a candidate over the budget on any stage is never simulated.
+- The rest are simulated by the cost model (the same action lists the executor runs) and ranked by
+  predicted step time; ties go to the smaller peak memory.
+
+The result names the chosen plan and runner-ups, each with why it lost: slower by x%, or over
+memory on stage k (the chosen plan's neighbours that keep more activations or use fewer stages).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gpipe_lab.pipeline.partition import balance_by_cost
+from gpipe_lab.pipeline.schedules import get_schedule
+from gpipe_lab.planner.cost_model import CostModel
+from gpipe_lab.planner.memory_size import format_bytes
+from gpipe_lab.planner.profile_cache import Profile
+from gpipe_lab.planner.stage_memory import StageMemoryModel
+
+__all__ = ["CHECKPOINTS", "DEFAULT_SCHEDULES", "Candidate", "NoPlanFits", "PlanResult", "Scored", "plan_auto"]
+
+#: Searched by default: ``interleaved-1f1b`` with one virtual stage is ``1f1b``'s action lists.
+DEFAULT_SCHEDULES = ("gpipe", "gpipe-bw", "1f1b", "zb-h1", "zb-h2")
+CHECKPOINTS = ("never", "except_last", "always")
+#: a split backward's weight-gradient share (its input-gradient and weight GEMMs cost alike)
+WEIGHT_SHARE = 0.5
+#: checkpoint modes from the most to the least activation memory kept
+_LESS_REMAT = {"always": "except_last", "except_last": "never"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan: K stages of ``balance`` layers, M micro-batches, a schedule and a checkpoint mode."""
+
+    balance: tuple[int, ...]
+    microbatches: int
+    schedule: str
+    checkpoint: str
+
+    @property
+    def partitions(self) -> int:
+        return len(self.balance)
+
+    def describe(self) -> str:
+        return (f"K={self.partitions} M={self.microbatches} balance={list(self.balance)} "
+                f"schedule={self.schedule} checkpoint={self.checkpoint}")
+
+
+@dataclass
+class Scored:
+    """A candidate with its per-stage peak memory (bytes) and, if simulated, its predicted step."""
+
+    candidate: Candidate
+    stage_bytes: list[float]
+    step_time: float | None = None
+    bubble: float | None = None
+    reason: str = ""
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.stage_bytes)
+
+    def to_dict(self) -> dict[str, object]:
+        c = self.candidate
+        return {"K": c.partitions, "M": c.microbatches, "balance": list(c.balance), "schedule": c.schedule,
+                "checkpoint": c.checkpoint, "step_time_s": self.step_time, "bubble": self.bubble,
+                "stage_peak_bytes": [int(b) for b in self.stage_bytes], "reason": self.reason}
+
+
+@dataclass
+class PlanResult:
+    """The chosen plan, the runner-ups (with reasons) and what the search did."""
+
+    chosen: Scored
+    runners_up: list[Scored]
+    budget_bytes: int
+    batch: int
+    devices: int
+    considered: int
+    simulated: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def samples_per_s(self) -> float:
+        assert self.chosen.step_time is not None
+        return self.batch / self.chosen.step_time
+
+    def to_dict(self) -> dict[str, object]:
+        return {"chosen": self.chosen.to_dict(), "runners_up": [r.to_dict() for r in self.runners_up],
+                "budget_bytes": self.budget_bytes, "batch": self.batch, "devices": self.devices,
+                "considered": self.considered, "simulated": self.simulated, "search_seconds": self.seconds}
+
+
+class NoPlanFits(ValueError):
+    """No candidate fits the budget; ``smallest`` is the plan that fits the least memory (its peak:
+    ``smallest.peak_bytes``)."""
+
+    def __init__(self, message: str, smallest: Scored) -> None:
+        super().__init__(message)
+        self.smallest = smallest
+
+
+def microbatch_counts(batch: int, max_microbatches: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_microbatches`` and ``batch``, each dividing ``batch``."""
+    out, m = [], 1
+    while m <= min(batch, max_microbatches):
+        if batch % m == 0:
+            out.append(m)
+        m *= 2
+    return out
+
+
+def _balances(profile: Profile, cost: CostModel, memory: StageMemoryModel, k: int, micro: int,
+              ) -> list[tuple[int, ...]]:
+    """The time-balanced and the memory-balanced cut into ``k`` stages (one if they agree)."""
+    if k == 1:
+        return [(profile.num_layers,)]
+    seconds = [a + b for a, b in zip(*(cost.stage_seconds(kind, [1] * profile.num_layers, micro)
+                                       for kind in ("forward_grad", "backward")))]
+    out = [tuple(balance_by_cost(seconds, k))]
+    by_memory = tuple(balance_by_cost(memory.layer_weights(micro), k))
+    if by_memory not in out:
+        out.append(by_memory)
+    return out
+
+
+def _check_schedules(schedules: Sequence[str]) -> list[str]:
+    from gpipe_lab.pipeline.schedules import SCHEDULES
+
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown or not schedules:
+        raise ValueError(f"schedules: {list(schedules)} must be a non-empty list of {sorted(SCHEDULES)}")
+    return list(dict.fromkeys(schedules))
+
+
+def plan_auto(profile: Profile, budget_bytes: float, devices: int, schedules: Sequence[str] | None = None,
+              checkpoints: Sequence[str] = CHECKPOINTS, max_microbatches: int = 32,
+              bytes_per_param: float = 16.0, runners_up: int = 5) -> PlanResult:
+    """Search the plans of ``profile``'s model and mini-batch (see the module docstring).
+
+    Raises:
+        NoPlanFits: no candidate fits ``budget_bytes`` on every stage; one line naming the smallest
+            memory that would fit and the plan it would use.
+        ValueError: ``devices`` < 1, an unknown schedule or checkpoint mode.
+    """
+    began = time.perf_counter()
+    if devices < 1:
+        raise ValueError(f"devices: must be >= 1, got {devices}")
+    allowed = _check_schedules(list(schedules or DEFAULT_SCHEDULES))
+    bad = [c for c in checkpoints if c not in CHECKPOINTS]
+    if bad or not checkpoints:
+        raise ValueError(f"checkpoints: {list(checkpoints)} must be a non-empty list of {list(CHECKPOINTS)}")
+    cost, memory, batch = profile.cost_model(), StageMemoryModel(profile.memory, bytes_per_param, profile.fixed_bytes), profile.batch
+    fitting: list[Scored] = []
+    over: list[Scored] = []
+    considered = 0
+    for k in range(1, min(devices, profile.num_layers) + 1):
+        for m in microbatch_counts(batch, max_microbatches):
+            micro = batch // m
+            for balance in _balances(profile, cost, memory, k, micro):
+                for schedule in allowed:
+                    plan = get_schedule(schedule, k, m)
+                    for checkpoint in checkpoints:
+                        considered += 1
+                        c = Candidate(balance, m, schedule, checkpoint)
+                        scored = Scored(c, memory.stage_peaks(plan, balance, m, batch, checkpoint))
+                        (fitting if scored.peak_bytes <= budget_bytes else over).append(scored)
+    if not fitting:
+        raise _no_fit(over, cost, budget_bytes, batch)
+    for s in fitting:
+        c = s.candidate
+        pred = cost.predict(list(c.balance), c.microbatches, batch, c.schedule, c.checkpoint, WEIGHT_SHARE)
+        s.step_time, s.bubble = pred.step_time, pred.bubble
+    fitting.sort(key=lambda s: (s.step_time, s.peak_bytes, s.candidate.partitions))
+    chosen = fitting[0]
+    chosen.reason = "chosen: fastest predicted step that fits"
+    result = PlanResult(chosen, _runners_up(chosen, fitting[1:], over, budget_bytes, runners_up), int(budget_bytes),
+                        batch, devices, considered, len(fitting), time.perf_counter() - began)
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+def _over_reason(s: Scored, budget: float) -> str:
+    k = max(range(len(s.stage_bytes)), key=lambda i: s.stage_bytes[i])
+    return f"over memory on stage {k}: {format_bytes(s.stage_bytes[k])} > {format_bytes(budget)}"
+
+
+def _runners_up(chosen: Scored, rest: list[Scored], over: list[Scored], budget: float, count: int) -> list[Scored]:
+    """The next fastest fitting plans (slower by x%), then the chosen plan's neighbours that do not fit:
+    less re-materialization, twice fewer micro-batches, or one stage fewer, each with the same schedule."""
+    out: list[Scored] = []
+    seen: set[tuple] = set()
+    for s in rest:
+        c = s.candidate
+        if (c.partitions, c.microbatches, c.schedule, c.checkpoint) in seen:
+            continue  # the other balance of a listed setting says little more
+        seen.add((c.partitions, c.microbatches, c.schedule, c.checkpoint))
+        assert s.step_time is not None and chosen.step_time is not None
+        s.reason = f"slower by {s.step_time / chosen.step_time - 1:.1%}"
+        out.append(s)
+        if len(out) == count:
+            break
+    c = chosen.candidate
+    wanted = [(c.partitions, c.microbatches, _LESS_REMAT.get(c.checkpoint)),
+              (c.partitions, c.microbatches // 2, c.checkpoint), (c.partitions - 1, c.microbatches, c.checkpoint)]
+    for k, m, mode in wanted:
+        match = [s for s in over if (s.candidate.partitions, s.candidate.microbatches, s.candidate.checkpoint)
+                 == (k, m, mode) and s.candidate.schedule == c.schedule]
+        if match:
+            best = min(match, key=lambda s: s.peak_bytes)
+            best.reason = _over_reason(best, budget)
+            out.append(best)
+    return out
+
+
+def _no_fit(over: list[Scored], cost: CostModel, budget: float, batch: int) -> NoPlanFits:
+    """The refusal: the least memory any candidate needs, and the fastest plan at that memory."""
+    least = min(s.peak_bytes for s in over)
+    tied = [s for s in over if s.peak_bytes <= least * (1 + 1e-9)]
+    for s in tied:
+        c = s.candidate
+        pred = cost.predict(list(c.balance), c.microbatches, batch, c.schedule, c.checkpoint, WEIGHT_SHARE)
+        s.step_time, s.bubble = pred.step_time, pred.bubble
+    best = min(tied, key=lambda s: s.step_time or 0.0)
+    return NoPlanFits(f"no plan fits {format_bytes(budget)} per device; the smallest memory that fits is "
+                      f"{format_bytes(least)} ({int(least)} bytes), with {best.candidate.describe()}", best)
