@@ -3,7 +3,8 @@
 Every candidate is built from a measured ``Profile`` (``planner.profile_cache``):
 
 - K from 1 to the devices available (and the layers); M from 1, 2, 4, ... up to ``max_microbatches``,
-  dividing the mini-batch; each balance ``balance_by_cost`` gives for the per-layer time (forward +
+  dividing the mini-batch, whose micro-batch size the profile measured (a size the model cannot
+  train on, e.g. BatchNorm over one value, is never planned); each balance ``balance_by_cost`` gives for the per-layer time (forward +
   backward at that micro-batch size) and for the per-layer memory; each allowed schedule; each
   checkpoint mode (``never``, ``except_last``, ``always``).
 - Memory first (``planner.stage_memory``): a candidate over the budget on any stage is never simulated.
@@ -16,10 +17,12 @@ memory on stage k (the chosen plan's neighbours that keep more activations or us
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gpipe_lab.pipeline.batching import checkpointed_microbatches
 from gpipe_lab.pipeline.partition import balance_by_cost
 from gpipe_lab.pipeline.schedules import get_schedule
 from gpipe_lab.planner.cost_model import CostModel
@@ -32,6 +35,8 @@ __all__ = ["CHECKPOINTS", "DEFAULT_SCHEDULES", "Candidate", "NoPlanFits", "PlanR
 #: Searched by default: ``interleaved-1f1b`` with one virtual stage is ``1f1b``'s action lists.
 DEFAULT_SCHEDULES = ("gpipe", "gpipe-bw", "1f1b", "zb-h1", "zb-h2")
 CHECKPOINTS = ("never", "except_last", "always")
+#: predicted steps within this fraction of each other are a tie
+TIE = 1e-3
 #: a split backward's weight-gradient share (its input-gradient and weight GEMMs cost alike)
 WEIGHT_SHARE = 0.5
 #: checkpoint modes from the most to the least activation memory kept
@@ -87,6 +92,7 @@ class PlanResult:
     batch: int
     devices: int
     considered: int
+    fitting: int
     simulated: int
     seconds: float
     notes: list[str] = field(default_factory=list)
@@ -99,7 +105,7 @@ class PlanResult:
     def to_dict(self) -> dict[str, object]:
         return {"chosen": self.chosen.to_dict(), "runners_up": [r.to_dict() for r in self.runners_up],
                 "budget_bytes": self.budget_bytes, "batch": self.batch, "devices": self.devices,
-                "considered": self.considered, "simulated": self.simulated, "search_seconds": self.seconds}
+                "considered": self.considered, "fitting": self.fitting, "simulated": self.simulated, "search_seconds": self.seconds}
 
 
 class NoPlanFits(ValueError):
@@ -166,29 +172,70 @@ def plan_auto(profile: Profile, budget_bytes: float, devices: int, schedules: Se
     over: list[Scored] = []
     considered = 0
     for k in range(1, min(devices, profile.num_layers) + 1):
-        for m in microbatch_counts(batch, max_microbatches):
+        for m in [m for m in microbatch_counts(batch, max_microbatches) if batch // m in profile.micro_sizes]:
             micro = batch // m
             for balance in _balances(profile, cost, memory, k, micro):
                 for schedule in allowed:
                     plan = get_schedule(schedule, k, m)
+                    sets: set[frozenset[int]] = set()
                     for checkpoint in checkpoints:
+                        same = checkpointed_microbatches(checkpoint, m)
+                        if same in sets:
+                            continue  # e.g. except_last at M=1 is never
+                        sets.add(same)
                         considered += 1
                         c = Candidate(balance, m, schedule, checkpoint)
                         scored = Scored(c, memory.stage_peaks(plan, balance, m, batch, checkpoint))
                         (fitting if scored.peak_bytes <= budget_bytes else over).append(scored)
     if not fitting:
         raise _no_fit(over, cost, budget_bytes, batch)
-    for s in fitting:
-        c = s.candidate
-        pred = cost.predict(list(c.balance), c.microbatches, batch, c.schedule, c.checkpoint, WEIGHT_SHARE)
-        s.step_time, s.bubble = pred.step_time, pred.bubble
-    fitting.sort(key=lambda s: (s.step_time, s.peak_bytes, s.candidate.partitions))
+    simulated = _rank(fitting, cost, batch, runners_up + 1, allowed)
     chosen = fitting[0]
     chosen.reason = "chosen: fastest predicted step that fits"
-    result = PlanResult(chosen, _runners_up(chosen, fitting[1:], over, budget_bytes, runners_up), int(budget_bytes),
-                        batch, devices, considered, len(fitting), time.perf_counter() - began)
+    result = PlanResult(chosen, _runners_up(chosen, fitting[1:simulated], over, budget_bytes, runners_up),
+                        int(budget_bytes), batch, devices, considered, len(fitting), simulated, 0.0)
     result.seconds = time.perf_counter() - began
     return result
+
+
+def _predict(s: Scored, cost: CostModel, batch: int) -> None:
+    c = s.candidate
+    pred = cost.predict(list(c.balance), c.microbatches, batch, c.schedule, c.checkpoint, WEIGHT_SHARE)
+    s.step_time, s.bubble = pred.step_time, pred.bubble
+
+
+def _rank(fitting: list[Scored], cost: CostModel, batch: int, top: int, schedules: list[str]) -> int:
+    """Sort ``fitting`` so that its first ``top`` are the fastest by the full (contended) prediction;
+    returns how many were fully simulated (the sorted prefix).
+
+    Stages only slow each other, so each candidate's prediction with stages alone is a lower bound:
+    candidates are fully simulated in the order of their bounds until the next bound cannot beat the
+    ``top``-th best found. Within 0.1% (a tie), the simpler schedule and less re-materialization win.
+    """
+    alone = dataclasses.replace(cost, contended=None)
+    for s in fitting:
+        _predict(s, alone, batch)
+    fitting.sort(key=lambda s: s.step_time or 0.0)
+    done: list[Scored] = []
+    for s in fitting:
+        best = sorted(x.step_time or 0.0 for x in done)
+        if len(best) >= top and (s.step_time or 0.0) > best[top - 1] * (1 + TIE):
+            break
+        if cost.contended is not None and s.candidate.partitions > 1:
+            _predict(s, cost, batch)
+        done.append(s)
+    fastest = min(x.step_time or 0.0 for x in done)
+
+    def key(s: Scored) -> tuple:
+        c = s.candidate
+        tied = (s.step_time or 0.0) <= fastest * (1 + TIE)
+        return (not tied, 0.0 if tied else s.step_time, schedules.index(c.schedule), CHECKPOINTS.index(c.checkpoint),
+                s.peak_bytes)
+
+    done.sort(key=key)
+    rest = fitting[len(done):]
+    fitting[:] = done + rest
+    return len(done)
 
 
 def _over_reason(s: Scored, budget: float) -> str:
@@ -201,10 +248,15 @@ def _runners_up(chosen: Scored, rest: list[Scored], over: list[Scored], budget: 
     less re-materialization, twice fewer micro-batches, or one stage fewer, each with the same schedule."""
     out: list[Scored] = []
     seen: set[tuple] = set()
+
+    def same(a: Scored, b: Scored) -> bool:  # an equivalent plan (e.g. gpipe-bw at M=1) says nothing new
+        return (abs((a.step_time or 0.0) - (b.step_time or 0.0)) <= TIE * (b.step_time or 0.0)
+                and abs(a.peak_bytes - b.peak_bytes) <= TIE * b.peak_bytes)
+
     for s in rest:
         c = s.candidate
-        if (c.partitions, c.microbatches, c.schedule, c.checkpoint) in seen:
-            continue  # the other balance of a listed setting says little more
+        if (c.partitions, c.microbatches, c.schedule, c.checkpoint) in seen or any(same(s, x) for x in [chosen, *out]):
+            continue  # the other balance of a listed setting, or an equivalent plan
         seen.add((c.partitions, c.microbatches, c.schedule, c.checkpoint))
         assert s.step_time is not None and chosen.step_time is not None
         s.reason = f"slower by {s.step_time / chosen.step_time - 1:.1%}"
@@ -229,9 +281,7 @@ def _no_fit(over: list[Scored], cost: CostModel, budget: float, batch: int) -> N
     least = min(s.peak_bytes for s in over)
     tied = [s for s in over if s.peak_bytes <= least * (1 + 1e-9)]
     for s in tied:
-        c = s.candidate
-        pred = cost.predict(list(c.balance), c.microbatches, batch, c.schedule, c.checkpoint, WEIGHT_SHARE)
-        s.step_time, s.bubble = pred.step_time, pred.bubble
+        _predict(s, cost, batch)
     best = min(tied, key=lambda s: s.step_time or 0.0)
     return NoPlanFits(f"no plan fits {format_bytes(budget)} per device; the smallest memory that fits is "
                       f"{format_bytes(least)} ({int(least)} bytes), with {best.candidate.describe()}", best)

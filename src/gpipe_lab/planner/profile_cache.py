@@ -61,6 +61,11 @@ class Profile:
     def num_layers(self) -> int:
         return len(self.memory)
 
+    @property
+    def micro_sizes(self) -> list[int]:
+        """The micro-batch sizes measured: the model trains on these (plans use no other)."""
+        return sorted(self.alone)
+
     def cost_model(self) -> CostModel:
         """The simulator's per-layer cost model fitted from the timings.
 
@@ -113,9 +118,16 @@ def measure(preset: str, sizes: dict[str, Any], batch: int, micro_sizes: list[in
     if len(set(micro_sizes)) < 2:
         raise ValueError(f"a profile needs >= 2 micro-batch sizes (fixed + per-sample costs), got {micro_sizes}")
     work = WorkloadSpec(preset, preset, dict(sizes), batch)
-    alone = {s: layer_timing.layer_times(work, s, repeat) for s in sorted(set(micro_sizes))}
-    beside = ({s: layer_timing.layer_times(work, s, repeat, contended=True) for s in sorted(set(micro_sizes))}
-              if contended else None)
+    alone: Times = {}
+    for s in sorted(set(micro_sizes)):
+        try:
+            alone[s] = layer_timing.layer_times(work, s, repeat)
+        except (RuntimeError, ValueError):
+            continue  # the model cannot train on s samples (BatchNorm over one value): no plan uses s
+    if len(alone) < 2:
+        raise ValueError(f"{preset} trains on fewer than two of the micro-batch sizes {sorted(set(micro_sizes))} "
+                         f"(measured: {sorted(alone)}); use a larger batch")
+    beside = {s: layer_timing.layer_times(work, s, repeat, contended=True) for s in alone} if contended else None
     overhead, hop = layer_timing.engine_costs()
     memory = list(layer_records(preset, **sizes))
     return Profile(key, preset, dict(sizes), batch, alone, beside, overhead, hop, memory, fixed_bytes(work))
