@@ -30,7 +30,7 @@ from gpipe_lab.planner.memory_size import format_bytes
 from gpipe_lab.planner.profile_cache import Profile
 from gpipe_lab.planner.stage_memory import StageMemoryModel
 
-__all__ = ["CHECKPOINTS", "DEFAULT_SCHEDULES", "Candidate", "NoPlanFits", "PlanResult", "Scored", "plan_auto"]
+__all__ = ["CHECKPOINTS", "DEFAULT_SCHEDULES", "Candidate", "candidates", "NoPlanFits", "PlanResult", "Scored", "plan_auto"]
 
 #: Searched by default: ``interleaved-1f1b`` with one virtual stage is ``1f1b``'s action lists.
 DEFAULT_SCHEDULES = ("gpipe", "gpipe-bw", "1f1b", "zb-h1", "zb-h2")
@@ -150,6 +150,38 @@ def _check_schedules(schedules: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(schedules))
 
 
+def candidates(profile: Profile, devices: int, schedules: Sequence[str] | None = None,
+               checkpoints: Sequence[str] = CHECKPOINTS, max_microbatches: int = 32,
+               bytes_per_param: float = 16.0) -> list[Scored]:
+    """Every plan the search considers, with its per-stage peak memory (nothing simulated yet).
+
+    Raises:
+        ValueError: ``devices`` < 1, an unknown schedule or checkpoint mode.
+    """
+    if devices < 1:
+        raise ValueError(f"devices: must be >= 1, got {devices}")
+    allowed = _check_schedules(list(schedules or DEFAULT_SCHEDULES))
+    bad = [c for c in checkpoints if c not in CHECKPOINTS]
+    if bad or not checkpoints:
+        raise ValueError(f"checkpoints: {list(checkpoints)} must be a non-empty list of {list(CHECKPOINTS)}")
+    cost, batch = profile.cost_model(), profile.batch
+    memory = StageMemoryModel(profile.memory, bytes_per_param, profile.fixed_bytes)
+    out: list[Scored] = []
+    for k in range(1, min(devices, profile.num_layers) + 1):
+        for m in [m for m in microbatch_counts(batch, max_microbatches) if batch // m in profile.micro_sizes]:
+            for balance in _balances(profile, cost, memory, k, batch // m):
+                for schedule in allowed:
+                    plan = get_schedule(schedule, k, m)
+                    sets: set[frozenset[int]] = set()
+                    for checkpoint in checkpoints:
+                        same = checkpointed_microbatches(checkpoint, m)
+                        if same not in sets:  # else e.g. except_last at M=1, which is never
+                            sets.add(same)
+                            out.append(Scored(Candidate(balance, m, schedule, checkpoint),
+                                              memory.stage_peaks(plan, balance, m, batch, checkpoint)))
+    return out
+
+
 def plan_auto(profile: Profile, budget_bytes: float, devices: int, schedules: Sequence[str] | None = None,
               checkpoints: Sequence[str] = CHECKPOINTS, max_microbatches: int = 32,
               bytes_per_param: float = 16.0, runners_up: int = 5) -> PlanResult:
@@ -161,39 +193,17 @@ def plan_auto(profile: Profile, budget_bytes: float, devices: int, schedules: Se
         ValueError: ``devices`` < 1, an unknown schedule or checkpoint mode.
     """
     began = time.perf_counter()
-    if devices < 1:
-        raise ValueError(f"devices: must be >= 1, got {devices}")
-    allowed = _check_schedules(list(schedules or DEFAULT_SCHEDULES))
-    bad = [c for c in checkpoints if c not in CHECKPOINTS]
-    if bad or not checkpoints:
-        raise ValueError(f"checkpoints: {list(checkpoints)} must be a non-empty list of {list(CHECKPOINTS)}")
-    cost, memory, batch = profile.cost_model(), StageMemoryModel(profile.memory, bytes_per_param, profile.fixed_bytes), profile.batch
-    fitting: list[Scored] = []
-    over: list[Scored] = []
-    considered = 0
-    for k in range(1, min(devices, profile.num_layers) + 1):
-        for m in [m for m in microbatch_counts(batch, max_microbatches) if batch // m in profile.micro_sizes]:
-            micro = batch // m
-            for balance in _balances(profile, cost, memory, k, micro):
-                for schedule in allowed:
-                    plan = get_schedule(schedule, k, m)
-                    sets: set[frozenset[int]] = set()
-                    for checkpoint in checkpoints:
-                        same = checkpointed_microbatches(checkpoint, m)
-                        if same in sets:
-                            continue  # e.g. except_last at M=1 is never
-                        sets.add(same)
-                        considered += 1
-                        c = Candidate(balance, m, schedule, checkpoint)
-                        scored = Scored(c, memory.stage_peaks(plan, balance, m, batch, checkpoint))
-                        (fitting if scored.peak_bytes <= budget_bytes else over).append(scored)
+    every = candidates(profile, devices, schedules, checkpoints, max_microbatches, bytes_per_param)
+    fitting = [s for s in every if s.peak_bytes <= budget_bytes]
+    over = [s for s in every if s.peak_bytes > budget_bytes]
+    cost, batch = profile.cost_model(), profile.batch
     if not fitting:
         raise _no_fit(over, cost, budget_bytes, batch)
-    simulated = _rank(fitting, cost, batch, runners_up + 1, allowed)
+    simulated = _rank(fitting, cost, batch, runners_up + 1, list(schedules or DEFAULT_SCHEDULES))
     chosen = fitting[0]
     chosen.reason = "chosen: fastest predicted step that fits"
     result = PlanResult(chosen, _runners_up(chosen, fitting[1:simulated], over, budget_bytes, runners_up),
-                        int(budget_bytes), batch, devices, considered, len(fitting), simulated, 0.0)
+                        int(budget_bytes), batch, devices, len(every), len(fitting), simulated, 0.0)
     result.seconds = time.perf_counter() - began
     return result
 
