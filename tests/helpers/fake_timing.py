@@ -31,5 +31,6 @@ def use_fake_timing(monkeypatch: pytest.MonkeyPatch, tmp_path) -> list[int]:
 
     monkeypatch.setattr(layer_timing, "layer_times", counted)
     monkeypatch.setattr(layer_timing, "engine_costs", lambda steps=3: (1e-4, 5e-5))
+    monkeypatch.setattr(layer_timing, "split_backward", lambda work, steps=2: ((0.1, 1.0), (0.6, 0.5)))
     monkeypatch.setenv("GPIPE_LAB_CACHE", str(tmp_path / "cache"))
     return calls

@@ -8,8 +8,9 @@ Every candidate is built from a measured ``Profile`` (``planner.profile_cache``)
   backward at that micro-batch size) and for the per-layer memory; each allowed schedule; each
   checkpoint mode (``never``, ``except_last``, ``always``).
 - Memory first (``planner.stage_memory``): a candidate over the budget on any stage is never simulated.
-- The rest are simulated by the cost model (the same action lists the executor runs) and ranked by
-  predicted step time; ties go to the smaller peak memory.
+- The rest are simulated by the cost model (the same action lists the executor runs; a split
+  backward's B and W cost what the profile measured them to, as multiples of the full backward) and
+  ranked by predicted step time; ties go to the simpler schedule and less re-materialization.
 
 The result names the chosen plan and runner-ups, each with why it lost: slower by x%, or over
 memory on stage k (the chosen plan's neighbours that keep more activations or use fewer stages).
@@ -20,101 +21,26 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from gpipe_lab.pipeline.batching import checkpointed_microbatches
 from gpipe_lab.pipeline.partition import balance_by_cost
 from gpipe_lab.pipeline.schedules import get_schedule
 from gpipe_lab.planner.cost_model import CostModel
 from gpipe_lab.planner.memory_size import format_bytes
+from gpipe_lab.planner.plan_types import Candidate, NoPlanFits, PlanResult, Scored
 from gpipe_lab.planner.profile_cache import Profile
 from gpipe_lab.planner.stage_memory import StageMemoryModel
 
-__all__ = ["CHECKPOINTS", "DEFAULT_SCHEDULES", "Candidate", "candidates", "NoPlanFits", "PlanResult", "Scored", "plan_auto"]
+__all__ = ["CHECKPOINTS", "DEFAULT_SCHEDULES", "Candidate", "NoPlanFits", "PlanResult", "Scored", "candidates",
+           "microbatch_counts", "plan_auto"]
 
 #: Searched by default: ``interleaved-1f1b`` with one virtual stage is ``1f1b``'s action lists.
 DEFAULT_SCHEDULES = ("gpipe", "gpipe-bw", "1f1b", "zb-h1", "zb-h2")
 CHECKPOINTS = ("never", "except_last", "always")
 #: predicted steps within this fraction of each other are a tie
 TIE = 1e-3
-#: a split backward's weight-gradient share (its input-gradient and weight GEMMs cost alike)
-WEIGHT_SHARE = 0.5
 #: checkpoint modes from the most to the least activation memory kept
 _LESS_REMAT = {"always": "except_last", "except_last": "never"}
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One plan: K stages of ``balance`` layers, M micro-batches, a schedule and a checkpoint mode."""
-
-    balance: tuple[int, ...]
-    microbatches: int
-    schedule: str
-    checkpoint: str
-
-    @property
-    def partitions(self) -> int:
-        return len(self.balance)
-
-    def describe(self) -> str:
-        return (f"K={self.partitions} M={self.microbatches} balance={list(self.balance)} "
-                f"schedule={self.schedule} checkpoint={self.checkpoint}")
-
-
-@dataclass
-class Scored:
-    """A candidate with its per-stage peak memory (bytes) and, if simulated, its predicted step."""
-
-    candidate: Candidate
-    stage_bytes: list[float]
-    step_time: float | None = None
-    bubble: float | None = None
-    reason: str = ""
-
-    @property
-    def peak_bytes(self) -> float:
-        return max(self.stage_bytes)
-
-    def to_dict(self) -> dict[str, object]:
-        c = self.candidate
-        return {"K": c.partitions, "M": c.microbatches, "balance": list(c.balance), "schedule": c.schedule,
-                "checkpoint": c.checkpoint, "step_time_s": self.step_time, "bubble": self.bubble,
-                "stage_peak_bytes": [int(b) for b in self.stage_bytes], "reason": self.reason}
-
-
-@dataclass
-class PlanResult:
-    """The chosen plan, the runner-ups (with reasons) and what the search did."""
-
-    chosen: Scored
-    runners_up: list[Scored]
-    budget_bytes: int
-    batch: int
-    devices: int
-    considered: int
-    fitting: int
-    simulated: int
-    seconds: float
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def samples_per_s(self) -> float:
-        assert self.chosen.step_time is not None
-        return self.batch / self.chosen.step_time
-
-    def to_dict(self) -> dict[str, object]:
-        return {"chosen": self.chosen.to_dict(), "runners_up": [r.to_dict() for r in self.runners_up],
-                "budget_bytes": self.budget_bytes, "batch": self.batch, "devices": self.devices,
-                "considered": self.considered, "fitting": self.fitting, "simulated": self.simulated, "search_seconds": self.seconds}
-
-
-class NoPlanFits(ValueError):
-    """No candidate fits the budget; ``smallest`` is the plan that fits the least memory (its peak:
-    ``smallest.peak_bytes``)."""
-
-    def __init__(self, message: str, smallest: Scored) -> None:
-        super().__init__(message)
-        self.smallest = smallest
 
 
 def microbatch_counts(batch: int, max_microbatches: int) -> list[int]:
@@ -198,8 +124,9 @@ def plan_auto(profile: Profile, budget_bytes: float, devices: int, schedules: Se
     over = [s for s in every if s.peak_bytes > budget_bytes]
     cost, batch = profile.cost_model(), profile.batch
     if not fitting:
-        raise _no_fit(over, cost, budget_bytes, batch)
-    simulated = _rank(fitting, cost, batch, runners_up + 1, list(schedules or DEFAULT_SCHEDULES))
+        raise _no_fit(over, cost, budget_bytes, batch, profile.split_backward)
+    simulated = _rank(fitting, cost, batch, runners_up + 1, list(schedules or DEFAULT_SCHEDULES),
+                      profile.split_backward)
     chosen = fitting[0]
     chosen.reason = "chosen: fastest predicted step that fits"
     result = PlanResult(chosen, _runners_up(chosen, fitting[1:simulated], over, budget_bytes, runners_up),
@@ -208,13 +135,14 @@ def plan_auto(profile: Profile, budget_bytes: float, devices: int, schedules: Se
     return result
 
 
-def _predict(s: Scored, cost: CostModel, batch: int) -> None:
+def _predict(s: Scored, cost: CostModel, batch: int, split: Sequence[tuple[float, float]] | None) -> None:
     c = s.candidate
-    pred = cost.predict(list(c.balance), c.microbatches, batch, c.schedule, c.checkpoint, WEIGHT_SHARE)
+    pred = cost.predict(list(c.balance), c.microbatches, batch, c.schedule, c.checkpoint, split)
     s.step_time, s.bubble = pred.step_time, pred.bubble
 
 
-def _rank(fitting: list[Scored], cost: CostModel, batch: int, top: int, schedules: list[str]) -> int:
+def _rank(fitting: list[Scored], cost: CostModel, batch: int, top: int, schedules: list[str],
+          split: Sequence[tuple[float, float]] | None) -> int:
     """Sort ``fitting`` so that its first ``top`` are the fastest by the full (contended) prediction;
     returns how many were fully simulated (the sorted prefix).
 
@@ -224,7 +152,7 @@ def _rank(fitting: list[Scored], cost: CostModel, batch: int, top: int, schedule
     """
     alone = dataclasses.replace(cost, contended=None)
     for s in fitting:
-        _predict(s, alone, batch)
+        _predict(s, alone, batch, split)
     fitting.sort(key=lambda s: s.step_time or 0.0)
     done: list[Scored] = []
     for s in fitting:
@@ -232,7 +160,7 @@ def _rank(fitting: list[Scored], cost: CostModel, batch: int, top: int, schedule
         if len(best) >= top and (s.step_time or 0.0) > best[top - 1] * (1 + TIE):
             break
         if cost.contended is not None and s.candidate.partitions > 1:
-            _predict(s, cost, batch)
+            _predict(s, cost, batch, split)
         done.append(s)
     fastest = min(x.step_time or 0.0 for x in done)
 
@@ -286,12 +214,13 @@ def _runners_up(chosen: Scored, rest: list[Scored], over: list[Scored], budget: 
     return out
 
 
-def _no_fit(over: list[Scored], cost: CostModel, budget: float, batch: int) -> NoPlanFits:
+def _no_fit(over: list[Scored], cost: CostModel, budget: float, batch: int,
+            split: Sequence[tuple[float, float]] | None) -> NoPlanFits:
     """The refusal: the least memory any candidate needs, and the fastest plan at that memory."""
     least = min(s.peak_bytes for s in over)
     tied = [s for s in over if s.peak_bytes <= least * (1 + 1e-9)]
     for s in tied:
-        _predict(s, cost, batch)
+        _predict(s, cost, batch, split)
     best = min(tied, key=lambda s: s.step_time or 0.0)
     return NoPlanFits(f"no plan fits {format_bytes(budget)} per device; the smallest memory that fits is "
                       f"{format_bytes(least)} ({int(least)} bytes), with {best.candidate.describe()}", best)

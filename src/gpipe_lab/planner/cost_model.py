@@ -213,43 +213,45 @@ class CostModel:
         return out
 
     def predict(self, balance: Sequence[int], chunks: int, batch: int, schedule: str = "gpipe",
-                checkpoint: str = "except_last", weight_share: float | None = None) -> Prediction:
+                checkpoint: str = "except_last", split: Sequence[tuple[float, float]] | None = None,
+                ) -> Prediction:
         """The simulator's step for ``balance`` with ``chunks`` micro-batches of a ``batch``-sample mini-batch.
 
-        ``weight_share``: for schedules with split backward (a ``W`` action), the share of a measured
-        backward that is the weight gradients (``W``), the rest being ``B``; ``None`` counts the whole
-        backward in ``B`` and ``W`` as free.
+        ``split``: for schedules with split backward (a ``W`` action), per stage (the last entry for
+        the stages after it), the times of its ``B`` and of its ``W`` as multiples of the measured full
+        backward (e.g. ``[(0.5, 0.5)]``; more than 1 in total when splitting costs extra work); ``None``
+        counts the whole backward in ``B`` and ``W`` as free.
 
         Raises:
-            ValueError: a bad balance, schedule or checkpoint mode, or ``weight_share`` outside [0, 1].
+            ValueError: a bad balance, schedule or checkpoint mode, or a negative ``split`` factor.
         """
-        if weight_share is not None and not 0.0 <= weight_share <= 1.0:
-            raise ValueError(f"weight_share must be in [0, 1], got {weight_share}")
+        if split is not None and (not split or min(min(f) for f in split) < 0):
+            raise ValueError(f"split must be a non-empty list of (B, W) factors >= 0, got {split}")
         k = len(balance)
         samples = batch / chunks
         grad, back = self.stage_seconds("forward_grad", balance, samples), self.stage_seconds("backward", balance,
                                                                                              samples)
         costs = StageCosts(grad, back, [0.0] * k, grad, [self.handover] * max(k - 1, 0))
         plan, replayed = get_schedule(schedule, k, chunks), checkpointed_microbatches(checkpoint, chunks)
-        alone = _split(self.durations(balance, chunks, batch, checkpoint), plan, weight_share)
+        alone = _split(self.durations(balance, chunks, batch, checkpoint), plan, split)
         if self.contended is None or k < 2:
             return predict_step(plan, costs, replayed, alone)
-        contended = _split(self.durations(balance, chunks, batch, checkpoint, True), plan, weight_share)
+        contended = _split(self.durations(balance, chunks, batch, checkpoint, True), plan, split)
         return predict_contended(plan, costs, alone, contended, replayed)
 
 
-def _split(durations: dict[tuple[int, str, int], float], plan: Schedule, weight_share: float | None,
-           ) -> dict[tuple[int, str, int], float]:
-    """``durations`` with each split backward's time shared between its B and W (``weight_share``)."""
-    if weight_share is None:
+def _split(durations: dict[tuple[int, str, int], float], plan: Schedule,
+           split: Sequence[tuple[float, float]] | None) -> dict[tuple[int, str, int], float]:
+    """``durations`` with each split backward's B and W as ``split``'s multiples of the full backward."""
+    if split is None:
         return durations
     out = dict(durations)
     for k, actions in enumerate(plan):
         for a in actions:
             if a.kind == "W":
-                full = durations[(k, "B", a.microbatch)]
-                out[(k, "B", a.microbatch)] = full * (1.0 - weight_share)
-                out[(k, "W", a.microbatch)] = full * weight_share
+                full, (b, w) = durations[(k, "B", a.microbatch)], split[min(k, len(split) - 1)]
+                out[(k, "B", a.microbatch)] = full * b
+                out[(k, "W", a.microbatch)] = full * w
     return out
 
 

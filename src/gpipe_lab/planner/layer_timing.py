@@ -164,3 +164,37 @@ def hop_seconds(timeline: Timeline) -> float:
         return 0.0
     transfer = costs_from_timeline(timeline).transfer or [0.0]
     return float(statistics.median(transfer))
+
+
+def split_backward(work: WorkloadSpec, steps: int = 2) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``(B, W)`` of a split backward as multiples of the full backward, for a first stage and for a
+    later one: the engine at K=2 (layers halved), M=1, one thread per stage, the median step's
+    ``B`` and ``W`` of each stage under ``zb-h1`` over its ``B`` under ``gpipe``. A first stage whose
+    input needs no gradient (tokens) has nothing for B to do; a layer without a cheap weight-only
+    backward makes ``W`` repeat work.
+
+    Raises:
+        ValueError: a model of fewer than two layers.
+    """
+    from gpipe_lab.pipeline import GPipe
+
+    def seconds(schedule: str) -> list[dict[str, float]]:
+        built = work.build(1)
+        n = len(built.module)
+        if n < 2:
+            raise ValueError(f"split_backward needs >= 2 layers, {work.preset} has {n}")
+        pipe = GPipe(built.module, balance=[n // 2, n - n // 2], chunks=1, checkpoint="never", schedule=schedule,
+                     threads_per_stage=1, seed=0)
+        sums: list[list[dict[str, float]]] = []
+        for _ in range(steps + 1):  # the first warms up
+            pipe.train_step(built.inputs, built.targets, built.loss_fn)
+            built.module.zero_grad(set_to_none=True)
+            assert pipe.timeline is not None
+            events = pipe.timeline.events
+            sums.append([{kind: sum(e.duration for e in events if e.kind == kind and e.stage == k) for kind in "BW"}
+                         for k in range(2)])
+        return [{kind: statistics.median(s[k][kind] for s in sums[1:]) for kind in "BW"} for k in range(2)]
+
+    full, split = seconds("gpipe"), seconds("zb-h1")
+    return tuple((split[k]["B"] / full[k]["B"], split[k]["W"] / full[k]["B"]) if full[k]["B"] > 0 else (0.5, 0.5)
+                 for k in range(2))  # type: ignore[return-value]

@@ -6,6 +6,8 @@ A ``Profile`` holds what ``planner.auto`` needs to predict any plan without runn
   replayed forward, backward; one thread) at every micro-batch size the search may use, alone and,
   for multi-stage plans, beside a second busy stage (``planner.contention``);
 - the engine's own per-action overhead and hand-over per hop (``layer_timing.engine_costs``);
+- what splitting the backward costs (``layer_timing.split_backward``: a first and a later stage's
+  ``B`` and ``W`` under ``zb-h1`` as multiples of their full backward under ``gpipe``);
 - per-layer parameters and per-sample saved / boundary bytes (``capacity.layer_records``, counted on
   the meta device by the rule the engine's memory tracking uses), and each layer's saved bytes per
   call that do not grow with the samples (BatchNorm's per-channel statistics: ``fixed_bytes``, the
@@ -37,7 +39,7 @@ from gpipe_lab.planner.cost_model import CostModel
 __all__ = ["Profile", "cache_dir", "load_or_measure", "profile_key"]
 
 #: Bumped when what a profile holds (or how it is measured) changes: older files are not read.
-FORMAT = 1
+FORMAT = 2
 Times = dict[int, dict[str, list[float]]]
 
 
@@ -56,6 +58,7 @@ class Profile:
     hop: float
     memory: list[LayerMemory]
     fixed_bytes: list[float]
+    split_backward: tuple[tuple[float, float], ...]
 
     @property
     def num_layers(self) -> int:
@@ -91,7 +94,8 @@ class Profile:
                   for m in data["memory"]]
         return cls(data["key"], data["preset"], data["sizes"], int(data["batch"]), times(data["alone"]) or {},
                    times(data["contended"]), float(data["overhead"]), float(data["hop"]), memory,
-                   [float(b) for b in data["fixed_bytes"]])
+                   [float(b) for b in data["fixed_bytes"]],
+                   tuple((float(b), float(w)) for b, w in data["split_backward"]))
 
 
 def cache_dir() -> Path:
@@ -130,7 +134,8 @@ def measure(preset: str, sizes: dict[str, Any], batch: int, micro_sizes: list[in
     beside = {s: layer_timing.layer_times(work, s, repeat, contended=True) for s in alone} if contended else None
     overhead, hop = layer_timing.engine_costs()
     memory = list(layer_records(preset, **sizes))
-    return Profile(key, preset, dict(sizes), batch, alone, beside, overhead, hop, memory, fixed_bytes(work))
+    return Profile(key, preset, dict(sizes), batch, alone, beside, overhead, hop, memory, fixed_bytes(work),
+                   layer_timing.split_backward(work))
 
 
 def fixed_bytes(work: WorkloadSpec) -> list[float]:
