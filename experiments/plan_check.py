@@ -92,7 +92,7 @@ def screened(spec: WorkloadSpec, grid: list[Any], budgets: list[float], chosen: 
 
 
 def check_workload(label: str, spec: WorkloadSpec, schedules: list[str], max_m: int, steps: int, repeat: int,
-                   progress_note: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                   top: int, progress_note: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The rows (one per budget) and the measured grid of one workload."""
     with tempfile.TemporaryDirectory() as cache:  # measured now, at the moment the grid is
         _, profile, facts = plan_model(spec.preset, spec.sizes, spec.batch, 2**50, DEVICES, schedules,
@@ -107,7 +107,6 @@ def check_workload(label: str, spec: WorkloadSpec, schedules: list[str], max_m: 
     budgets = {"loose": loose, "tight": tight}
     chosen = {name: plan_auto(profile, budget, DEVICES, schedules, max_microbatches=max_m,
                               bytes_per_param=BYTES_PER_PARAM) for name, budget in budgets.items()}
-    top = 8
     progress = Progress(len(grid) + top * len(budgets) + len(chosen), f"plan_check {label}", note=progress_note)
     measured = screened(spec, grid, list(budgets.values()), [r.chosen.candidate for r in chosen.values()], steps,
                         top, progress)
@@ -155,14 +154,15 @@ def main() -> None:
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=3, help="more timed steps of the fastest plans and the chosen ones")
     p.add_argument("--repeat", type=int, default=3, help="timed passes per layer in the profile")
+    p.add_argument("--finalists", type=int, default=8, help="the fastest plans per budget timed again")
     args = p.parse_args()
     workloads, schedules = WORKLOADS, list(SCHEDULES)
     if args.tiny:
-        workloads, schedules, args.steps, args.repeat = TINY, ["gpipe"], 1, 1
+        workloads, schedules, args.steps, args.repeat, args.finalists = TINY, ["gpipe"], 1, 1, 2
     rows, grids = [], {}
     for label, (preset, sizes, batch, max_m) in workloads.items():
         found, grids[label] = check_workload(label, WorkloadSpec(label, preset, sizes, batch), schedules, max_m,
-                                             args.steps, args.repeat, f"writing to {args.out}")
+                                             args.steps, args.repeat, args.finalists, f"writing to {args.out}")
         rows += found
     header, body = table(rows)
     specs = "; ".join(f"{k}: `{p}` {s}, batch {b}, M up to {m}" for k, (p, s, b, m) in workloads.items())
@@ -171,7 +171,7 @@ def main() -> None:
           f"devices (CPU stages, one thread each), schedules {', '.join(schedules)}, checkpoint modes never, "
           f"except_last, always, Adam's 16 bytes per parameter. Grid: every plan the planner "
           f"searched with K <= {DEVICES}, each run by GPipe for one timed step after one warm-up; the finalists "
-          f"(the 8 fastest that fit each budget, and the chosen plans) for {args.steps} more (the median of "
+          f"(the {args.finalists} fastest that fit each budget, and the chosen plans) for {args.steps} more (the median of "
           "all); the best measured plan is the fastest finalist that fits. Memory per stage: parameter state plus the engine's tracked peak saved activations "
           "(`track_memory`). Budgets: *loose* = the most any plan needs; *tight* = halfway between the least "
           "any plan needs and what the loose choice uses. Ratio = measured throughput of the chosen plan / "

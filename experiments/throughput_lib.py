@@ -18,7 +18,7 @@ import torch
 from gpipe_lab.bench import EmulatedSpec, Timing, WorkloadSpec, time_call
 from gpipe_lab.pipeline import GPipe, Timeline
 from gpipe_lab.planner.cost_model import CostModel, LinearCost
-from gpipe_lab.planner.layer_timing import layer_times
+from gpipe_lab.planner.layer_timing import engine_overhead, hop_seconds, layer_times  # noqa: F401 - the experiments' one import
 
 #: How the simulated cells are made, for the tables' descriptions (one text for every table).
 SIMULATOR_TEXT = (

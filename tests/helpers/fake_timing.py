@@ -3,6 +3,9 @@ so planner tests run in milliseconds and never depend on the machine's load."""
 
 from __future__ import annotations
 
+import functools
+import json
+
 import pytest
 
 from gpipe_lab.models import build
@@ -11,9 +14,14 @@ from gpipe_lab.planner import layer_timing
 KINDS = layer_timing.KINDS
 
 
+@functools.lru_cache(maxsize=32)
+def _layers(preset: str, sizes: str) -> int:
+    return len(build(preset, "meta", **json.loads(sizes)))
+
+
 def fake_layer_times(work, micro_batch: int, repeat: int = 3, contended: bool = False) -> dict[str, list[float]]:
     """Fixed 50 us plus 20 us per sample per layer (backward twice the forward); 30% slower contended."""
-    n = len(build(work.preset, "meta", **work.sizes))
+    n = _layers(work.preset, json.dumps(work.sizes, sort_keys=True))
     slow = 1.3 if contended else 1.0
     forward = [slow * (5e-5 + 2e-5 * micro_batch * (1 + i % 3)) for i in range(n)]
     return {"forward_grad": forward, "forward_nograd": [0.8 * t for t in forward], "recompute": forward,
