@@ -49,7 +49,9 @@ def test_every_stage_of_the_chosen_plan_fits_and_a_tighter_budget_changes_it(pro
         if r.step_time is None:
             assert r.reason.startswith("over memory on stage") and r.peak_bytes > tight_budget
         else:
-            assert r.reason == f"slower by {r.step_time / tight.chosen.step_time - 1:.1%}"
+            assert r.step_time >= tight.chosen.step_time * (1 - 1e-3)
+            assert r.reason == f"slower by {r.step_time / tight.chosen.step_time - 1:.1%}" or (
+                r.reason.startswith("as fast") and r.peak_bytes > tight.chosen.peak_bytes)
 
 
 def test_an_impossible_budget_names_the_smallest_memory_that_fits_and_its_plan(profile):

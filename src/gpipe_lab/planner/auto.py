@@ -10,7 +10,7 @@ Every candidate is built from a measured ``Profile`` (``planner.profile_cache``)
 - Memory first (``planner.stage_memory``): a candidate over the budget on any stage is never simulated.
 - The rest are simulated by the cost model (the same action lists the executor runs; a split
   backward's B and W cost what the profile measured them to, as multiples of the full backward) and
-  ranked by predicted step time; ties go to the simpler schedule and less re-materialization.
+  ranked by predicted step time; ties go to the smaller peak memory, then the simpler schedule.
 
 The result names the chosen plan and runner-ups, each with why it lost: slower by x%, or over
 memory on stage k (the chosen plan's neighbours that keep more activations or use fewer stages).
@@ -148,7 +148,8 @@ def _rank(fitting: list[Scored], cost: CostModel, batch: int, top: int, schedule
 
     Stages only slow each other, so each candidate's prediction with stages alone is a lower bound:
     candidates are fully simulated in the order of their bounds until the next bound cannot beat the
-    ``top``-th best found. Within 0.1% (a tie), the simpler schedule and less re-materialization win.
+    ``top``-th best found. Within ``TIE`` of the fastest (a tie), the smaller peak memory wins, then the
+    simpler schedule and less re-materialization.
     """
     alone = dataclasses.replace(cost, contended=None)
     for s in fitting:
@@ -167,8 +168,8 @@ def _rank(fitting: list[Scored], cost: CostModel, batch: int, top: int, schedule
     def key(s: Scored) -> tuple:
         c = s.candidate
         tied = (s.step_time or 0.0) <= fastest * (1 + TIE)
-        return (not tied, 0.0 if tied else s.step_time, schedules.index(c.schedule), CHECKPOINTS.index(c.checkpoint),
-                s.peak_bytes)
+        return (not tied, 0.0 if tied else s.step_time, s.peak_bytes, schedules.index(c.schedule),
+                CHECKPOINTS.index(c.checkpoint))
 
     done.sort(key=key)
     rest = fitting[len(done):]
@@ -197,7 +198,8 @@ def _runners_up(chosen: Scored, rest: list[Scored], over: list[Scored], budget: 
             continue  # the other balance of a listed setting, or an equivalent plan
         seen.add((c.partitions, c.microbatches, c.schedule, c.checkpoint))
         assert s.step_time is not None and chosen.step_time is not None
-        s.reason = f"slower by {s.step_time / chosen.step_time - 1:.1%}"
+        s.reason = (f"slower by {s.step_time / chosen.step_time - 1:.1%}" if s.step_time > chosen.step_time * (1 + TIE)
+                    else f"as fast (within {TIE:.1%}), more memory: {format_bytes(s.peak_bytes)}")
         out.append(s)
         if len(out) == count:
             break
