@@ -51,8 +51,9 @@ def engine_section(pipeline: Any) -> Any:
     """The ``pipeline`` group without the planner keys (what ``PipelineOptions`` is built from)."""
     if not isinstance(pipeline, DictConfig):
         return pipeline
-    keep = {k: pipeline[k] for k in pipeline if k not in PLANNER_KEYS}
-    return OmegaConf.create(keep)
+    # resolved while attached: an interpolation into the rest of the config still resolves
+    values = OmegaConf.to_container(pipeline, resolve=True)
+    return OmegaConf.create({k: v for k, v in values.items() if k not in PLANNER_KEYS})  # type: ignore[union-attr]
 
 
 def validate_planner(cfg: DictConfig) -> PlannerConfig:
