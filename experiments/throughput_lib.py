@@ -11,16 +11,14 @@ per action; hand-over per hop); ``throughput_grid`` predicts every cell of a gri
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Any
 
 import torch
 
-from experiments.layer_timing import layer_times
 from gpipe_lab.bench import EmulatedSpec, Timing, WorkloadSpec, time_call
 from gpipe_lab.pipeline import GPipe, Timeline
 from gpipe_lab.planner.cost_model import CostModel, LinearCost
-from gpipe_lab.planner.simulator import costs_from_timeline
+from gpipe_lab.planner.layer_timing import engine_overhead, hop_seconds, layer_times  # noqa: F401 - the experiments' one import
 
 #: How the simulated cells are made, for the tables' descriptions (one text for every table).
 SIMULATOR_TEXT = (
@@ -71,20 +69,6 @@ def proportional(times: dict[str, list[float]], samples: int) -> dict[int, dict[
     return {samples: times, 2 * samples: {k: [2 * t for t in v] for k, v in times.items()}}
 
 
-def engine_overhead(steps: int = 3) -> float:
-    """Median seconds of one action of ``GPipe`` on a near-empty workload (4 x Linear(4, 4), K=2, M=8):
-    the engine's own per-action cost, which per-layer times do not contain."""
-    from gpipe_lab.bench import tiny_linear
-
-    work = tiny_linear(16, partitions=2)
-    pipe = GPipe(work.module, balance=work.balance, chunks=8, threads_per_stage=1, seed=0)
-    durations: list[float] = []
-    for _ in range(steps + 1):
-        pipe.train_step(work.inputs, work.targets, work.loss_fn)
-        assert pipe.timeline is not None
-        durations = [e.duration for e in pipe.timeline.events if e.kind != "wait"]
-    return statistics.median(durations)
-
 
 def cost_model_of(times_by_size: dict[int, dict[str, list[float]]], overhead: float, hop: float,
                   contended_by_size: dict[int, dict[str, list[float]]] | None = None) -> CostModel:
@@ -116,13 +100,6 @@ def emulated_cost_model(emu: EmulatedSpec) -> CostModel:
     return CostModel({"forward_grad": forward, "forward_nograd": forward,
                       "backward": [LinearCost(0.0, emu.backward_ratio * s) for s in seconds]})
 
-
-def hop_seconds(timeline: Timeline) -> float:
-    """Median hand-over delay between stages measured in a real step (0 for one stage)."""
-    if timeline.num_stages < 2:
-        return 0.0
-    transfer = costs_from_timeline(timeline).transfer or [0.0]
-    return float(statistics.median(transfer))
 
 
 def error(predicted: float | None, measured: float | None) -> float | None:

@@ -17,8 +17,9 @@ import statistics
 import sys
 
 from experiments.common import compose_experiment
-from experiments.layer_timing import layer_times
 from experiments.throughput_lib import measure_step, workload_of
+
+from gpipe_lab.planner.layer_timing import layer_times
 
 
 def main() -> None:

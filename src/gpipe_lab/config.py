@@ -24,6 +24,7 @@ from gpipe_lab.config_schema import ConfigError, check_positive  # also register
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
 from gpipe_lab.pipeline.partition import check_layer_count
+from gpipe_lab.plan_config import engine_section, validate_planner
 
 LOGGERS = ("wandb", "csv", "none")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -74,12 +75,13 @@ def _check_keys(section: Any, allowed: list[str], key: str, what: str) -> None:
 
 
 def validate_pipeline(cfg: DictConfig) -> PipelineOptions:
-    """The ``pipeline`` group as ``PipelineOptions``, every option checked once.
+    """The ``pipeline`` group as ``PipelineOptions``, every option checked once (the planner's keys,
+    ``gpipe_lab.plan_config``, are the app's and left out).
 
     Raises:
         ConfigError: an unknown key, a wrong type or a bad value, naming ``pipeline.<key>``.
     """
-    typed = _typed(cfg.pipeline, PipelineOptions, "pipeline")
+    typed = _typed(engine_section(cfg.pipeline), PipelineOptions, "pipeline")
     options: PipelineOptions = OmegaConf.to_object(typed)  # type: ignore[assignment]
     try:
         options.check(prefix="pipeline.")
@@ -253,6 +255,7 @@ def validate(cfg: DictConfig, num_layers: int | None = None) -> PipelineOptions:
     validate_data(cfg)
     validate_model_data(cfg)
     p = validate_pipeline(cfg)
+    validate_planner(cfg)
     validate_trainer(cfg)
     validate_trainer_values(cfg)
     validate_optimizer(cfg)

@@ -6,6 +6,7 @@
     gpipe-train ckpt_path=/path/to/run/checkpoints/last.ckpt pipeline.partitions=4   # resume, another K
     gpipe-train ckpt_path=last                    # resume the newest run's last.ckpt
     gpipe-train experiment=transfer_synthetic init_from=/path/to/last.ckpt   # fine-tune
+    gpipe-train pipeline.plan=auto pipeline.memory_per_device=8MiB   # the planner chooses K, M, ... (plan_run)
 
 Every run writes ``summary.json``, ``timeline_{first,last}.png``, ``checkpoints/last.ckpt``
 (every ``callbacks.checkpoint_every_n_steps`` steps, at the end and on Ctrl-C) and (by
@@ -41,6 +42,8 @@ from gpipe_lab.lightning.wandb_run import build_wandb_logger, run_name
 from gpipe_lab.models import build, preset_costs
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
 from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.plan_config import validate_planner
+from gpipe_lab.plan_run import choose_plan
 from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
 from gpipe_lab.provenance import source_commit
 from gpipe_lab.run_console import (
@@ -72,17 +75,23 @@ def build_datamodule(cfg: DictConfig) -> Any:
     return build_named_datamodule(cfg.data.name, seed=cfg.seed, **kwargs)
 
 
+def model_sizes(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
+    """The ``models.build`` overrides of the run: the ``model`` group's, with the class count /
+    vocabulary size the datamodule knows."""
+    overrides = model_overrides(cfg)
+    for key in ("num_classes", "vocab_size"):
+        if key in overrides and getattr(datamodule, key, None):
+            overrides[key] = int(getattr(datamodule, key))
+    return overrides
+
+
 def build_module(cfg: DictConfig, datamodule: Any) -> Any:
     """``model.task``'s LightningModule (``hydra.utils.instantiate``) around ``models.build``'s layers,
     trained with the ``optimizer`` group's optimizer.
 
     The datamodule decides the class count / vocabulary size when it knows them.
     """
-    overrides = model_overrides(cfg)
-    for key in ("num_classes", "vocab_size"):
-        if key in overrides and getattr(datamodule, key, None):
-            overrides[key] = int(getattr(datamodule, key))
-    layers = build(cfg.model.name, **overrides)
+    layers = build(cfg.model.name, **model_sizes(cfg, datamodule))
     return instantiate(cfg.model.task, layers=layers, optimizer=instantiate(cfg.optimizer))
 
 
@@ -199,10 +208,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     fetch_data(cfg, datamodule)
     module = build_module(cfg, datamodule)
     init_from = load_weights(cfg, module, ckpt_path)
+    planner, plan = validate_planner(cfg), None
+    if planner.auto:
+        options, plan = choose_plan(cfg, options, planner, model_sizes(cfg, datamodule))
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
              "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
              "init_from": init_from, "run_name": run_name(options), "commit": source_commit()}
-    metrics = PipelineMetrics(output_dir, extra_summary=extra)
+    if plan is not None:
+        extra.update(plan.summary())
+    metrics = PipelineMetrics(output_dir, extra_summary=extra, derived=plan.compare if plan is not None else None)
     trainer = build_trainer(cfg, options, module, output_dir, metrics)
     fit(cfg, trainer, module, datamodule, metrics, ckpt_path)
     if trainer.is_global_zero:

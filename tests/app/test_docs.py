@@ -73,6 +73,14 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "-m gpipe_lab.train pipeline.transport=distributed trainer=distributed pipeline.partitions=8 trainer.devices=8 "
     "trainer.num_nodes=2": ("skip", "needs two nodes of 8 processes"),
     SLURM: ("skip", "a SLURM batch script (a cluster with GPUs)"),
+    "gpipe-plan auto --model transformer_l --set num_layers=8 --set d_model=64 --set ffn_dim=256 --set num_heads=4 "
+    "--set vocab_size=256 --set seq_len=32 --batch 64 --memory 24MiB --devices 2":
+        ("covered", "tests/planner/test_auto.py::test_cli_prints_the_chosen_plan_and_the_runner_ups", "auto"),
+    "gpipe-train pipeline.plan=auto pipeline.memory_per_device=2MiB":
+        ("covered", "tests/app/test_plan_auto.py::test_plan_auto_runs_the_chosen_plan_and_records_predicted_beside_"
+                    "measured", "pipeline.plan=auto pipeline.memory_per_device=2MiB"),
+    "python -m experiments.plan_check --out results":
+        ("skip", "about ten minutes of measuring; tests/experiments/test_plan_check.py runs --tiny"),
 }
 
 

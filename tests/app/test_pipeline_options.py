@@ -17,18 +17,20 @@ from helpers.app import make_config
 
 #: conf/pipeline/default.yaml's own choices for the default run (K=2 balanced by FLOPs).
 APP_CHOICES = {"partitions": 2, "cost": "flops"}
+#: the planner's keys (the app's, not engine options: gpipe_lab.plan_config) and their defaults
+PLANNER = {"plan": "manual", "memory_per_device": None, "devices_available": None, "schedules_allowed": None}
 
 
 def test_pipeline_yaml_holds_only_the_default_runs_choices() -> None:
     yaml = OmegaConf.to_container(OmegaConf.load(f"{CONFIG_DIR}/pipeline/default.yaml"))
     assert yaml.pop("defaults") == ["schema", "_self_"]
-    assert yaml == APP_CHOICES
+    assert yaml == {**APP_CHOICES, **PLANNER}
 
 
 def test_composed_pipeline_is_the_dataclass_defaults_and_the_choices() -> None:
     composed = OmegaConf.to_container(make_config().pipeline)
     defaults = {f.name: getattr(PipelineOptions(), f.name) for f in fields(PipelineOptions)}
-    assert composed == {**defaults, **APP_CHOICES}
+    assert composed == {**defaults, **APP_CHOICES, **PLANNER}
 
 
 def test_validate_returns_the_options_the_strategy_takes() -> None:

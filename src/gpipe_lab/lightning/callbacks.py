@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -65,9 +66,13 @@ class PipelineMetrics(pl.Callback):
     """See the module docstring. ``output_dir`` receives ``summary.json`` and ``timeline_*.png``."""
 
     def __init__(self, output_dir: str | Path, extra_summary: dict[str, Any] | None = None,
-                 warmup_steps: int = 1) -> None:
+                 warmup_steps: int = 1,
+                 derived: Callable[[dict[str, Any], list[float]], dict[str, Any]] | None = None) -> None:
         self.output_dir = Path(output_dir)
         self.extra_summary = dict(extra_summary or {})
+        #: more summary keys computed from the summary and the counted steps' wall times
+        self.derived = derived
+        self.step_walls: list[float] = []
         self.warmup_steps = warmup_steps
         self._start = 0.0
         self._fit_start = 0.0
@@ -110,6 +115,7 @@ class PipelineMetrics(pl.Callback):
             self._rates.append(rates)
             self._bubbles.append(timeline.measured_bubble())
             self._busy.append(timeline.busy())
+            self.step_walls.append(timeline.wall)
         from gpipe_lab.lightning.resume import ResumableCheckpoint
 
         skipped_by_lightning = bool(trainer.global_step % max(1, trainer.log_every_n_steps))
@@ -237,4 +243,6 @@ class PipelineMetrics(pl.Callback):
                 "stage_peak_activation_bytes": [s["peak_activation_bytes"] for s in memory],
             })
         summary.update({new: summary.get(old) for old, new in ALIASES.items() if old in summary})
+        if self.derived is not None:
+            summary.update(self.derived(summary, self.step_walls))
         return summary

@@ -36,7 +36,7 @@ from gpipe_lab.models import build, example_input
 from gpipe_lab.pipeline.partition import balance_by_cost
 from gpipe_lab.saved_bytes import SavedBytes, storage_key, storage_keys
 
-__all__ = ["LayerMemory", "PartitionMemory", "Plan", "GiB", "layer_records", "plan_memory",
+__all__ = ["LayerMemory", "PartitionMemory", "Plan", "GiB", "layer_records", "partition_bytes", "plan_memory",
            "best_plan", "max_transformer_layers", "max_amoebanet_filters", "RMSPROP_BYTES_PER_PARAM"]
 
 GiB = 2**30
@@ -238,6 +238,12 @@ def _partition_bytes(records: Sequence[LayerMemory]) -> tuple[int, int, int]:
         current = outs
     internals = other + sum(sizes[i] for i in saved_ids - first)
     return sum(sizes[i] for i in first), sum(sizes[i] for i in set(current)), internals
+
+
+def partition_bytes(records: Sequence[LayerMemory]) -> tuple[int, int, int]:
+    """(input I, output O, saved internals S) bytes per sample of a chain of layers (the input excluded
+    from S: a stage counts its boundary inputs on their own)."""
+    return _partition_bytes(records)
 
 
 def plan_memory(records: Sequence[LayerMemory], balance: Sequence[int], capacity_bytes: float,

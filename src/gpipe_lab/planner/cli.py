@@ -4,6 +4,7 @@
         --batch 128 --microbatches 128
     gpipe-plan search --model transformer_l -K 8 --memory-gib 16 --batch 32 --microbatches 32 --seq-len 1024
     gpipe-plan search --model amoebanet_d --num-layers 18 -K 2 --memory-gib 8 --batch 128 --microbatches 128
+    gpipe-plan auto --model transformer_tiny --batch 32 --memory 64MiB --devices 2   # see planner.cli_auto
 
 Memory is measured on the meta device (see ``gpipe_lab.planner.capacity``);
 nothing is allocated, so the paper's 83.9B-parameter Transformer plans in seconds
@@ -28,12 +29,13 @@ from gpipe_lab.planner.capacity import (
     max_amoebanet_filters,
     max_transformer_layers,
 )
+from gpipe_lab.planner.cli_auto import add_auto_parser, run_auto
 
 __all__ = ["main", "build_parser", "plan_to_dict"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``gpipe-plan`` (subcommands ``memory`` and ``search``)."""
+    """The argument parser of ``gpipe-plan`` (subcommands ``memory``, ``search`` and ``auto``)."""
     parser = argparse.ArgumentParser(prog="gpipe-plan", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, helptext in (("memory", "per-partition memory of one model"),
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--activation-bytes", type=int, default=4, choices=(2, 4),
                        help="bytes per activation element (4 float32 as measured, 2 bfloat16)")
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_auto_parser(sub)
     return parser
 
 
@@ -127,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "auto":
+        return run_auto(args)
     for flag, value in (("--batch", args.batch), ("--microbatches", args.microbatches)):
         if value is not None and value < 1:  # 0 used to mean "default" (M) or divide by zero (N)
             parser.error(f"{flag} must be >= 1, got {value}")

@@ -26,11 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpipe_lab.pipeline.gpipe import checkpointed_microbatches
-from gpipe_lab.pipeline.schedules import get_schedule
+from gpipe_lab.pipeline.schedules import Schedule, get_schedule
 from gpipe_lab.planner.contention import predict_contended
 from gpipe_lab.planner.simulator import Prediction, StageCosts, predict_step
 
-#: The per-layer times a cost model is fitted from (``experiments.layer_timing.layer_times``'s keys).
+#: The per-layer times a cost model is fitted from (``planner.layer_timing.layer_times``'s keys).
 KINDS = ("forward_grad", "forward_nograd", "backward")
 #: An optional kind: a checkpointed micro-batch's replayed forward (``forward_grad`` when absent).
 RECOMPUTE = "recompute"
@@ -213,23 +213,46 @@ class CostModel:
         return out
 
     def predict(self, balance: Sequence[int], chunks: int, batch: int, schedule: str = "gpipe",
-                checkpoint: str = "except_last") -> Prediction:
+                checkpoint: str = "except_last", split: Sequence[tuple[float, float]] | None = None,
+                ) -> Prediction:
         """The simulator's step for ``balance`` with ``chunks`` micro-batches of a ``batch``-sample mini-batch.
 
+        ``split``: for schedules with split backward (a ``W`` action), per stage (the last entry for
+        the stages after it), the times of its ``B`` and of its ``W`` as multiples of the measured full
+        backward (e.g. ``[(0.5, 0.5)]``; more than 1 in total when splitting costs extra work); ``None``
+        counts the whole backward in ``B`` and ``W`` as free.
+
         Raises:
-            ValueError: a bad balance, schedule or checkpoint mode.
+            ValueError: a bad balance, schedule or checkpoint mode, or a negative ``split`` factor.
         """
+        if split is not None and (not split or min(min(f) for f in split) < 0):
+            raise ValueError(f"split must be a non-empty list of (B, W) factors >= 0, got {split}")
         k = len(balance)
         samples = batch / chunks
         grad, back = self.stage_seconds("forward_grad", balance, samples), self.stage_seconds("backward", balance,
                                                                                              samples)
         costs = StageCosts(grad, back, [0.0] * k, grad, [self.handover] * max(k - 1, 0))
         plan, replayed = get_schedule(schedule, k, chunks), checkpointed_microbatches(checkpoint, chunks)
-        alone = self.durations(balance, chunks, batch, checkpoint)
+        alone = _split(self.durations(balance, chunks, batch, checkpoint), plan, split)
         if self.contended is None or k < 2:
             return predict_step(plan, costs, replayed, alone)
-        return predict_contended(plan, costs, alone, self.durations(balance, chunks, batch, checkpoint, True),
-                                 replayed)
+        contended = _split(self.durations(balance, chunks, batch, checkpoint, True), plan, split)
+        return predict_contended(plan, costs, alone, contended, replayed)
+
+
+def _split(durations: dict[tuple[int, str, int], float], plan: Schedule,
+           split: Sequence[tuple[float, float]] | None) -> dict[tuple[int, str, int], float]:
+    """``durations`` with each split backward's B and W as ``split``'s multiples of the full backward."""
+    if split is None:
+        return durations
+    out = dict(durations)
+    for k, actions in enumerate(plan):
+        for a in actions:
+            if a.kind == "W":
+                full, (b, w) = durations[(k, "B", a.microbatch)], split[min(k, len(split) - 1)]
+                out[(k, "B", a.microbatch)] = full * b
+                out[(k, "W", a.microbatch)] = full * w
+    return out
 
 
 def _fit_table(times_by_size: Mapping[int, Mapping[str, Sequence[float]]]) -> dict[str, list[PiecewiseCost]]:

@@ -6,10 +6,10 @@ import threading
 from contextlib import contextmanager
 
 import pytest
-from experiments.layer_timing import KINDS, layer_times
 
-from experiments import layer_timing
 from gpipe_lab.bench import WorkloadSpec
+from gpipe_lab.planner import layer_timing
+from gpipe_lab.planner.layer_timing import KINDS, layer_times
 
 
 def tiny(dropout: float) -> WorkloadSpec:

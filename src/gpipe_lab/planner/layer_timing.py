@@ -15,6 +15,9 @@ Stages of one process share the interpreter lock and the memory bandwidth.
 own copy of the network, kept in step by a barrier at every forward and backward
 phase (a GPipe step pairs forwards with forwards and backwards with backwards);
 the figures are the mean of the two threads'.
+
+``engine_overhead`` and ``hop_seconds`` give the two costs per-layer times do not contain: the
+engine's own work per action, and the hand-over between neighbouring stages.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from gpipe_lab.bench import WorkloadSpec
 from gpipe_lab.pipeline.context import microbatch_context
+from gpipe_lab.pipeline.timeline import Timeline
 
 #: Seconds a timing thread waits for its twin at a phase boundary before giving up.
 BARRIER_TIMEOUT_S = 600.0
@@ -128,3 +132,69 @@ def _timed_pass(work: WorkloadSpec, micro_batch: int, repeat: int, barrier: thre
             grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in ins)
         model.zero_grad(set_to_none=True)
     return {k: [statistics.median(s[1:]) for s in v] for k, v in samples.items()}
+
+
+def engine_costs(steps: int = 3) -> tuple[float, float]:
+    """(per-action overhead, hand-over per hop) in seconds, from ``GPipe`` on a near-empty workload
+    (4 x Linear(4, 4), K=2, M=8, one thread per stage): the median action, and ``hop_seconds`` of
+    the last step, the two costs per-layer times do not contain."""
+    from gpipe_lab.bench import tiny_linear
+    from gpipe_lab.pipeline import GPipe
+
+    work = tiny_linear(16, partitions=2)
+    pipe = GPipe(work.module, balance=work.balance, chunks=8, threads_per_stage=1, seed=0)
+    for _ in range(steps + 1):
+        pipe.train_step(work.inputs, work.targets, work.loss_fn)
+    assert pipe.timeline is not None
+    durations = [e.duration for e in pipe.timeline.events if e.kind != "wait"]
+    return statistics.median(durations), hop_seconds(pipe.timeline)
+
+
+def engine_overhead(steps: int = 3) -> float:
+    """Median seconds of one action of ``GPipe`` on a near-empty workload (``engine_costs``'s first):
+    the engine's own per-action cost, which per-layer times do not contain."""
+    return engine_costs(steps)[0]
+
+
+def hop_seconds(timeline: Timeline) -> float:
+    """Median hand-over delay between stages measured in a real step (0 for one stage)."""
+    from gpipe_lab.planner.simulator import costs_from_timeline
+
+    if timeline.num_stages < 2:
+        return 0.0
+    transfer = costs_from_timeline(timeline).transfer or [0.0]
+    return float(statistics.median(transfer))
+
+
+def split_backward(work: WorkloadSpec, steps: int = 2) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``(B, W)`` of a split backward as multiples of the full backward, for a first stage and for a
+    later one: the engine at K=2 (layers halved), M=1, one thread per stage, the median step's
+    ``B`` and ``W`` of each stage under ``zb-h1`` over its ``B`` under ``gpipe``. A first stage whose
+    input needs no gradient (tokens) has nothing for B to do; a layer without a cheap weight-only
+    backward makes ``W`` repeat work.
+
+    Raises:
+        ValueError: a model of fewer than two layers.
+    """
+    from gpipe_lab.pipeline import GPipe
+
+    def seconds(schedule: str) -> list[dict[str, float]]:
+        built = work.build(1)
+        n = len(built.module)
+        if n < 2:
+            raise ValueError(f"split_backward needs >= 2 layers, {work.preset} has {n}")
+        pipe = GPipe(built.module, balance=[n // 2, n - n // 2], chunks=1, checkpoint="never", schedule=schedule,
+                     threads_per_stage=1, seed=0)
+        sums: list[list[dict[str, float]]] = []
+        for _ in range(steps + 1):  # the first warms up
+            pipe.train_step(built.inputs, built.targets, built.loss_fn)
+            built.module.zero_grad(set_to_none=True)
+            assert pipe.timeline is not None
+            events = pipe.timeline.events
+            sums.append([{kind: sum(e.duration for e in events if e.kind == kind and e.stage == k) for kind in "BW"}
+                         for k in range(2)])
+        return [{kind: statistics.median(s[k][kind] for s in sums[1:]) for kind in "BW"} for k in range(2)]
+
+    full, split = seconds("gpipe"), seconds("zb-h1")
+    return tuple((split[k]["B"] / full[k]["B"], split[k]["W"] / full[k]["B"]) if full[k]["B"] > 0 else (0.5, 0.5)
+                 for k in range(2))  # type: ignore[return-value]

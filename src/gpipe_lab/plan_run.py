@@ -1,0 +1,94 @@
+"""``gpipe-train pipeline.plan=auto``: plan before training, run the plan, record predicted beside measured.
+
+``choose_plan`` runs the planner (``planner.auto_run.plan_model``) on the run's model, mini-batch,
+optimizer and budget (``plan_config``), prints the plan and returns the pipeline options that run
+it. ``PlanRecord.compare`` puts the prediction beside the run's measured figures in the summary
+(``summary.json`` and the wandb summary):
+
+- ``predicted_step_s`` / ``measured_step_s``: the pipeline step (the timeline's wall time; mean over
+  the steps the summary counts);
+- ``predicted_bubble`` / ``measured_bubble``;
+- ``predicted_stage_peak_bytes`` / ``measured_stage_peak_bytes`` (and their maxima
+  ``predicted_peak_bytes`` / ``measured_peak_bytes``): per stage, parameter state (parameters x
+  ``plan_bytes_per_param``) plus the peak saved-activation bytes, predicted by ``planner.stage_memory``,
+  measured by the engine's tracking; ``measured_within_budget`` compares the measured maximum with
+  ``plan_memory_per_device_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import mean
+from typing import Any
+
+from omegaconf import DictConfig
+
+from gpipe_lab.config_schema import ConfigError
+from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.plan_config import PlannerConfig
+from gpipe_lab.planner.auto import NoPlanFits, PlanResult
+from gpipe_lab.planner.auto_run import bytes_per_param_of, format_result, plan_model
+
+__all__ = ["PlanRecord", "choose_plan"]
+
+
+@dataclass
+class PlanRecord:
+    """The plan a run chose and what it predicted (see the module docstring)."""
+
+    result: PlanResult
+    bytes_per_param: float
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """The prediction's keys of the run's summary."""
+        chosen = self.result.chosen
+        return {"plan": "auto", "plan_chosen": chosen.candidate.describe(),
+                "plan_memory_per_device_bytes": self.result.budget_bytes,
+                "plan_bytes_per_param": self.bytes_per_param, "plan_profile_cached": self.facts.get("cached"),
+                "plan_search_seconds": self.result.seconds,
+                "predicted_step_s": chosen.step_time, "predicted_bubble": chosen.bubble,
+                "predicted_stage_peak_bytes": [int(b) for b in chosen.stage_bytes],
+                "predicted_peak_bytes": int(chosen.peak_bytes),
+                "plan_runners_up": [r.to_dict() for r in self.result.runners_up]}
+
+    def compare(self, summary: dict[str, Any], walls: list[float]) -> dict[str, Any]:
+        """The measured figures beside the predicted ones, from the run's ``summary`` and the step
+        walls the summary's means count."""
+        params = summary.get("stage_parameter_bytes") or []
+        acts = summary.get("stage_peak_activation_bytes") or []
+        # parameter bytes are float32 weights: parameters = bytes / 4, state = parameters x bytes_per_param
+        measured = [int(p / 4 * self.bytes_per_param + a) for p, a in zip(params, acts)]
+        peak = max(measured) if measured else None
+        return {"measured_step_s": mean(walls) if walls else None,
+                "measured_bubble": summary.get("bubble_measured"),
+                "measured_stage_peak_bytes": measured, "measured_peak_bytes": peak,
+                "measured_within_budget": None if peak is None else peak <= self.result.budget_bytes}
+
+
+def choose_plan(cfg: DictConfig, options: PipelineOptions, planner: PlannerConfig,
+                sizes: dict[str, Any]) -> tuple[PipelineOptions, PlanRecord]:
+    """Plan the run's model (preset ``cfg.model.name`` with ``sizes``) at ``data.batch_size``; returns
+    ``options`` with the chosen partitions, balance, chunks, schedule and checkpoint, and the record.
+
+    Raises:
+        ConfigError: no plan fits (naming the smallest memory that would and its plan), no
+            ``data.batch_size``, or an optimizer the planner does not know.
+    """
+    batch = cfg.data.get("batch_size")
+    if not isinstance(batch, int):
+        raise ConfigError(f"pipeline.plan=auto: plans for data.batch_size, which is {batch!r}")
+    try:
+        bpp = bytes_per_param_of(cfg.optimizer.get("name"), cfg.optimizer.get("momentum"))
+        assert planner.budget_bytes is not None  # validate_planner requires it with auto
+        result, _, facts = plan_model(cfg.model.name, sizes, batch, planner.budget_bytes, planner.devices,
+                                      planner.schedules, bytes_per_param=bpp)
+    except NoPlanFits as exc:
+        raise ConfigError(f"pipeline.memory_per_device: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"pipeline.plan=auto: {exc}") from None
+    print(format_result(result, f"pipeline.plan=auto ({cfg.model.name})", facts))
+    c = result.chosen.candidate
+    chosen = options.replace(partitions=c.partitions, balance=list(c.balance), chunks=c.microbatches,
+                             schedule=c.schedule, checkpoint=c.checkpoint, virtual_stages=1, cost="params")
+    return chosen, PlanRecord(result, bpp, facts)

@@ -1,0 +1,81 @@
+"""What the planner's search handles: a candidate plan, a scored plan, the search's result, the refusal."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Candidate", "NoPlanFits", "PlanResult", "Scored"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan: K stages of ``balance`` layers, M micro-batches, a schedule and a checkpoint mode."""
+
+    balance: tuple[int, ...]
+    microbatches: int
+    schedule: str
+    checkpoint: str
+
+    @property
+    def partitions(self) -> int:
+        return len(self.balance)
+
+    def describe(self) -> str:
+        return (f"K={self.partitions} M={self.microbatches} balance={list(self.balance)} "
+                f"schedule={self.schedule} checkpoint={self.checkpoint}")
+
+
+@dataclass
+class Scored:
+    """A candidate with its per-stage peak memory (bytes) and, if simulated, its predicted step."""
+
+    candidate: Candidate
+    stage_bytes: list[float]
+    step_time: float | None = None
+    bubble: float | None = None
+    reason: str = ""
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.stage_bytes)
+
+    def to_dict(self) -> dict[str, object]:
+        c = self.candidate
+        return {"K": c.partitions, "M": c.microbatches, "balance": list(c.balance), "schedule": c.schedule,
+                "checkpoint": c.checkpoint, "step_time_s": self.step_time, "bubble": self.bubble,
+                "stage_peak_bytes": [int(b) for b in self.stage_bytes], "reason": self.reason}
+
+
+@dataclass
+class PlanResult:
+    """The chosen plan, the runner-ups (with reasons) and what the search did."""
+
+    chosen: Scored
+    runners_up: list[Scored]
+    budget_bytes: int
+    batch: int
+    devices: int
+    considered: int
+    fitting: int
+    simulated: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def samples_per_s(self) -> float:
+        assert self.chosen.step_time is not None
+        return self.batch / self.chosen.step_time
+
+    def to_dict(self) -> dict[str, object]:
+        return {"chosen": self.chosen.to_dict(), "runners_up": [r.to_dict() for r in self.runners_up],
+                "budget_bytes": self.budget_bytes, "batch": self.batch, "devices": self.devices,
+                "considered": self.considered, "fitting": self.fitting, "simulated": self.simulated, "search_seconds": self.seconds}
+
+
+class NoPlanFits(ValueError):
+    """No candidate fits the budget; ``smallest`` is the plan that fits the least memory (its peak:
+    ``smallest.peak_bytes``)."""
+
+    def __init__(self, message: str, smallest: Scored) -> None:
+        super().__init__(message)
+        self.smallest = smallest

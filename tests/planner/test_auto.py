@@ -1,0 +1,126 @@
+"""The automatic planner: budgets respected, impossible budgets refused with the smallest that fits,
+the profile measured once, the stage memory model against the engine, memory strings, the CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpipe_lab.bench import WorkloadSpec
+from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.schedules import get_schedule
+from gpipe_lab.planner.auto import CHECKPOINTS, NoPlanFits, plan_auto
+from gpipe_lab.planner.auto_run import plan_model
+from gpipe_lab.planner.capacity import layer_records
+from gpipe_lab.planner.cli import main
+from gpipe_lab.planner.memory_size import format_bytes, parse_memory
+from gpipe_lab.planner.profile_cache import fixed_bytes, load_or_measure
+from gpipe_lab.planner.stage_memory import StageMemoryModel
+from helpers.fake_timing import use_fake_timing
+
+TINY = {"num_layers": 4, "d_model": 32, "ffn_dim": 64, "num_heads": 2, "vocab_size": 64, "seq_len": 8}
+SETS = [f"--set={k}={v}" for k, v in TINY.items()]
+
+
+@pytest.fixture
+def profile(monkeypatch, tmp_path):
+    use_fake_timing(monkeypatch, tmp_path)
+    return load_or_measure("transformer_tiny", TINY, 16, [16, 8, 4, 2, 1])[0]
+
+
+def smallest_fit(profile) -> float:
+    with pytest.raises(NoPlanFits) as refused:
+        plan_auto(profile, 1, devices=2)
+    return refused.value.smallest.peak_bytes
+
+
+def test_every_stage_of_the_chosen_plan_fits_and_a_tighter_budget_changes_it(profile):
+    loose = plan_auto(profile, 2**30, devices=2)
+    least = smallest_fit(profile)
+    assert least < loose.chosen.peak_bytes  # the loose plan spends memory for speed
+    tight_budget = (least + loose.chosen.peak_bytes) / 2
+    tight = plan_auto(profile, tight_budget, devices=2)
+    for result, budget in ((loose, 2**30), (tight, tight_budget)):
+        assert all(b <= budget for b in result.chosen.stage_bytes)
+        assert result.chosen.candidate.partitions <= 2
+    assert tight.chosen.candidate != loose.chosen.candidate
+    assert tight.chosen.step_time >= loose.chosen.step_time  # the loose search could have chosen it
+    # the runner-ups say why they lost, computed from their own figures
+    for r in tight.runners_up:
+        if r.step_time is None:
+            assert r.reason.startswith("over memory on stage") and r.peak_bytes > tight_budget
+        else:
+            assert r.step_time >= tight.chosen.step_time * (1 - 1e-3)
+            assert r.reason == f"slower by {r.step_time / tight.chosen.step_time - 1:.1%}" or (
+                r.reason.startswith("as fast") and r.peak_bytes > tight.chosen.peak_bytes)
+
+
+def test_an_impossible_budget_names_the_smallest_memory_that_fits_and_its_plan(profile):
+    with pytest.raises(NoPlanFits) as refused:
+        plan_auto(profile, 1000, devices=2)
+    least = refused.value.smallest
+    message = str(refused.value)
+    assert "\n" not in message and f"{int(least.peak_bytes)} bytes" in message
+    assert least.candidate.describe() in message
+    at_least = plan_auto(profile, least.peak_bytes, devices=2)  # that memory does fit
+    assert at_least.chosen.peak_bytes <= least.peak_bytes
+
+
+def test_the_profile_is_measured_once_and_then_read_from_the_cache(monkeypatch, tmp_path):
+    calls = use_fake_timing(monkeypatch, tmp_path)
+    first, cached = load_or_measure("transformer_tiny", TINY, 16, [16, 4])
+    timed = len(calls)
+    assert not cached and timed == 4  # two sizes, alone and beside a second stage
+    second, cached = load_or_measure("transformer_tiny", TINY, 16, [16, 4])
+    assert cached and len(calls) == timed  # nothing timed again
+    assert second.alone == first.alone and second.memory == first.memory
+    load_or_measure("transformer_tiny", {**TINY, "d_model": 16}, 16, [16, 4])  # another model: measured
+    assert len(calls) == 2 * timed
+
+
+@pytest.mark.parametrize(("schedule", "checkpoint"), [("gpipe", "except_last"), ("1f1b", "never"),
+                                                      ("zb-h1", "always")])
+def test_the_stage_memory_model_bounds_what_the_engine_tracks(schedule, checkpoint):
+    work = WorkloadSpec("t", "transformer_tiny", TINY, 16)
+    model = StageMemoryModel(layer_records("transformer_tiny", **TINY), 4.0, fixed_bytes(work))
+    built = work.build(2)
+    pipe = GPipe(built.module, balance=built.balance, chunks=4, checkpoint=checkpoint, schedule=schedule,
+                 threads_per_stage=1, seed=0)
+    pipe.train_step(built.inputs, built.targets, built.loss_fn)
+    measured = [r["peak_activation_bytes"] + r["parameter_bytes"] for r in pipe.memory()]
+    predicted = model.stage_peaks(get_schedule(schedule, 2, 4), built.balance, 4, 16, checkpoint)
+    for p, m in zip(predicted, measured):
+        assert m <= p <= 1.1 * m
+
+
+@pytest.mark.parametrize(("text", "expected"), [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1.5e9),
+                                                ("4096", 4096), (2048, 2048), ("2 kib", 2048)])
+def test_memory_strings(text, expected):
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["8 gigs", "GiB", "-1GiB", "0", True, "8GiB8"])
+def test_bad_memory_strings_give_one_line_naming_the_value_and_the_forms(bad):
+    with pytest.raises(ValueError) as error:
+        parse_memory(bad, "pipeline.memory_per_device")
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("pipeline.memory_per_device:") and repr(bad) in message
+    assert "GiB" in message and "GB" in message
+    assert format_bytes(1.5 * 2**30) == "1.50 GiB"
+
+
+def test_cli_prints_the_chosen_plan_and_the_runner_ups(monkeypatch, tmp_path, capsys):
+    use_fake_timing(monkeypatch, tmp_path)
+    args = ["auto", "--model", "transformer_tiny", *SETS, "--batch", "16", "--devices", "2"]
+    assert main([*args, "--memory", "4MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: K=" in out and "predicted step" in out and "runner-ups:" in out
+    assert "slower by" in out or "over memory on stage" in out
+    result, _, facts = plan_model("transformer_tiny", TINY, 16, 4 * 2**20, 2)
+    assert facts["cached"] and result.chosen.candidate.describe() in out  # the CLI's plan, from the cache
+    assert main([*args, "--memory", "1KiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "smallest memory that fits is" in err
+    assert main([*args, "--memory", "lots"]) == 2
+    assert "'lots' is not a memory size" in capsys.readouterr().err
+    assert main([*args, "--memory", "4MiB", "--checkpoints", "sometimes"]) == 2
+    assert str(list(CHECKPOINTS)) in capsys.readouterr().err
