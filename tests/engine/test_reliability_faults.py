@@ -159,8 +159,13 @@ def test_stalled_stage_times_out_with_every_stage_state(schedule):
     stall = Stall()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), stall, nn.Linear(6, 6))
-    pipe = GPipe(model, balance=[2, 1, 1], chunks=CHUNKS, schedule=schedule, timeout=0.3, seed=SEED)
+    pipe = GPipe(model, balance=[2, 1, 1], chunks=CHUNKS, schedule=schedule, timeout=30.0, seed=SEED)
     x, y = data()
+    # armed after a first step: the first step's random-replay probe runs forwards one at a time,
+    # so a neighbour would wait on the stalled forward's turn rather than time out on its input
+    stall.armed = False
+    pipe.train_step(x, y, F.mse_loss)
+    stall.armed, pipe.timeout = True, 0.3
     with pytest.raises(PipelineTimeoutError, match="longer than the timeout of 0.3 s") as info:
         pipe.train_step(x, y, F.mse_loss)
     message = str(info.value)
