@@ -8,15 +8,18 @@
   there is other work for the other worker, and the run ends on short tests.
 
 Without ``-n`` none of this changes what runs; only the order.
-- OpenMP threads wait passively (``OMP_WAIT_POLICY``, unless set): see below.
+- One intra-op thread per process, waiting passively (``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY``,
+  unless set): see below.
 """
 
 from __future__ import annotations
 
 import os
 
-# Two workers share two cores: an OpenMP thread that waits sleeps instead of spinning on the core
-# the other worker needs. Read when torch loads its OpenMP runtime, so before any test imports it.
+# Two workers share two cores: one intra-op thread each (as the docs' commands run), and an OpenMP
+# thread that waits sleeps instead of spinning on the core the other worker needs. Read when torch
+# loads its OpenMP runtime, so before any test imports it; a test that needs more threads sets them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
