@@ -8,6 +8,7 @@ Local transport on CPU (stage threads share the default generator), K=2, M=4.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -147,7 +148,49 @@ def test_a_draw_appearing_after_the_probe_raises_naming_the_stage_and_the_fix() 
     pipe = pipe_of(net)
     pipe.train_step(*batch(), F.mse_loss)
     net[4].active = True
-    with pytest.raises(UnreplayableRandomError, match=r"stage 1 .*step 1.*random_replay=True"):
+    # stage 1 is named first, or beside stage 0 whose guarded forward overlapped its draw
+    with pytest.raises(UnreplayableRandomError, match=r"stage 1\b.*step 1.*random_replay=True"):
+        pipe.train_step(*batch(), F.mse_loss)
+
+
+class _Gate(nn.Module):
+    """Stage 0's second forward of a step waits (bounded) until stage 1 has drawn."""
+
+    def __init__(self, drawn: threading.Event) -> None:
+        super().__init__()
+        self.drawn, self.calls, self.armed = drawn, 0, False
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.armed and self.calls % 2 == 0:
+            assert self.drawn.wait(10)
+        return x
+
+
+class _DrawThenSignal(nn.Module):
+    def __init__(self, drawn: threading.Event) -> None:
+        super().__init__()
+        self.drawn, self.armed = drawn, False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.armed:
+            x = x + torch.rand(x.shape)
+            self.drawn.set()
+        return x
+
+
+def test_a_draw_during_another_stages_forward_names_both_stages() -> None:
+    """Two threads share the default generator: a guard that sees it move while another stage's
+    forward ran cannot tell which drew, and says so instead of blaming one."""
+    drawn = threading.Event()
+    gate, draw = _Gate(drawn), _DrawThenSignal(drawn)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), gate, draw, nn.Linear(8, 4))
+    pipe = GPipe(net, balance=[2, 2], chunks=2, checkpoint="never", seed=SEED, threads_per_stage=1, timeout=30)
+    pipe.train_step(*batch(), F.mse_loss)  # the probe: nothing drawn
+    gate.armed = draw.armed = True
+    with pytest.raises(UnreplayableRandomError,
+                       match=r"stage (0 \(or stage 1|1 \(or stage 0), whose forward ran at the same time\)"):
         pipe.train_step(*batch(), F.mse_loss)
 
 

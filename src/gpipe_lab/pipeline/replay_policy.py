@@ -48,6 +48,9 @@ FORK, PROBE, GUARD, DISPATCH, OFF = "fork", "probe", "guard", "dispatch", "off"
 ALL, DEVICE, NONE = "all", "device", "none"
 Generators = list[tuple[torch.device, torch.Generator]]
 
+#: (stage, the stages whose guarded forwards overlapped it) for each guarded forward running now
+_open_windows: list[tuple[int, set[int]]] = []
+
 
 def default_generator(device: torch.device) -> torch.Generator | None:
     """The default generator of ``device`` (CPU or CUDA), else ``None``."""
@@ -179,18 +182,29 @@ class StageReplay:
 
     @contextmanager
     def _guarded(self, where: tuple[int, int], on: bool) -> Iterator[None]:
-        """Raise after the enclosed forward if it moved a watched default generator."""
+        """Raise after the enclosed forward if it moved a watched default generator, naming with this
+        stage every stage whose guarded forward ran at the same time (one of them drew)."""
         if not on or not self.watched:
             yield
             return
+        window = {self.index}  # the stages whose guarded forwards overlap this one
         with _default_generator_lock:  # a PROBE or DISPATCH stage moves them under this lock only
             before = [g.get_state() for _, g in self.watched]
-        yield
-        with _default_generator_lock:
-            moved = [d for (d, g), state in zip(self.watched, before) if not torch.equal(g.get_state(), state)]
+            for owner, other in _open_windows:
+                other.add(self.index)
+                window.add(owner)
+            _open_windows.append((self.index, window))
+        try:
+            yield
+        finally:
+            with _default_generator_lock:
+                _open_windows.remove((self.index, window))
+                moved = [d for (d, g), state in zip(self.watched, before) if not torch.equal(g.get_state(), state)]
         if moved:
+            others = sorted(window - {self.index})
+            also = f" (or stage {', '.join(map(str, others))}, whose forward ran at the same time)" if others else ""
             raise UnreplayableRandomError(
-                f"stage {self.index} drew random numbers outside nn.Dropout in its forward (step {where[0]}, "
+                f"stage {self.index}{also} drew random numbers outside nn.Dropout in its forward (step {where[0]}, "
                 f"micro-batch {where[1]}): the default generator of {moved[0]} moved, though the first "
                 "step's probe found no such draw (or another thread of this process drew from it "
                 "meanwhile), so re-materialization would not repeat it; set random_replay=True "
