@@ -16,6 +16,7 @@ import torch
 
 from gpipe_lab.bench import Workload, WorkloadSpec, mlp, tiny_linear
 from gpipe_lab.pipeline import retain_freed_memory
+from gpipe_lab.provenance import commit_of
 
 #: The repository's root (for the commit a result was measured at).
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,17 +152,7 @@ def sync(device: str) -> None:
 def git_commit() -> str:
     """The repository's HEAD commit (short), ``+dirty`` when tracked files outside ``results/`` differ
     from it (regenerating results must not mark the next result dirty); ``unknown`` outside a git checkout."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, check=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "--",
-                                ".", ":(exclude)results"],
-                               capture_output=True, text=True, check=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
+    return commit_of(ROOT)
 
 
 def command_line() -> str:

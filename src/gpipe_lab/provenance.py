@@ -12,6 +12,11 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 @cache
 def source_commit(root: Path = SOURCE_ROOT) -> str:
+    """``commit_of(root)``, read once per process (the code a run imported)."""
+    return commit_of(root)
+
+
+def commit_of(root: Path) -> str:
     """HEAD of the git checkout at ``root`` (12 hex digits), ``+dirty`` when tracked files outside
     ``results/`` differ from it, ``unknown`` outside a git checkout or without git. Never raises."""
     try:
