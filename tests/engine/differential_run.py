@@ -14,6 +14,7 @@ mini-batch's inputs to that layer.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import torch
@@ -27,6 +28,7 @@ from differential_cases import (
     make_batch,
     make_model,
 )
+from differential_compare import bitwise_differences, differences
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe, checkpointed_microbatches, convert_dropout
@@ -192,4 +194,18 @@ def expected_error(case: Case) -> str | None:
     return None
 
 
-__all__ = ["Observed", "expected_error", "run_engine", "run_reference"]
+def judge(case: Case, got: Observed, again: Observed | None) -> list[str]:
+    """What is wrong with the engine's two runs of ``case`` (``again`` None: run it again
+    here): the clear error it must raise, or every observable against plain PyTorch and
+    the second run bit for bit. Empty when the case passes."""
+    pattern = expected_error(case)
+    if pattern is not None:
+        if re.search(pattern, got.get("error", "")):  # type: ignore[arg-type]
+            return []
+        return [f"expected an error matching {pattern!r}, got {got.get('error', 'no error')}"]
+    if "error" in got:
+        return [str(got["error"])]
+    return differences(case, got, run_reference(case)) + bitwise_differences(got, again or run_engine(case))
+
+
+__all__ = ["Observed", "expected_error", "judge", "run_engine", "run_reference"]
