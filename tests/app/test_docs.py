@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from helpers.forked import run_module
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -59,7 +62,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "gpipe-train pipeline.transport=distributed pipeline.partitions=2":
         ("skip", "tests/app/test_multiprocess.py runs this (smoke-sized, interleaved schedule)"),
     "wandb sync logs/train/runs/<time>/wandb/offline-run-*": ("skip", "uploads to wandb.ai (network)"),
-    "python experiments/table2_throughput.py experiment.chunks=[1,4]": ("run", "--tiny --out out", ""),
+    "python experiments/table2_throughput.py experiment.chunks=[1,4]":
+        ("covered", "tests/experiments/test_experiments.py::test_script_tiny_end_to_end", "experiment.chunks=[1,4]"),
     "gpipe-train -m experiment=paper_table2_amoebanet pipeline.partitions=1,2 pipeline.chunks=1,4,32":
         ("skip", "six paper-size AmoebaNet-D jobs (tens of minutes on CPU); tests/experiments runs the config"),
     "python experiments/table2_throughput.py --from-multirun logs/train/multiruns/<time>":
@@ -123,12 +127,32 @@ def test_a_covered_command_is_run_by_the_test_it_names(command):
         assert f'"{token}"' in body.group(0) or f'"{token}"' in module_level, f"{where} does not pass {token}"
 
 
+#: console script -> the module whose ``python -m`` runs its function (``[project.scripts]``)
+CONSOLE_SCRIPTS = dict(re.findall(r'^([\w-]+) = "([\w.]+):\w+"$', re.search(
+    r"^\[project\.scripts\]\n(.*?)\n\n", (ROOT / "pyproject.toml").read_text(), flags=re.S | re.M).group(1), flags=re.M))
+
+
 def shell(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``command`` as bash would. A console script of ours (optionally piped into shell
+    filters) runs as its module, forked from the suite's server that imported torch and
+    Lightning once (``helpers.forked``); the filters then read its output."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "MPLBACKEND": "Agg",
            "GPIPE_LAB_ROOT": str(cwd), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
                [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    program, _, filters = command.partition(" | ")
+    words = shlex.split(program)
+    if words[0] not in CONSOLE_SCRIPTS or any(c in program for c in ";&<>$`"):
+        return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    module = CONSOLE_SCRIPTS[words[0]]
+    assert (ROOT / "src" / (module.replace(".", "/") + ".py")).read_text().rstrip().endswith(
+        ("cli()", "main())")), f"python -m {module} does not run {words[0]}'s function"
+    done = run_module(module, words[1:], cwd=cwd, env=env, timeout=timeout)
+    if not filters or done.returncode != 0:
+        return done
+    piped = subprocess.run(["bash", "-c", filters], cwd=cwd, env=env, input=done.stdout, capture_output=True,
+                           text=True, timeout=timeout)
+    return subprocess.CompletedProcess(done.args, piped.returncode, piped.stdout, done.stderr + piped.stderr)
 
 
 RUN = sorted(c for c, how in COMMANDS.items() if how[0] == "run")

@@ -1,6 +1,6 @@
 """``gpipe-train`` gives the same losses with the local and the distributed transport.
 
-Same seed, K=2, M=4, five steps of each default model (AmoebaNet-D with BatchNorm on
+Same seed, K=2, M=4, three steps of each default model (AmoebaNet-D with BatchNorm on
 synthetic images, the tiny Transformer on synthetic translation): the per-step training
 losses of ``pipeline.transport=distributed trainer=distributed`` (two processes) equal the
 local transport's to 1e-5. Every rank must compute with the intra-op thread count a local
@@ -19,7 +19,7 @@ from helpers.app import gpipe_train, make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(300)]
 
-STEPS = 5
+STEPS = 3
 COMMON = [
     "logger=csv", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
     "trainer.limit_val_batches=0", "+trainer.enable_model_summary=false", "trainer.enable_checkpointing=false",

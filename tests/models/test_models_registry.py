@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from gpipe_lab.models import COST_KINDS, PRESETS, build, preset_costs
+from gpipe_lab.models import COST_KINDS, PRESETS, build, preset_costs, preset_options
 
 
 def test_every_preset_builds_on_meta():
@@ -15,6 +15,12 @@ def test_every_preset_builds_on_meta():
         assert isinstance(model, torch.nn.Sequential)
         assert all(p.is_meta for p in model.parameters())
         assert model.spec.name == name
+        assert preset_options(name) == model.spec.options  # the defaults, read without building
+
+
+def test_preset_options_refuses_an_unknown_name():
+    with pytest.raises(ValueError, match="unknown model preset 'amoebanet_x'; known presets: amoebanet_d"):
+        preset_options("amoebanet_x")
 
 
 def test_unknown_names_and_overrides():

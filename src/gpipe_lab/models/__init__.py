@@ -9,7 +9,7 @@ __all__ = [
     "BOS", "COST_KINDS", "EOS", "PAD", "PRESETS", "TRANSFORMER_L_PAPER", "TRANSFORMER_PRESETS", "UNK",
     "ModelSpec", "TransformerConfig", "amoebanet_d_params", "beam_search", "build", "build_amoebanet",
     "build_transformer", "count_tokens", "describe_presets", "example_input", "ffn_init_scale",
-    "greedy_decode", "preset_costs", "preset_names", "token_cross_entropy", "transformer_param_count",
+    "greedy_decode", "preset_costs", "preset_names", "preset_options", "token_cross_entropy", "transformer_param_count",
     "translation_loss",
 ]
 
@@ -17,7 +17,7 @@ from gpipe_lab.models.amoebanet import amoebanet_d_params, build_amoebanet
 from gpipe_lab.models.costs import COST_KINDS, example_input, preset_costs
 from gpipe_lab.models.decoding import beam_search, greedy_decode
 from gpipe_lab.models.losses import count_tokens, token_cross_entropy, translation_loss
-from gpipe_lab.models.registry import PRESETS, ModelSpec, build, preset_names
+from gpipe_lab.models.registry import PRESETS, ModelSpec, build, preset_names, preset_options
 from gpipe_lab.models.transformer import TransformerConfig, build_transformer, ffn_init_scale
 from gpipe_lab.models.transformer_layers import BOS, EOS, PAD, UNK
 from gpipe_lab.models.transformer_presets import (

@@ -16,7 +16,7 @@ from gpipe_lab.models.amoebanet import build_amoebanet
 from gpipe_lab.models.transformer import build_transformer
 from gpipe_lab.models.transformer_presets import TRANSFORMER_PRESETS
 
-__all__ = ["ModelSpec", "PRESETS", "build", "preset_names"]
+__all__ = ["ModelSpec", "PRESETS", "build", "preset_names", "preset_options"]
 
 AMOEBANET_PRESETS: dict[str, dict[str, Any]] = {
     "amoebanet_d": dict(genotype="d", num_layers=18, num_filters=208, num_classes=1000, image_size=224),
@@ -43,6 +43,19 @@ class ModelSpec:
 
 def preset_names() -> tuple[str, ...]:
     return PRESETS
+
+
+def preset_options(name: str) -> dict[str, Any]:
+    """Preset ``name``'s default options (what ``build(name).spec.options`` holds), without building it.
+
+    Raises:
+        ValueError: an unknown preset (naming the known ones).
+    """
+    if name in AMOEBANET_PRESETS:
+        return dict(AMOEBANET_PRESETS[name])
+    if name in TRANSFORMER_PRESETS:
+        return {**vars(TRANSFORMER_PRESETS[name][0]), "seq_len": DEFAULT_SEQ_LEN.get(name, 256)}
+    raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
 
 
 def _check_overrides(name: str, overrides: dict[str, Any], allowed: tuple[str, ...]) -> None:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpipe_lab.models import build, example_input
+from gpipe_lab.models import build, example_input, preset_options
 from gpipe_lab.pipeline.partition import balance_by_cost
 from gpipe_lab.saved_bytes import SavedBytes, storage_key, storage_keys
 
@@ -192,7 +192,7 @@ def layer_records(name: str, **sizes: object) -> tuple[LayerMemory, ...]:
     Raises:
         ValueError: unknown preset or override (from ``models.build``).
     """
-    layers = int(sizes.pop("num_layers", build(name, "meta").spec.options["num_layers"]))  # type: ignore[arg-type]
+    layers = int(sizes.pop("num_layers") if "num_layers" in sizes else preset_options(name)["num_layers"])
     if name.startswith("transformer"):
         records = _base_records(name, tuple(sorted({**sizes, "num_layers": 1}.items())))
         if len(records) == 3:  # decoder-only: embedding, layer, head
