@@ -6,8 +6,9 @@
 Each shard takes every n-th case of ``all_cases()`` from the i-th, judges it as the
 test does (``differential_run.judge``) and appends one JSON line per case to
 ``<log>/shard-i-of-n.jsonl``; a restarted shard skips what its log holds, so an
-interrupted job loses at most the chunk in flight. A failing case's line carries the
-recipe that reruns it under pytest. ``--summary`` counts every shard's log; it exits 1
+interrupted job loses at most the chunk in flight, and a restarted one judges its failed
+cases again (the latest line of a case counts). A failing case's line carries the recipe
+that reruns it under pytest. ``--summary`` counts every shard's log; it exits 1
 while a case has failed and 2 while cases remain.
 """
 
@@ -32,10 +33,18 @@ def _log_path(log: Path, i: int, n: int) -> Path:
     return log / f"shard-{i}-of-{n}.jsonl"
 
 
-def _done(path: Path) -> set[int]:
+def _latest(path: Path) -> dict[int, dict]:
+    """Each judged case's latest line (a re-judged case appends a new one)."""
     if not path.exists():
-        return set()
-    return {json.loads(line)["index"] for line in path.read_text().splitlines() if line.strip()}
+        return {}
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return {row["index"]: row for row in rows}
+
+
+def _done(path: Path) -> set[int]:
+    """The cases that passed: a failed one is judged again by the next run (a launch that died with
+    the machine, or a fix since), and its new line replaces the old."""
+    return {index for index, row in _latest(path).items() if row["ok"]}
 
 
 def _judge_chunk(chunk: list[tuple[int, Case]]) -> list[dict]:
@@ -73,7 +82,7 @@ def run_shard(log: Path, i: int, n: int) -> int:
                 print(f"FAILED GPIPE_DIFFERENTIAL_CASE='{r['recipe']}': {r['problems'][0]}", flush=True)
         rate = (c + len(rows)) / (time.monotonic() - start)
         print(f"shard {i}/{n}: {len(done) + c + len(rows)} judged, {rate:.1f} cases/s", flush=True)
-    return sum(1 for line in path.read_text().splitlines() if not json.loads(line)["ok"])
+    return sum(1 for row in _latest(path).values() if not row["ok"])
 
 
 def summary(log: Path) -> int:
@@ -81,8 +90,7 @@ def summary(log: Path) -> int:
     total = len(all_cases())
     judged = failed = 0
     for path in sorted(log.glob("shard-*.jsonl")):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
+        for row in _latest(path).values():
             judged += 1
             if not row["ok"]:
                 failed += 1
