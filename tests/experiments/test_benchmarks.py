@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import select
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from benchmarks import bench_app, bench_gloo, bench_memory, bench_yardstick, report, run, targets
 from benchmarks import bench_common as common
+
+from helpers.forked import run_module
 
 TARGET_KEYS = {"name", "value", "unit", "goal", "status"}
 
@@ -165,10 +165,10 @@ def test_rerender_from_json(smoke, tmp_path):
 def test_product_path_row_on_the_distributed_transport(tmp_path):
     """Lightning launches the two stage processes; rank 0 alone prints both paths' step times."""
     root = Path(__file__).parents[2]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_product_path", "--model", "transformer",
-                           "--quick", "--transport", "distributed", "--repeats", "1"],
-                          capture_output=True, text=True, timeout=240, cwd=root,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
+    proc = run_module("benchmarks.bench_product_path", ["--model", "transformer", "--quick", "--layers", "2",
+                                                        "--transport", "distributed", "--repeats", "1", "--warmup", "0"],
+                      cwd=root, timeout=240,
+                      env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout[-3000:]  # one result: rank 1 prints none
