@@ -9,7 +9,8 @@ alternated rounds, ``GPipe.train_step`` with ``checkpoint="never"`` and one thre
 - K=2: the pipeline's gain (plain / engine; above 1 the pipeline pays);
 
 each with ``random_replay`` as users get it (``"auto"``, the default) and off; their ratio less one
-is random replay's cost (the MLP and AmoebaNet draw nothing). ``replay_row`` measures that cost
+is random replay's cost. Every ratio is the median of the per-round ratios of its two contenders
+(``paired_ratio``: a slow moment of the machine hits both calls of a round alike) (the MLP and AmoebaNet draw nothing). ``replay_row`` measures that cost
 where something is drawn: the Transformer with ``dropout=0.1``. Every contender owns a module built
 from the same seed, so each trains the same weights on the same batch. The workloads are the
 mode's (``bench_common.SIZES``), the MLP at ``yardstick_mlp_batch`` (512 rows: the 1024 of the
@@ -32,11 +33,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from benchmarks.bench_common import SIZES, Sizes, make_workload, prepare_process, sync
-from gpipe_lab.bench import Workload, md_table, time_rounds
+from gpipe_lab.bench import Timing, Workload, md_table, paired_ratio, time_rounds
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.options import PipelineOptions
 
 CHUNKS = 4
+#: alternated rounds per contender (at least): each ratio is the median of its per-round ratios
+ROUNDS = 7
 #: contender -> (K, random_replay)
 ENGINES = {"K=1": (1, "auto"), "K=1, no replay": (1, False), "K=2": (2, "auto"), "K=2, no replay": (2, False)}
 #: the drawing workload of the replay-cost row
@@ -88,16 +91,20 @@ def _engine_steps(name: str, sizes: Sizes, device: str, chunks: int, engines: di
     return fns
 
 
-def _timed(fns: dict[str, Callable[[], None]], works: dict[str, Workload], sizes: Sizes) -> dict[str, float]:
-    """Median seconds per contender, in alternated rounds (gradients zeroed between calls)."""
+def _timed(fns: dict[str, Callable[[], None]], works: dict[str, Workload], sizes: Sizes) -> dict[str, Timing]:
+    """Each contender's timed calls, in alternated rounds (gradients zeroed between calls)."""
     def zero() -> None:
         for work in works.values():
             work.module.zero_grad(set_to_none=True)
 
     smoke = sizes.name == "smoke"
-    times = time_rounds(fns, sizes.repeats if smoke else max(5, sizes.repeats), sizes.warmup if smoke else 1, zero)
+    times = time_rounds(fns, _rounds(sizes), sizes.warmup if smoke else 1, zero)
     zero()
-    return {label: t.median for label, t in times.items()}
+    return times
+
+
+def _rounds(sizes: Sizes) -> int:
+    return sizes.repeats if sizes.name == "smoke" else max(ROUNDS, sizes.repeats)
 
 
 def measure(name: str, sizes: Sizes, device: str, chunks: int = CHUNKS) -> dict[str, object]:
@@ -112,13 +119,14 @@ def measure(name: str, sizes: Sizes, device: str, chunks: int = CHUNKS) -> dict[
     works = {"plain": plain_work}
     fns: dict[str, Callable[[], None]] = {"plain": plain_step(plain_work, chunks, device)}
     fns.update(_engine_steps(name, sizes, device, chunks, ENGINES, works))
-    steps = _timed(fns, works, sizes)
-    plain = steps["plain"]
-    return {"workload": name, "batch": plain_work.batch, "M": chunks,
-            "rounds": sizes.repeats if sizes.name == "smoke" else max(5, sizes.repeats), "step_s": steps,
-            "overhead": {label: steps[label] / plain for label in ENGINES if label.startswith("K=1")},
-            "gain": {label: plain / steps[label] for label in ENGINES if label.startswith("K=2")},
-            "replay_cost": {f"K={k}": steps[f"K={k}"] / steps[f"K={k}, no replay"] - 1 for k in (1, 2)}}
+    timed = _timed(fns, works, sizes)
+    steps = {label: t.median for label, t in timed.items()}
+    return {"workload": name, "batch": plain_work.batch, "M": chunks, "rounds": _rounds(sizes), "step_s": steps,
+            "rounds_s": {label: list(t.times) for label, t in timed.items()},
+            "overhead": {label: paired_ratio(timed[label], timed["plain"]) for label in ENGINES
+                         if label.startswith("K=1")},
+            "gain": {label: paired_ratio(timed["plain"], timed[label]) for label in ENGINES if label.startswith("K=2")},
+            "replay_cost": {f"K={k}": paired_ratio(timed[f"K={k}"], timed[f"K={k}, no replay"]) - 1 for k in (1, 2)}}
 
 
 def replay_row(sizes: Sizes, device: str, chunks: int = CHUNKS, dropout: float = DROPOUT) -> dict[str, object]:
@@ -128,9 +136,10 @@ def replay_row(sizes: Sizes, device: str, chunks: int = CHUNKS, dropout: float =
     works: dict[str, Workload] = {}
     fns = _engine_steps("transformer", sizes, device, chunks,
                         {"K=2": ENGINES["K=2"], "K=2, no replay": ENGINES["K=2, no replay"]}, works)
-    steps = _timed(fns, works, sizes)
-    return {"workload": "transformer", "dropout": dropout, "M": chunks, "step_s": steps,
-            "replay_cost": {"K=2": steps["K=2"] / steps["K=2, no replay"] - 1}}
+    timed = _timed(fns, works, sizes)
+    return {"workload": "transformer", "dropout": dropout, "M": chunks, "rounds": _rounds(sizes),
+            "step_s": {label: t.median for label, t in timed.items()},
+            "replay_cost": {"K=2": paired_ratio(timed["K=2"], timed["K=2, no replay"]) - 1}}
 
 
 def run_yardstick(sizes: Sizes, device: str, models: Sequence[str] | None = None,
@@ -164,7 +173,8 @@ def replay_line(row: dict) -> str:
     """The replay-cost row in words."""
     steps = row["step_s"]
     return (f"{row['workload']} with dropout {row['dropout']}, K=2, M={row['M']}: {steps['K=2']:.4f} s with "
-            f"random_replay at its default, {steps['K=2, no replay']:.4f} s without: cost {_cost(row)}")
+            f"random_replay at its default, {steps['K=2, no replay']:.4f} s without (medians of {row['rounds']} "
+            f"rounds): cost {_cost(row)} (median of the per-round ratios)")
 
 
 def main(argv: list[str] | None = None) -> int:

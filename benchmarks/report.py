@@ -105,7 +105,9 @@ def _yardstick_section(results: dict) -> list[str]:
             yardstick_table(rows), "",
             "Plain: the unpipelined module stepping the M micro-batches in turn, gradients accumulating, one "
             "intra-op thread; the engine: `GPipe.train_step`, `checkpoint=\"never\"`, one thread per stage. "
-            "Medians of alternated rounds in one run. K=1 / plain is the engine's pure overhead (1.00 is "
+            "Step times: medians of alternated rounds in one run; each ratio: the median of its two "
+            "contenders' per-round ratios (a slow moment of the machine hits both calls of a round). "
+            "K=1 / plain is the engine's pure overhead (1.00 is "
             "free); plain / K=2 is what pipelining over two cores gains. Replay cost: the step with "
             "`random_replay` at its default over the step with it off, less one (the MLP and AmoebaNet "
             "draw nothing).", ""] + ([f"Replay cost where something is drawn: {replay_line(results['replay'])}.", ""]

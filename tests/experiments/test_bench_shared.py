@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpipe_lab.bench import Timing, WorkloadSpec, mlp, time_call, time_rounds, tiny_linear
+from gpipe_lab.bench import Timing, WorkloadSpec, mlp, paired_ratio, time_call, time_rounds, tiny_linear
 
 
 def test_rounds_alternate_their_order_and_drop_the_warmup():
@@ -34,6 +34,16 @@ def test_bad_repeats_or_warmup_are_named(repeats, warmup):
         time_call(lambda: None, repeats, warmup)
     with pytest.raises(ValueError, match="at least one function"):
         time_rounds({}, 1)
+
+
+def test_paired_ratio_is_the_median_of_the_per_round_ratios():
+    a, b = Timing((1.5, 6.0, 3.0)), Timing((1.0, 4.0, 2.0))  # the machine slowed down in rounds 2 and 3
+    assert paired_ratio(a, b) == pytest.approx(1.5)
+    # per-round ratios 1.5, 0.375, 4.5: their median 1.5, where the ratio of medians says 0.75
+    c = Timing((1.5, 1.5, 9.0))
+    assert paired_ratio(c, b) == pytest.approx(1.5) and c.median / b.median == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="same rounds of both, got 3 and 2 calls"):
+        paired_ratio(a, Timing((1.0, 2.0)))
 
 
 def test_mlp_splits_whole_blocks_and_is_seeded():

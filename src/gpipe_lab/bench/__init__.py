@@ -13,7 +13,8 @@ from typing import Any
 
 _HOMES = {
     "EmulatedLayer": "emulated", "EmulatedSpec": "emulated", "emulated_module": "emulated",
-    "emulated_workload": "emulated", "Timing": "timing", "time_call": "timing", "time_rounds": "timing",
+    "emulated_workload": "emulated", "Timing": "timing", "paired_ratio": "timing", "time_call": "timing",
+    "time_rounds": "timing",
     "Workload": "workloads", "WorkloadSpec": "workloads", "mlp": "workloads", "mlp_module": "workloads",
     "tiny_linear": "workloads", "md_table": "markdown", "Progress": "progress",
 }

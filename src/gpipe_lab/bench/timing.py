@@ -65,6 +65,20 @@ def time_rounds(fns: Mapping[str, Callable[[], object]], repeats: int, warmup: i
     return {name: Timing(tuple(values)) for name, values in times.items()}
 
 
+def paired_ratio(a: Timing, b: Timing) -> float:
+    """Median over rounds of ``a``'s call / ``b``'s call in the same round (``time_rounds``' timings).
+
+    Both calls of a round ran back to back, so a slow moment of the machine (another process, a
+    frequency change) hits both and cancels in their ratio; the ratio of medians keeps it.
+
+    Raises:
+        ValueError: timings of different lengths (not from the same rounds) or empty ones.
+    """
+    if len(a.times) != len(b.times) or not a.times:
+        raise ValueError(f"paired_ratio needs the same rounds of both, got {len(a.times)} and {len(b.times)} calls")
+    return statistics.median(x / y for x, y in zip(a.times, b.times))
+
+
 def time_call(fn: Callable[[], object], repeats: int, warmup: int = 0,
               between: Callable[[], object] | None = None) -> Timing:
     """``time_rounds`` of one function.
