@@ -106,13 +106,14 @@ def test_a_mid_epoch_resume_shows_its_epoch_and_total_and_no_noise(resumed):
 
 
 def test_a_resumed_wandb_run_leaves_one_value_per_step(resumed):
-    tmp_path, _ = resumed
+    tmp_path, done = resumed
     (before,), (after,) = find_run_files(tmp_path / "killed"), find_run_files(tmp_path / "resumed")
     old, new = read_run(before), read_run(after)
     assert after.stem == before.stem  # the same wandb run id
     assert [r["trainer/global_step"] for r in old.history if "train/loss" in r] == [0, 1, 2, 3]
     point = branch_point(new)
-    assert point is not None and point[0] == before.stem.removeprefix("run-"), new.config.get("_wandb")
+    assert point is not None and point[0] == before.stem.removeprefix("run-"), (new.config.get("_wandb"),
+                                                                                 done.err[-3000:])
     history = synced_history([old, new])
     steps = [r["trainer/global_step"] for r in history if "train/loss" in r]
     assert steps == [0, 1, 2, 3], steps  # steps 2 and 3 once each: the resumed run's

@@ -19,6 +19,7 @@ The run is created here (``wandb.init``) and handed to Lightning's ``WandbLogger
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,8 @@ def resume_arguments(ckpt_path: str | None) -> dict[str, Any]:
     rows = [row for row in read_run(runs[-1], cut_end=True).history if "_step" in row]
     after = next((i for i, row in enumerate(rows) if row.get("trainer/global_step", -1) >= step), len(rows))
     if after == 0:  # nothing logged before the checkpoint's step in this file: cannot rewind to it
+        print(f"wandb run {run_id} ({runs[-1]}) holds no row before the checkpoint's step {step}: continuing it "
+              "as it is", file=sys.stderr)
         return {"id": run_id, "resume": "allow"}
     return {"id": run_id, "resume_from": f"{run_id}?_step={int(rows[after - 1]['_step'])}"}
 
@@ -103,10 +106,12 @@ def build_wandb_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptio
         resume = resume_arguments(ckpt_path)
         try:
             experiment = wandb.init(**common, **resume)
-        except wandb.Error:
+        except wandb.Error as exc:
             if "resume_from" not in resume:
                 raise
             # a server without run rewinding: continue the run as it is (its later rows stay)
+            print(f"wandb could not rewind run {resume['id']} to before the checkpoint ({exc}); continuing it "
+                  "as it is: steps it logged after the checkpoint will show two values", file=sys.stderr)
             experiment = wandb.init(**common, id=resume["id"], resume="allow")
         # The x-axis Lightning's WandbLogger declares when it starts a run itself.
         experiment.define_metric("trainer/global_step")
