@@ -11,8 +11,6 @@ Inside ``microbatch_context`` the stage's draws come from the micro-batch's gene
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -48,24 +46,37 @@ def is_recomputing() -> bool:
     return getattr(_state, "recomputing", False)
 
 
-@contextmanager
-def microbatch_context(
-    generator: torch.Generator | None, recomputing: bool = False, replay: bool = True, watch: Any = None
-) -> Iterator[RandomReplay | None]:
+class microbatch_context:  # noqa: N801 - used like a function: ``with microbatch_context(gen):``
     """Run a stage's forward with its own generator (and the recompute flag).
 
     With a generator and ``replay``, every random op inside draws from it (see
     ``RandomReplay``, which raises ``UnreplayableRandomError`` for a draw it cannot
     repeat) and the context yields the mode (its ``draws`` count what was drawn);
     without ``replay`` only layers that read ``current_generator()`` do, and it yields None.
-    ``watch`` is what ``current_watch()`` returns inside.
+    ``watch`` is what ``current_watch()`` returns inside. (A class, not a generator context
+    manager: it wraps every forward of every micro-batch.)
     """
-    previous = (getattr(_state, "generator", None), getattr(_state, "recomputing", False),
-                getattr(_state, "watch", None))
-    _state.generator, _state.recomputing, _state.watch = generator, recomputing, watch
-    try:
-        mode = RandomReplay(generator) if generator is not None and replay else None
-        with mode if mode is not None else nullcontext():
-            yield mode
-    finally:
-        _state.generator, _state.recomputing, _state.watch = previous
+
+    def __init__(self, generator: torch.Generator | None, recomputing: bool = False, replay: bool = True,
+                 watch: Any = None) -> None:
+        self.state = (generator, recomputing, watch)
+        self.mode = RandomReplay(generator) if generator is not None and replay else None
+
+    def __enter__(self) -> RandomReplay | None:
+        self.previous = (getattr(_state, "generator", None), getattr(_state, "recomputing", False),
+                         getattr(_state, "watch", None))
+        _state.generator, _state.recomputing, _state.watch = self.state
+        if self.mode is not None:
+            try:
+                self.mode.__enter__()
+            except BaseException:
+                _state.generator, _state.recomputing, _state.watch = self.previous
+                raise
+        return self.mode
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            if self.mode is not None:
+                self.mode.__exit__(*exc_info)
+        finally:
+            _state.generator, _state.recomputing, _state.watch = self.previous

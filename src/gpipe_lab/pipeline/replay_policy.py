@@ -26,8 +26,10 @@ On CPU every way draws the same numbers (one stream from a generator seeded alik
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
@@ -147,9 +149,8 @@ class StageReplay:
         self.draws.setdefault(training, False)
         return PROBE
 
-    @contextmanager
     def forward(self, kind: str, seed: int, recomputing: bool, where: tuple[int, int],
-                training: bool) -> Iterator[RandomReplay | None]:
+                training: bool) -> AbstractContextManager[RandomReplay | None]:
         """Run one forward of micro-batch ``where = (step, micro-batch)`` the ``kind`` way.
 
         Yields the ``RandomReplay`` mode for ``DISPATCH`` (its ``draws`` count), else None.
@@ -159,54 +160,95 @@ class StageReplay:
                 stage, the step, the micro-batch and the fix), or what the mode raises.
         """
         if kind in (FORK, PROBE):
-            generators = self.forked if kind == FORK else self.watched
-            with _default_generator_lock if kind == PROBE else nullcontext():
-                states = [g.get_state() for _, g in generators]
-                for d, g in generators:
-                    g.manual_seed(device_seed(seed, self.device, d))
-                watch = DrawWatch(generators) if kind == PROBE and not recomputing else None
-                try:
-                    with microbatch_context(generators[0][1], recomputing, replay=False, watch=watch), \
-                            self._guarded(where, kind == FORK):
-                        yield None
-                    if watch is not None and watch.done():
-                        self.draws[training] = True
-                finally:
-                    for (_, g), state in zip(generators, states):
-                        g.set_state(state)
-            return
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        with microbatch_context(generator, recomputing, replay=kind == DISPATCH) as mode, \
-                self._guarded(where, kind == GUARD):
-            yield mode
+            return self._reseeded(kind, seed, recomputing, where, training)
+        return _OwnGenerator(torch.Generator(device=self.device).manual_seed(seed), recomputing, kind == DISPATCH,
+                             self._guarded(where, kind == GUARD))
 
     @contextmanager
-    def _guarded(self, where: tuple[int, int], on: bool) -> Iterator[None]:
+    def _reseeded(self, kind: str, seed: int, recomputing: bool, where: tuple[int, int],
+                  training: bool) -> Iterator[None]:
+        """A ``FORK`` or ``PROBE`` forward: the default generators reseeded for it, restored after."""
+        generators = self.forked if kind == FORK else self.watched
+        with _default_generator_lock if kind == PROBE else nullcontext():
+            states = [g.get_state() for _, g in generators]
+            for d, g in generators:
+                g.manual_seed(device_seed(seed, self.device, d))
+            watch = DrawWatch(generators) if kind == PROBE and not recomputing else None
+            try:
+                with microbatch_context(generators[0][1], recomputing, replay=False, watch=watch), \
+                        self._guarded(where, kind == FORK):
+                    yield None
+                if watch is not None and watch.done():
+                    self.draws[training] = True
+            finally:
+                for (_, g), state in zip(generators, states):
+                    g.set_state(state)
+
+    def _guarded(self, where: tuple[int, int], on: bool) -> _GuardWindow | nullcontext:
         """Raise after the enclosed forward if it moved a watched default generator, naming with this
         stage every stage whose guarded forward ran at the same time (one of them drew)."""
-        if not on or not self.watched:
-            yield
-            return
-        window = {self.index}  # the stages whose guarded forwards overlap this one
-        with _default_generator_lock:  # a PROBE or DISPATCH stage moves them under this lock only
-            before = [g.get_state() for _, g in self.watched]
-            for owner, other in _open_windows:
-                other.add(self.index)
-                window.add(owner)
-            _open_windows.append((self.index, window))
+        return _GuardWindow(self, where) if on and self.watched else nullcontext()
+
+
+def _state_bytes(generator: torch.Generator) -> bytes:
+    """``generator``'s state as bytes: comparing them costs far less than ``torch.equal`` per forward."""
+    return generator.get_state().numpy().tobytes()
+
+
+class _OwnGenerator:
+    """A ``GUARD``, ``DISPATCH`` or ``OFF`` forward: the micro-batch's own generator (the mode with
+    ``replay``), inside ``guard``. A class, not a generator context manager: it wraps every forward."""
+
+    def __init__(self, generator: torch.Generator, recomputing: bool, replay: bool,
+                 guard: AbstractContextManager) -> None:
+        self.context, self.guard = microbatch_context(generator, recomputing, replay=replay), guard
+
+    def __enter__(self) -> RandomReplay | None:
+        mode = self.context.__enter__()
         try:
-            yield
-        finally:
-            with _default_generator_lock:
-                _open_windows.remove((self.index, window))
-                moved = [d for (d, g), state in zip(self.watched, before) if not torch.equal(g.get_state(), state)]
-        if moved:
-            others = sorted(window - {self.index})
+            self.guard.__enter__()
+        except BaseException:
+            self.context.__exit__(*sys.exc_info())
+            raise
+        return mode
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            self.guard.__exit__(*exc_info)
+        except BaseException:
+            self.context.__exit__(*sys.exc_info())
+            raise
+        self.context.__exit__(*exc_info)
+
+
+class _GuardWindow:
+    """One guarded forward (``StageReplay._guarded``): a class, not a generator context manager,
+    because it wraps every forward of a model that draws nothing."""
+
+    def __init__(self, replay: StageReplay, where: tuple[int, int]) -> None:
+        self.replay, self.where = replay, where
+        self.window = {replay.index}  # the stages whose guarded forwards overlap this one
+
+    def __enter__(self) -> None:
+        index = self.replay.index
+        with _default_generator_lock:  # a PROBE or DISPATCH stage moves them under this lock only
+            self.before = [_state_bytes(g) for _, g in self.replay.watched]
+            for owner, other in _open_windows:
+                other.add(index)
+                self.window.add(owner)
+            _open_windows.append((index, self.window))
+
+    def __exit__(self, *exc_info: object) -> None:
+        replay, index = self.replay, self.replay.index
+        with _default_generator_lock:
+            _open_windows.remove((index, self.window))
+            moved = [d for (d, g), state in zip(replay.watched, self.before) if _state_bytes(g) != state]
+        if moved and exc_info[0] is None:
+            others = sorted(self.window - {index})
             also = f" (or stage {', '.join(map(str, others))}, whose forward ran at the same time)" if others else ""
             raise UnreplayableRandomError(
-                f"stage {self.index}{also} drew random numbers outside nn.Dropout in its forward (step {where[0]}, "
-                f"micro-batch {where[1]}): the default generator of {moved[0]} moved, though the first "
-                "step's probe found no such draw (or another thread of this process drew from it "
+                f"stage {index}{also} drew random numbers outside nn.Dropout in its forward (step "
+                f"{self.where[0]}, micro-batch {self.where[1]}): the default generator of {moved[0]} moved, though "
+                "the first step's probe found no such draw (or another thread of this process drew from it "
                 "meanwhile), so re-materialization would not repeat it; set random_replay=True "
                 "(pipeline.random_replay=true) to replay every draw")
-
