@@ -27,15 +27,19 @@ def is_checkpointing() -> bool:
     return getattr(_state, "checkpointing", False)
 
 
-@contextmanager
-def checkpointing(flag: bool) -> Iterator[None]:
-    """Mark the enclosed forward as (not) checkpointed for ``is_checkpointing``."""
-    previous = getattr(_state, "checkpointing", False)
-    _state.checkpointing = flag
-    try:
-        yield
-    finally:
-        _state.checkpointing = previous
+class checkpointing:  # noqa: N801 - used like a function: ``with checkpointing(flag):``
+    """Mark the enclosed forward as (not) checkpointed for ``is_checkpointing`` (a class, not a
+    generator context manager: it wraps every forward)."""
+
+    def __init__(self, flag: bool) -> None:
+        self.flag = flag
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_state, "checkpointing", False)
+        _state.checkpointing = self.flag
+
+    def __exit__(self, *exc_info: object) -> None:
+        _state.checkpointing = self.previous
 
 
 def autocast_state() -> AutocastState:
