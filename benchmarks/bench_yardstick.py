@@ -39,7 +39,7 @@ from gpipe_lab.pipeline.options import PipelineOptions
 
 CHUNKS = 4
 #: alternated rounds per contender (at least): each ratio is the median of its per-round ratios
-ROUNDS = 7
+ROUNDS = 5
 #: contender -> (K, random_replay)
 ENGINES = {"K=1": (1, "auto"), "K=1, no replay": (1, False), "K=2": (2, "auto"), "K=2, no replay": (2, False)}
 #: the drawing workload of the replay-cost row
