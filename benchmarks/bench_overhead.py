@@ -8,7 +8,8 @@ step time is almost all engine work (threads, mailbox, hooks, generators):
 
 The unpipelined compute runs forward + loss + backward of the whole module on
 each micro-batch in turn, on one thread. The target is judged with memory counting
-(saved-tensor hooks, ``track_memory``) off; the figure with it on is reported too.
+(saved-tensor hooks, ``track_memory``) off; the figures with it on, and with ``random_replay``
+off (what the replay guard costs a model that draws nothing), are reported too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import statistics
 import torch
 
 from benchmarks.bench_common import Sizes, make_workload
-from gpipe_lab.bench import time_rounds
+from gpipe_lab.bench import paired_ratio, time_rounds
 from gpipe_lab.pipeline import GPipe
 
 K = 2
@@ -40,9 +41,12 @@ def run_overhead(sizes: Sizes, device: str) -> dict[str, float]:
         for x, y in micro:
             work.loss_fn(work.module(x), y).backward()
 
-    pipes = {track: GPipe(work.module, balance=work.balance, chunks=chunks, checkpoint="never",
-                          devices=[device] * K, threads_per_stage=1, seed=0, track_memory=track)
-             for track in (False, True)}
+    def pipe(track: bool, replay: bool | str = "auto") -> GPipe:
+        return GPipe(work.module, balance=work.balance, chunks=chunks, checkpoint="never", devices=[device] * K,
+                     threads_per_stage=1, seed=0, track_memory=track, random_replay=replay)
+
+    pipes = {True: pipe(True), False: pipe(False)}
+    no_replay = pipe(False, False)
     inside: list[float] = []
     last: list[GPipe] = []
 
@@ -59,12 +63,15 @@ def run_overhead(sizes: Sizes, device: str) -> dict[str, float]:
 
     reps = ROUNDS if sizes.name != "smoke" else max(2, sizes.repeats)
     times = time_rounds({"compute": compute, "pipe": lambda: step(pipes[False]),
-                         "tracked": lambda: step(pipes[True])}, reps, max(2, sizes.warmup), between)
+                         "tracked": lambda: step(pipes[True]), "no_replay": lambda: no_replay.train_step(
+                             work.inputs, work.targets, work.loss_fn)}, reps, max(2, sizes.warmup), between)
     between()
-    compute_s, step_s, tracked_s = (times[k].median for k in ("compute", "pipe", "tracked"))
+    compute_s, step_s, tracked_s, plain_s = (times[k].median for k in ("compute", "pipe", "tracked", "no_replay"))
     actions = 2 * K * chunks
     return {"microbatches": chunks, "actions": actions, "step_s": step_s, "compute_s": compute_s,
             "overhead_per_action_us": (step_s - compute_s) / actions * 1e6,
             "overhead_with_memory_tracking_us": (tracked_s - compute_s) / actions * 1e6,
+            "overhead_without_replay_us": (plain_s - compute_s) / actions * 1e6,
+            "replay_guard_share": paired_ratio(times["pipe"], times["no_replay"]) - 1,
             "inside_action_us": statistics.median(inside[-reps:]) / actions * 1e6,
             "per_tick_us": (step_s - compute_s / K) / (2 * (chunks + K - 1)) * 1e6}

@@ -8,6 +8,7 @@ stage 0, the closed-form MLP model) are checked exactly.
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import statistics
@@ -36,6 +37,7 @@ def test_outputs_exist(smoke):
                     "## Scheduling overhead", "## Memory"):
         assert heading in md
     assert "cores" in md and "torch" in md and "--smoke" in md
+    assert "same with random_replay=False µs" in md and "replay guard's share of the step" in md
     for png in ("throughput.png", "bubble.png", "memory.png"):
         assert (out / "benchmarks" / png).stat().st_size > 0
 
@@ -60,6 +62,7 @@ def test_json_structure(smoke):
     assert row["fraction_of_ceiling"] == pytest.approx(ceiling["ceiling_step_s"] / row["step_s"])
     assert res["meta"]["allocator"]
     assert res["overhead"]["actions"] == 2 * 2 * res["overhead"]["microbatches"]
+    assert all(math.isfinite(res["overhead"][k]) for k in ("overhead_without_replay_us", "replay_guard_share"))
     for t in res["targets"]:
         assert set(t) == TARGET_KEYS and t["status"] in ("PASS", "MISS", "N/A")
     assert len(res["targets"]) == 39
