@@ -4,9 +4,9 @@
     python tests/engine/differential_full.py --summary --log differential-log
 
 Each shard takes every n-th case of ``all_cases()`` from the i-th, judges it as the
-test does (``differential_run.judge``) and appends one JSON line per case to
-``<log>/shard-i-of-n.jsonl``; a restarted shard skips what its log holds, so an
-interrupted job loses at most the chunk in flight, and a restarted one judges its failed
+test does (``differential_run.judge``) and appends one JSON line per case, with the
+commit that judged it, to ``<log>/shard-i-of-n.jsonl``; a restarted shard skips what its
+log holds, so an interrupted job loses at most the chunk in flight, and judges its failed
 cases again (the latest line of a case counts). A failing case's line carries the recipe
 that reruns it under pytest. ``--summary`` counts every shard's log; it exits 1
 while a case has failed and 2 while cases remain.
@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from differential_cases import Case, all_cases  # noqa: E402
 from differential_distributed import run_distributed  # noqa: E402
 from differential_run import judge, run_engine  # noqa: E402
+
+from gpipe_lab.provenance import source_commit  # noqa: E402
 
 CHUNK = 400  # cases between log flushes (distributed ones in one launch per K)
 
@@ -60,7 +62,8 @@ def _judge_chunk(chunk: list[tuple[int, Case]]) -> list[dict]:
             problems = [launch_error] if launch_error else judge(case, *runs[case])
         else:
             problems = judge(case, run_engine(case), None)
-        rows.append({"index": index, "ok": not problems, "recipe": case.recipe(), "problems": problems})
+        rows.append({"index": index, "ok": not problems, "recipe": case.recipe(), "problems": problems,
+                     "commit": source_commit()})
     return rows
 
 
@@ -89,13 +92,16 @@ def summary(log: Path) -> int:
     """Print the counts over every shard's log: 0 all passed, 1 a failure, 2 cases remain."""
     total = len(all_cases())
     judged = failed = 0
+    commits: dict[str, int] = {}
     for path in sorted(log.glob("shard-*.jsonl")):
         for row in _latest(path).values():
             judged += 1
+            commits[row.get("commit", "unrecorded")] = commits.get(row.get("commit", "unrecorded"), 0) + 1
             if not row["ok"]:
                 failed += 1
                 print(f"FAILED {row['recipe']}: {row['problems'][0]}")
-    print(f"{judged} of {total} combinations judged, {judged - failed} passed, {failed} failed")
+    print(f"{judged} of {total} combinations judged, {judged - failed} passed, {failed} failed; "
+          f"judged at commit: {', '.join(f'{c} ({n})' for c, n in sorted(commits.items()))}")
     return 1 if failed else (2 if judged < total else 0)
 
 

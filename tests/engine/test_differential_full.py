@@ -9,6 +9,8 @@ import differential_full as full
 import pytest
 from differential_cases import Case
 
+from gpipe_lab.provenance import source_commit
+
 CASES = [Case.parse(r) for r in (
     "door=train_step,K=2,M=3,batch=10,checkpoint=except_last,schedule=gpipe,bn=plain,rand=dropout,"
     "autocast=none,inputs=tensor,frozen=False,dtype=float32,output=tensor,transport=local",
@@ -30,6 +32,7 @@ def test_shards_judge_every_case_once_and_resume_judging_only_what_failed(tmp_pa
     rows = _lines(tmp_path)
     assert sorted(r["index"] for r in rows) == [0, 1, 2] and all(r["ok"] for r in rows)
     assert {r["recipe"] for r in rows} == {c.recipe() for c in CASES}
+    assert {r["commit"] for r in rows} == {source_commit()}
     assert full.summary(tmp_path) == 0
 
     # a case recorded as failed (a launch that died, say) is judged again; passed ones are not
@@ -49,7 +52,8 @@ def test_summary_says_cases_remain_and_a_bad_shard_is_refused(tmp_path: Path, mo
     monkeypatch.setattr(full, "all_cases", lambda: CASES)
     full.run_shard(tmp_path, 0, 3)
     assert full.summary(tmp_path) == 2
-    assert "1 of 3 combinations judged, 1 passed, 0 failed" in capsys.readouterr().out
+    assert f"1 of 3 combinations judged, 1 passed, 0 failed; judged at commit: {source_commit()} (1)" in \
+        capsys.readouterr().out
     with pytest.raises(SystemExit):
         full.main(["--shard", "2/2", "--log", str(tmp_path)])
     assert "--shard '2/2': expected i/n with 0 <= i < n" in capsys.readouterr().err
