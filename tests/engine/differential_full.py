@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -92,11 +93,11 @@ def summary(log: Path) -> int:
     """Print the counts over every shard's log: 0 all passed, 1 a failure, 2 cases remain."""
     total = len(all_cases())
     judged = failed = 0
-    commits: dict[str, int] = {}
+    commits: Counter[str] = Counter()
     for path in sorted(log.glob("shard-*.jsonl")):
         for row in _latest(path).values():
             judged += 1
-            commits[row.get("commit", "unrecorded")] = commits.get(row.get("commit", "unrecorded"), 0) + 1
+            commits[row.get("commit", "unrecorded")] += 1
             if not row["ok"]:
                 failed += 1
                 print(f"FAILED {row['recipe']}: {row['problems'][0]}")
