@@ -22,11 +22,14 @@ figures are CPU figures and say so.
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import json
 import multiprocessing
 import os
+import platform
 import resource
+import shlex
 import signal
 import sys
 import time
@@ -42,6 +45,7 @@ if not __package__:  # started as a file (``python benchmarks/gpu_check.py``): r
 import torch
 
 from benchmarks.gpu_check_engine import Context
+from gpipe_lab.provenance import source_commit
 
 # name, "module:function", cap in seconds; on one GPU the caps sum to 460 s (8 minutes less start-up)
 SECTIONS: list[tuple[str, str, int]] = [
@@ -147,7 +151,9 @@ def write_reports(report: dict[str, Any], out: Path) -> None:
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: the environment, then one heading per section."""
-    lines = ["# GPU check", "", f"- device: {report['device']}", f"- torch: {report['torch']}",
+    lines = ["# GPU check", "", f"- date: {report.get('date')}, commit `{report.get('commit')}`",
+             f"- command: `{report.get('command')}`", f"- device: {report['device']}",
+             f"- torch: {report['torch']}, Python {report.get('python')}, lightning {report.get('lightning')}",
              f"- dry run: {report['dry_run']} (a dry run's figures are CPU figures, not GPU ones)",
              f"- start-up (section server) seconds: {report.get('startup_seconds')}", ""]
     for name, result in report["sections"].items():
@@ -159,6 +165,16 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _version(package: str) -> str:
+    """An installed distribution's version, ``absent`` when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "absent"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sections; exit status 0 when every one passed (or was skipped)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU, no CUDA")
     p.add_argument("--two-gpus", action="store_true", help="add the two-GPU section")
     p.add_argument("--only", nargs="*", default=None, help="run only these sections")
+    p.add_argument("--commit", default=None,
+                   help="the commit to record when this tree is a copy without git (default: read from git)")
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA device here: use --dry-run")
@@ -179,8 +197,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown section(s) {unknown}; known: {[s[0] for s in sections]}")
         sections = [s for s in sections if s[0] in args.only]
     # the device name is asked in a child: this process forks none, but keeps off CUDA all the same
-    report: dict[str, Any] = {"device": "cpu (dry run)" if args.dry_run else "cuda:0",
-                              "torch": torch.__version__,
+    report: dict[str, Any] = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+                              "commit": args.commit or source_commit(),
+                              "command": "python -m benchmarks.gpu_check "
+                              + shlex.join(sys.argv[1:] if argv is None else argv),
+                              "device": "cpu (dry run)" if args.dry_run else "cuda:0",
+                              "torch": torch.__version__, "python": platform.python_version(),
+                              "lightning": _version("lightning"),
                               "dry_run": args.dry_run, "sections": {}}
     start = time.perf_counter()
     processes = _processes()

@@ -16,6 +16,7 @@ from benchmarks.gpu_check_engine import Context
 from benchmarks.gpu_check_probes import order_violations
 
 from gpipe_lab.pipeline.timeline import Event
+from gpipe_lab.provenance import source_commit
 
 
 def test_dry_run_wires_every_section(tmp_path: Path) -> None:
@@ -44,6 +45,8 @@ def test_dry_run_wires_every_section(tmp_path: Path) -> None:
     md = (tmp_path / "gpu_check.md").read_text()
     assert all(f"## {name}: PASS" in md for name in names)
     assert "CPU figures, not GPU ones" in md
+    assert report["commit"] == source_commit() and report["commit"] in md  # provenance in both files
+    assert report["torch"] == torch.__version__ and "--dry-run --two-gpus" in report["command"]
 
 
 # Sections for the runner's own test, run in the check's child processes (importable by this module's name).
