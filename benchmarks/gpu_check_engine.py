@@ -158,13 +158,13 @@ def host_syncs(ctx: Context) -> dict[str, Any]:
     result: dict[str, Any] = {"python_reads": dict(reads)}
     if ctx.device.type == "cuda":
         sync(ctx)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
+        torch.cuda.set_sync_debug_mode("warn")  # outside the recording: switching it on warns itself
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 pipe.train_step(x, y, F.mse_loss)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
         where = Counter(f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in caught
                         if "synchroniz" in str(w.message))
         result["cuda_syncs"] = dict(where)

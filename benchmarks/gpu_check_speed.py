@@ -85,8 +85,13 @@ def speed(ctx: Context) -> dict[str, Any]:
             "timing": "wall clock (CPU, dry run)" if ctx.dry else "CUDA events"}
 
 
+#: how far ``always``'s peak may exceed ``except_last``'s (the replay's own buffers)
+PEAK_SLACK = 0.05
+
+
 def memory(ctx: Context) -> dict[str, Any]:
-    """Device peak vs ``memory()``: never > except_last > always; 1F1B below GPipe at M=8."""
+    """Device peak vs ``memory()``: never above except_last and always, which agree within
+    ``PEAK_SLACK``; 1F1B below GPipe at M=8."""
     module, x = _transformer(ctx)
     loss_fn = lambda out, _y: out.float().pow(2).mean()  # noqa: E731
     peaks: dict[str, Any] = {}
@@ -107,7 +112,12 @@ def memory(ctx: Context) -> dict[str, Any]:
         value = peaks[name][key]
         return sum(value) if isinstance(value, list) else int(value)
 
-    ordered = size("gpipe/never") >= size("gpipe/except_last") >= size("gpipe/always")
+    never, except_last, always = size("gpipe/never"), size("gpipe/except_last"), size("gpipe/always")
+    # except_last and always differ only in the last micro-batch, whose activations exist at its
+    # backward either way (kept, or replayed): their peaks agree up to the replay's own buffers
+    ordered = never >= except_last and never >= always and always <= except_last * (1 + PEAK_SLACK)
     one_f_one_b = size("1f1b/never") <= size("gpipe/never")
     return {"status": "PASS" if ordered and one_f_one_b else "FAIL", "compared": key, "peaks": peaks,
-            "never>=except_last>=always": ordered, "1f1b<=gpipe": one_f_one_b}
+            "always/except_last": round(always / except_last, 4), "never/except_last": round(never / except_last, 4),
+            "never>=except_last, always<=except_last*(1+slack)": ordered, "peak_slack": PEAK_SLACK,
+            "1f1b<=gpipe": one_f_one_b}

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from gpipe_lab import GPipe
 from gpipe_lab.pipeline import NonFiniteError, PipelineTimeoutError
+from helpers.threads import busy_stage_threads, wait_for_stage_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,8 +35,7 @@ class Slow(nn.Module):
         return x
 
 
-def stage_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("gpipe-stage-")]
+stage_threads = busy_stage_threads
 
 
 def test_a_step_longer_than_the_timeout_finishes_when_every_wait_is_shorter() -> None:
@@ -65,9 +65,7 @@ class Stall(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.armed:
             self.armed = False
-            for t in stage_threads():
-                if t is not threading.current_thread():
-                    t.join(30)
+            wait_for_stage_threads()
         return x
 
 
@@ -162,8 +160,7 @@ def test_the_callers_wait_is_bounded_when_a_stage_is_stuck_in_a_computation(bala
             pipe.train_step(x, y, F.mse_loss)
     finally:
         hold.release.set()
-    for t in stage_threads():
-        t.join(30)
+    wait_for_stage_threads()
     assert not stage_threads()
     pipe.timeout = 30.0
     assert torch.isfinite(pipe.train_step(x, y, F.mse_loss))

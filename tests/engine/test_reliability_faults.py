@@ -24,6 +24,7 @@ from gpipe_lab import GPipe
 from gpipe_lab.pipeline import DeferredBatchNorm, PipelineTimeoutError
 from gpipe_lab.pipeline.context import is_recomputing
 from helpers.faults import CHUNKS, NUM_STAGES, SEED, Fault, InjectedFault
+from helpers.threads import busy_stage_threads, wait_for_stage_threads
 
 
 def build(fault: Fault, fault_stage: int, batch_norm: bool = False) -> nn.Sequential:
@@ -50,8 +51,7 @@ def data():
     return torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
 
 
-def gpipe_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("gpipe-stage-")]
+gpipe_threads = busy_stage_threads
 
 
 @pytest.mark.timeout(60)
@@ -73,7 +73,7 @@ def test_fault_in_any_stage_and_phase_stops_the_step_and_the_pipe_is_reusable(st
     phase = "forward" if when == "forward" else "backward"  # recompute runs inside the backward action
     assert f"[in stage {stage}, {phase} of micro-batch {microbatch}]" in str(info.value)
     assert info.value.gpipe_stage == stage and info.value.gpipe_microbatch == microbatch
-    assert not gpipe_threads(), "a worker thread outlived the failed step"
+    assert not gpipe_threads(), "a worker thread still runs the failed step"
     assert all(not s._saved and s.live_bytes == 0 for s in pipe.stages), "saved activations leaked"
 
     # the same object works on the next step, with exactly the unpipelined loss and gradients
@@ -133,10 +133,8 @@ def test_fault_on_a_later_step_names_that_step_microbatch_and_keeps_earlier_prog
 
 
 def wait_for_other_stages(limit: float = 30.0) -> None:
-    """Block until every other stage thread has ended (they time out waiting for this one)."""
-    for t in gpipe_threads():
-        if t is not threading.current_thread():
-            t.join(limit)
+    """Block until every other stage thread is idle (they time out waiting for this one)."""
+    wait_for_stage_threads(limit)
 
 
 class Stall(nn.Module):
@@ -172,8 +170,7 @@ def test_stalled_stage_times_out_with_every_stage_state(schedule):
     for k in range(3):
         assert f"stage {k}: last completed" in message
     assert "waiting on" in message
-    for t in gpipe_threads():  # the stalled stage's compute cannot be interrupted: it ends by itself
-        t.join(30)
+    wait_for_stage_threads()  # the stalled stage's compute cannot be interrupted: it ends by itself
     assert not gpipe_threads()
     model.zero_grad()
     pipe.timeout = 30.0  # the stall is disarmed; 0.3 s is too tight for a normal step on a loaded machine
@@ -239,8 +236,7 @@ def test_ctrl_c_in_the_caller_stops_every_worker_before_returning(schedule):
     finally:
         interrupter.join(30)
         signal.signal(signal.SIGINT, previous)
-    for t in gpipe_threads():  # a worker that has finished may not have unregistered yet
-        t.join(10)
+    wait_for_stage_threads(10)  # a worker that has finished its walk may not be idle yet
     assert not gpipe_threads(), "worker threads still running after Ctrl-C"
     assert all(not s._saved and s.live_bytes == 0 for s in pipe.stages)
     model.zero_grad(set_to_none=True)

@@ -16,6 +16,7 @@ from gpipe_lab import GPipe
 from gpipe_lab.pipeline import PipelineTimeoutError
 from gpipe_lab.pipeline.weight_gradients import input_backward, plan_split, split_weight_backward
 from helpers.models import grads, mlp, reference_step, tuple_model
+from helpers.threads import wait_for_stage_threads
 
 TOL = 1e-5
 
@@ -114,9 +115,7 @@ class Stall(nn.Module):
     def forward(self, x):
         self.calls += 1
         if self.armed and self.calls == self.at + 1:
-            for t in threading.enumerate():
-                if t.name.startswith("gpipe-stage-") and t is not threading.current_thread():
-                    t.join(30)
+            wait_for_stage_threads()
         return x
 
 

@@ -4,7 +4,7 @@ Both transports run a step here (``channel.Endpoint`` is all that differs):
 
 * one thread per pipeline rank this process hosts (every rank locally, its own
   under torch.distributed), named ``gpipe-stage-<rank>``, walks the rank's list
-  through ``channel.run_action``;
+  through ``channel.run_action``; the threads live across steps (``workers``);
 * every incoming value is taken from one ``Mailbox`` keyed by message; each
   wait is bounded by the endpoint's ``timeout`` on its own (a per-wait limit),
   and the sender it waits for comes from the schedule walker
@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack
+from functools import partial
 
 import torch
 
@@ -40,6 +41,7 @@ from gpipe_lab.pipeline.mailbox import Mailbox, Stopped, Undelivered, WaitTimeou
 from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule, expected_messages, incoming, outgoing
 from gpipe_lab.pipeline.stage import StageRuntime
 from gpipe_lab.pipeline.timeline import Event, Timeline
+from gpipe_lab.pipeline.workers import StageWorkers
 
 Failure = tuple[float, int, "Action | None", BaseException]  # (when, rank, action, exception)
 # per action of a rank: (action, the message it takes, the message it sends, its stage's last B/W)
@@ -125,6 +127,7 @@ class Executor:
         self.runtimes = dict(runtimes)
         self.num_stages = next(iter(self.runtimes.values())).num_stages
         self._plans: dict[int, _Plan] = {}
+        self.workers = StageWorkers()  # long-lived: thread-local caches (cuDNN's) survive steps
 
     def _plan(self, schedule: Schedule) -> _Plan:
         """The plan of ``schedule``, made on its first step (the core caches its schedules)."""
@@ -174,14 +177,13 @@ class Executor:
         try:
             for k, device in ranks:
                 launched.append(k)
-                threading.Thread(target=self._rank_thread, args=(step, k, device), name=f"gpipe-stage-{k}",
-                                 daemon=True).start()
+                self.workers.submit(k, partial(self._rank_thread, step, k, device))
             for k in launched:
                 self._wait_for(step, k)
         except BaseException:  # e.g. Ctrl-C in the caller: stop the threads before re-raising
             step.mailbox.stop()
-            # A Ctrl-C inside Thread.start() can leave a launched thread not yet running: wait for it
-            # to begin (bounded: an interrupt before the OS thread was created means it never will).
+            # A Ctrl-C inside submit() can leave a launched task not yet running: wait for it to begin
+            # (bounded: an interrupt before it was queued means it never will).
             # A running one stops at its next action or wait; its compute cannot be interrupted.
             for k in launched:
                 if step.running[k].wait(timeout=10.0):

@@ -126,7 +126,7 @@ def verdict_vector(loss: Tensor | None, modules: Mapping[int, nn.Module], num_ch
     if loss is not None:
         slots[0] = (loss.detach().double() / dp_size).to(device)
         code = LOSS_DTYPES.index(loss.dtype) if loss.dtype in LOSS_DTYPES else 0
-        slots[2] = torch.tensor(code / dp_size, dtype=torch.float64, device=device)
+        slots[2] = torch.full((), code / dp_size, dtype=torch.float64, device=device)  # no host copy
     if check:
         if loss is not None:
             slots[1] = (~torch.isfinite(loss.detach()).all()).double().to(device)
