@@ -6,8 +6,6 @@ criteria are reported as ``"dry"``, never as a GPU figure).
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,26 +13,16 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.gpu_check_engine import Context, sync
+from gpipe_lab.bench.timing import paired_ratio, time_rounds
 from gpipe_lab.pipeline import GPipe
 
 
-def _step_seconds(step: Callable[[], Any], ctx: Context, repeats: int) -> float:
-    """Median seconds of ``step``: CUDA events on a GPU, the wall clock on the CPU."""
-    step()
-    times = []
-    for _ in range(repeats):
-        if ctx.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+def _synced(step: Callable[[], Any], ctx: Context) -> Callable[[], None]:
+    """``step`` timed to the end of its device work (a sync after it on a GPU)."""
+    def call() -> None:
+        step()
+        sync(ctx)
+    return call
 
 
 def _transformer(ctx: Context) -> tuple[nn.Sequential, Tensor]:
@@ -56,33 +44,48 @@ def _accumulation(module: nn.Sequential, x: Tensor, loss_fn: Callable, chunks: i
 
 
 def speed(ctx: Context) -> dict[str, Any]:
-    """K x M on one device (bf16 autocast) against gradient accumulation at the same M: K=1 within 5%."""
+    """K x M on one device (bf16 autocast) against gradient accumulation at the same M: K=1 within 5%.
+
+    Per M, plain accumulation and the engine at every K are timed in alternating rounds (wall
+    clock to a device sync, ``gpipe_lab.bench.time_rounds``); each ratio is the median of the
+    per-round ratios (``paired_ratio``), so a slow moment of the machine hits both sides.
+    """
     module, x = _transformer(ctx)
     loss_fn = lambda out, _y: out.float().pow(2).mean()  # noqa: E731
-    repeats = 2 if ctx.dry else 5
+    repeats, warmup = (2, 1) if ctx.dry else (7, 2)
+    rows: dict[str, Any] = {}
+    accumulation: dict[int, float] = {}
     with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
         Ks, Ms = ((1, 2), (1, 4)) if ctx.dry else ((1, 2, 4), (1, 4, 8))
-        accumulation = {M: _step_seconds(_accumulation(module, x, loss_fn, M), ctx, repeats) for M in Ms}
-        rows: dict[str, Any] = {}
-        for K, M in itertools.product(Ks, Ms):
-            if K > len(module):
-                continue
-            pipe = GPipe(module, partitions=K, chunks=M, devices=[ctx.device] * K, checkpoint="never")
-            t = _step_seconds(lambda p=pipe: p.train_step(x, x, loss_fn), ctx, repeats)
-            rows[f"K={K} M={M}"] = {"seconds": round(t, 4), "vs_accumulation": round(t / accumulation[M], 3),
-                                    "timeline_wall": round(pipe.timeline.wall, 4),
-                                    "device_timeline_wall": round(pipe.timeline.on_device().wall, 4)}
+        for M in Ms:
+            pipes = {K: GPipe(module, partitions=K, chunks=M, devices=[ctx.device] * K, checkpoint="never")
+                     for K in Ks if K <= len(module)}
+            fns = {"plain": _synced(_accumulation(module, x, loss_fn, M), ctx)}
+            fns.update({f"K={K}": _synced(lambda p=pipe: p.train_step(x, x, loss_fn), ctx) for K, pipe in pipes.items()})
+            timed = time_rounds(fns, repeats, warmup, between=lambda: sync(ctx))
+            accumulation[M] = timed["plain"].median
+            for K, pipe in pipes.items():
+                t = timed[f"K={K}"]
+                per_round = sorted(a / b for a, b in zip(t.times, timed["plain"].times))
+                rows[f"K={K} M={M}"] = {"seconds": round(t.median, 4),
+                                        "vs_accumulation": round(paired_ratio(t, timed["plain"]), 3),
+                                        "vs_accumulation_range": [round(per_round[0], 3), round(per_round[-1], 3)],
+                                        "timeline_wall": round(pipe.timeline.wall, 4),
+                                        "device_timeline_wall": round(pipe.timeline.on_device().wall, 4)}
         K = min(2, len(module))
-        bw = {}
-        for schedule in ("gpipe", "gpipe-bw"):
-            pipe = GPipe(module, partitions=K, chunks=4, devices=[ctx.device] * K, schedule=schedule)
-            bw[schedule] = round(_step_seconds(lambda p=pipe: p.train_step(x, x, loss_fn), ctx, repeats), 4)
+        bw_pipes = {schedule: GPipe(module, partitions=K, chunks=4, devices=[ctx.device] * K, schedule=schedule)
+                    for schedule in ("gpipe", "gpipe-bw")}
+        bw_timed = time_rounds({s: _synced(lambda p=p: p.train_step(x, x, loss_fn), ctx) for s, p in bw_pipes.items()},
+                               repeats, warmup, between=lambda: sync(ctx))
     k1 = {M: rows[f"K=1 M={M}"]["vs_accumulation"] for M in accumulation}
     ok = ctx.dry or all(r <= 1.05 for r in k1.values())
     return {"status": "PASS" if ok else "FAIL",
             "accumulation_seconds": {M: round(t, 4) for M, t in accumulation.items()},
-            "configs": rows, "k1_vs_accumulation": k1, "gpipe_vs_gpipe_bw": bw,
-            "timing": "wall clock (CPU, dry run)" if ctx.dry else "CUDA events"}
+            "configs": rows, "k1_vs_accumulation": k1,
+            "gpipe_vs_gpipe_bw": {s: round(t.median, 4) for s, t in bw_timed.items()},
+            "rounds": repeats,
+            "timing": ("wall clock (CPU, dry run)" if ctx.dry else "wall clock to a device sync")
+            + f", {repeats} alternating rounds after {warmup}, paired ratios"}
 
 
 #: how far ``always``'s peak may exceed ``except_last``'s (the replay's own buffers)

@@ -36,6 +36,11 @@ def test_dry_run_wires_every_section(tmp_path: Path) -> None:
     assert sections["race"]["amplifying_sleeps"] > 0 and sections["copy_overlap"]["hand_overs"] > 0
     assert sections["amp_fp16"]["inf_step_skipped"] and sections["amp_fp16"]["scale_backed_off"]
     assert len(sections["launch_bound"]["configs"]) == 4 and len(sections["leak"]["readings"]) == 3
+    speed = sections["speed"]  # paired ratios from alternating rounds, with their spread
+    assert speed["rounds"] == 2 and "paired ratios" in speed["timing"]
+    for row in speed["configs"].values():
+        low, high = row["vs_accumulation_range"]
+        assert low <= row["vs_accumulation"] <= high
     links = sections["distributed_links"]
     assert links["clipping"]["norm_relative_error"] <= 1e-5 and len(links["ranks"]) == 2
     for rank in links["ranks"]:  # receive streams made once over 5 steps; warm-up first, in order
