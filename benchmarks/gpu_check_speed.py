@@ -6,6 +6,7 @@ criteria are reported as ``"dry"``, never as a GPU figure).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,9 @@ from benchmarks.gpu_check_engine import Context, sync
 from gpipe_lab.bench.timing import paired_ratio, time_rounds
 from gpipe_lab.pipeline import GPipe
 
+#: seconds of matrix products before the speed rounds (clocks up from idle)
+WARM_UP_S = 1.0
+
 
 def _synced(step: Callable[[], Any], ctx: Context) -> Callable[[], None]:
     """``step`` timed to the end of its device work (a sync after it on a GPU)."""
@@ -23,6 +27,20 @@ def _synced(step: Callable[[], Any], ctx: Context) -> Callable[[], None]:
         step()
         sync(ctx)
     return call
+
+
+def _warm_device(ctx: Context, seconds: float = WARM_UP_S) -> float:
+    """Keep the GPU busy with bf16 matrix products for ``seconds`` (an idle GPU clocks down and
+    ramps up over the first timed steps); returns the seconds spent (0 on the CPU)."""
+    if ctx.device.type != "cuda":
+        return 0.0
+    a = torch.randn(4096, 4096, device=ctx.device, dtype=torch.bfloat16)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(20):
+            a @ a
+        sync(ctx)
+    return round(time.perf_counter() - start, 2)
 
 
 def _transformer(ctx: Context) -> tuple[nn.Sequential, Tensor]:
@@ -52,7 +70,8 @@ def speed(ctx: Context) -> dict[str, Any]:
     """
     module, x = _transformer(ctx)
     loss_fn = lambda out, _y: out.float().pow(2).mean()  # noqa: E731
-    repeats, warmup = (2, 1) if ctx.dry else (7, 2)
+    repeats, warmup = (2, 1) if ctx.dry else (9, 2)
+    warmed = _warm_device(ctx)
     rows: dict[str, Any] = {}
     accumulation: dict[int, float] = {}
     with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
@@ -83,7 +102,7 @@ def speed(ctx: Context) -> dict[str, Any]:
             "accumulation_seconds": {M: round(t, 4) for M, t in accumulation.items()},
             "configs": rows, "k1_vs_accumulation": k1,
             "gpipe_vs_gpipe_bw": {s: round(t.median, 4) for s, t in bw_timed.items()},
-            "rounds": repeats,
+            "rounds": repeats, "device_warm_up_seconds": warmed,
             "timing": ("wall clock (CPU, dry run)" if ctx.dry else "wall clock to a device sync")
             + f", {repeats} alternating rounds after {warmup}, paired ratios"}
 

@@ -37,7 +37,7 @@ def test_dry_run_wires_every_section(tmp_path: Path) -> None:
     assert sections["amp_fp16"]["inf_step_skipped"] and sections["amp_fp16"]["scale_backed_off"]
     assert len(sections["launch_bound"]["configs"]) == 4 and len(sections["leak"]["readings"]) == 3
     speed = sections["speed"]  # paired ratios from alternating rounds, with their spread
-    assert speed["rounds"] == 2 and "paired ratios" in speed["timing"]
+    assert speed["rounds"] == 2 and "paired ratios" in speed["timing"] and speed["device_warm_up_seconds"] == 0
     for row in speed["configs"].values():
         low, high = row["vs_accumulation_range"]
         assert low <= row["vs_accumulation"] <= high
