@@ -31,13 +31,15 @@ class ThreadProbe(nn.Module):
 
 def test_every_step_runs_a_stage_on_the_same_thread_so_thread_local_caches_survive() -> None:
     probe = ThreadProbe()
-    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), probe), balance=[1, 1], chunks=2, checkpoint="never")
+    # the least work after the step (no verdict, no memory counting): the next step comes soonest
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), probe), balance=[1, 1], chunks=2, checkpoint="never",
+                 nonfinite="ignore", track_memory=False)
     x, y = torch.randn(4, 4), torch.randn(4, 4)
-    for _ in range(3):
+    for _ in range(20):
         pipe.train_step(x, y, F.mse_loss)
     threads = {ident for ident, _ in probe.seen}
     assert len(threads) == 1 and threading.get_ident() not in threads
-    assert [calls for _, calls in probe.seen] == list(range(1, 7))  # 2 micro-batches x 3 steps, one thread
+    assert [calls for _, calls in probe.seen] == list(range(1, 41))  # 2 micro-batches x 20 steps, one thread
     workers = pipe.executor.workers.threads()
     assert sorted(w.name for w in workers) == ["gpipe-stage-0", "gpipe-stage-1"]
     assert all(w.idle.is_set() for w in workers)
@@ -53,6 +55,18 @@ def test_a_busy_worker_is_replaced_and_ends_after_its_task() -> None:
     first.join(30)
     assert not first.is_alive()
     assert workers.submit(0, ran.set) is second  # idle again: reused
+
+
+def test_a_worker_finishing_its_task_is_kept_not_replaced() -> None:
+    """A step's rank task signals the step before it returns: the next submit may find the
+    worker a moment from idle, and must wait for it rather than start a new thread."""
+    workers = StageWorkers()
+    for _ in range(50):
+        signalled, release, ran = threading.Event(), threading.Event(), threading.Event()
+        first = workers.submit(0, lambda s=signalled, r=release: (s.set(), r.wait(30)))
+        assert signalled.wait(30)
+        release.set()  # the task is returning now
+        assert workers.submit(0, ran.set) is first and ran.wait(30)
 
 
 def test_an_idle_worker_ends_by_itself_and_is_replaced() -> None:

@@ -6,8 +6,8 @@ thread-local caches, so a fresh thread rebuilds them for every forward and
 backward of every step (see ``results/gpu_check.md``). A worker runs one task at
 a time from its queue:
 
-* a rank whose worker is still busy (a computation that outlived a failed step's
-  timeout) gets a fresh worker; the old one ends after its task;
+* a rank whose worker is still busy after ``FINISHING_S`` (a computation that outlived
+  a failed step's timeout) gets a fresh worker; the old one ends after its task;
 * a worker idle for ``idle_exit`` seconds ends by itself, and the pool retires
   its workers when the pipe is collected: idle pipes hold no threads for long;
 * after ``fork`` the child's copies of the workers are not alive and are replaced.
@@ -25,6 +25,9 @@ from collections.abc import Callable
 
 #: seconds a worker waits for its next task before it ends
 IDLE_EXIT_S = 60.0
+#: seconds to wait for a busy worker to go idle before replacing it: a step's rank task signals
+#: the step before it returns, so the next step can find its worker a moment from idle
+FINISHING_S = 0.1
 
 
 class StageWorker(threading.Thread):
@@ -84,7 +87,8 @@ class StageWorkers:
     def submit(self, rank: int, task: Callable[[], None]) -> StageWorker:
         """Run ``task`` on rank ``rank``'s worker, making a new worker when the last cannot take it."""
         worker = self._workers.get(rank)
-        if worker is not None and worker.try_submit(task):
+        if worker is not None and (worker.try_submit(task)
+                                   or (worker.idle.wait(FINISHING_S) and worker.try_submit(task))):
             return worker
         if worker is not None:
             worker.retire()
