@@ -3,7 +3,7 @@
 A thread per step would be simpler, but state that libraries keep per thread dies
 with the thread: PyTorch's cuDNN attention keeps its execution plans in
 thread-local caches, so a fresh thread rebuilds them for every forward and
-backward of every step (see ``results/gpu_check.md``). A worker runs one task at
+backward of every step (README "GPUs"; ``results/gpu_runs/trace_gaps_16ef4af.txt``). A worker runs one task at
 a time from its queue:
 
 * a rank whose worker is still busy after ``FINISHING_S`` (a computation that outlived
