@@ -17,7 +17,7 @@ micro-batch-normalized inputs).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -137,10 +137,11 @@ def commit_forward(module: nn.Module) -> int:
     return sum(m.commit() for m in module.modules() if isinstance(m, DeferredBatchNorm))
 
 
-def running_stat_layers(module: nn.Module) -> list[nn.Module]:
-    """The layers of ``module`` whose training-mode forward moves running statistics
-    (``nn.BatchNorm*``, ``nn.InstanceNorm*`` with ``track_running_stats``; not the deferred kind)."""
-    return [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats
+def running_stat_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """The layers among ``modules`` (e.g. ``module.modules()``) whose training-mode forward moves
+    running statistics (``nn.BatchNorm*``, ``nn.InstanceNorm*`` with ``track_running_stats``; not
+    the deferred kind)."""
+    return [m for m in modules if isinstance(m, _NormBase) and m.track_running_stats
             and not isinstance(m, DeferredBatchNorm)]
 
 

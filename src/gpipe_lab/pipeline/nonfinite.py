@@ -114,11 +114,12 @@ def loss_dtype(values: Sequence[float]) -> torch.dtype:
     return LOSS_DTYPES[round(values[2])]
 
 
-def verdict_vector(loss: Tensor | None, modules: Mapping[int, nn.Module], num_chunks: int,
+def verdict_vector(loss: Tensor | None, modules: Mapping[int, nn.Module | Iterable[Tensor]], num_chunks: int,
                    dp_size: int, check: bool, device: torch.device) -> Tensor:
     """This rank's contribution: its loss share and, with ``check``, its non-finite marks.
 
-    ``modules`` maps each (virtual) stage held here to its layers. Built on
+    ``modules`` maps each (virtual) stage held here to its layers, or to their parameters
+    (the stage's ``step_walk().parameters``, walked once per step). Built on
     ``device`` from device-side flags only: nothing here waits for the device;
     ``read_verdict`` is the step's one read.
     """
@@ -131,7 +132,8 @@ def verdict_vector(loss: Tensor | None, modules: Mapping[int, nn.Module], num_ch
         if loss is not None:
             slots[1] = (~torch.isfinite(loss.detach()).all()).double().to(device)
         for j, module in modules.items():
-            flag = gradient_flag(p.grad for p in module.parameters())
+            params = module.parameters() if isinstance(module, nn.Module) else module
+            flag = gradient_flag(p.grad for p in params)
             if flag is not None:
                 slots[_FLAGS + j] = to_device(flag, device)
     return torch.stack(slots)

@@ -28,6 +28,7 @@ from gpipe_lab.pipeline.compiling import CompiledStage
 from gpipe_lab.pipeline.context import microbatch_seed
 from gpipe_lab.pipeline.device_timing import DeviceClock
 from gpipe_lab.pipeline.microbatch import as_tuple, final_output, unwrap
+from gpipe_lab.pipeline.module_walk import ModuleWalk, walk
 from gpipe_lab.pipeline.replay_policy import DISPATCH, NONE, OFF, StageReplay
 from gpipe_lab.pipeline.stage_state import SavedMicrobatch, StepPlan
 from gpipe_lab.pipeline.timeline import Event
@@ -61,6 +62,7 @@ class StageRuntime:
         self._saved: dict[int, SavedMicrobatch] = {}
         self._param_storages: frozenset[int] = frozenset()
         self._norms: list[nn.Module] | None = None
+        self._walk: ModuleWalk | None = None
         self.live_bytes = 0
         self.peak_bytes = 0
         self.track_memory = True
@@ -80,8 +82,12 @@ class StageRuntime:
         self.live_bytes = self.peak_bytes = 0
         if self.clock is not None:
             self.clock.begin()
-        self._param_storages = (storage_keys([*self.module.parameters(), *self.module.buffers()])
-                                if self.track_memory else frozenset())
+        self._walk = None  # the step's one walk of the module, made when first needed
+        if self.track_memory:
+            found = self.step_walk()
+            self._param_storages = storage_keys([*found.parameters, *found.buffers])
+        else:
+            self._param_storages = frozenset()
         self._norms = None  # found at the step's first replay
         self.replay.settle()
 
@@ -100,6 +106,12 @@ class StageRuntime:
     def live_microbatches(self) -> int:
         """Micro-batches whose forward state this stage still holds (awaiting their backward)."""
         return len(self._saved)
+
+    def step_walk(self) -> ModuleWalk:
+        """The module's modules, parameters and buffers, walked once per step (``module_walk``)."""
+        if self._walk is None:
+            self._walk = walk(self.module)
+        return self._walk
 
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
@@ -205,7 +217,7 @@ class StageRuntime:
             start = self._start()
             # the replay sees its first forward's state: autocast as then, running statistics not moved again
             if self._norms is None:
-                self._norms = running_stat_layers(self.module)
+                self._norms = running_stat_layers(self.step_walk().modules)
             with torch.enable_grad(), autocast_as(saved.autocast), running_stats_untouched(self._norms):
                 saved.outputs, _ = self._run(mb, saved.inputs, saved.was_tensor, saved.target,
                                              recomputing=True)
@@ -221,7 +233,7 @@ class StageRuntime:
         leaves = [t for t in saved.inputs if t.requires_grad and t.is_leaf]
         if mb in self.plan.split_backward:
             saved.grads = grads
-            params = [p for p in self.module.parameters() if p.requires_grad]
+            params = [p for p in self.step_walk().parameters if p.requires_grad]
             # the caller's input is part of a graph of theirs (first stage): W runs the whole
             # backward into it, as a plain backward would
             saved.full_w = any(t.requires_grad and not t.is_leaf for t in saved.inputs)
@@ -267,7 +279,7 @@ class StageRuntime:
         for s in saved:
             if s.split is None:
                 tensors, grad_tensors = self._backward_pairs(s.outputs, s.grads)
-                params = [p for p in self.module.parameters() if p.requires_grad]
+                params = [p for p in self.step_walk().parameters if p.requires_grad]
                 if tensors and s.full_w:
                     torch.autograd.backward(tensors, grad_tensors)
                 elif tensors and params:

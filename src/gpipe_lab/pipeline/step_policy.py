@@ -56,7 +56,7 @@ class StepPolicy:
         if not check and self.channel.holds_all_stages:  # nothing to judge, nothing to share: no read
             self.last_step_skipped = False
             return loss if loss is not None else torch.zeros((), device=device)
-        modules = {j: r.module for j, r in self.runtimes.items()}
+        modules = {j: r.step_walk().parameters for j, r in self.runtimes.items()}
         shared = self.channel.share(verdict_vector(loss, modules, self._num_virtual, self._dp_size, check,
                                                    device))
         values = read_verdict(shared)  # the step's one device-to-host read
@@ -82,7 +82,7 @@ class StepPolicy:
         self.last_step_skipped = True
 
     def _batch_norms(self) -> list[DeferredBatchNorm]:
-        found = {id(m): m for r in self.runtimes.values() for m in r.module.modules()
+        found = {id(m): m for r in self.runtimes.values() for m in r.step_walk().modules
                  if isinstance(m, DeferredBatchNorm)}
         return list(found.values())
 
