@@ -20,7 +20,6 @@ import io
 import pstats
 import sys
 import threading
-import time
 import traceback
 import warnings
 from collections import Counter
@@ -28,9 +27,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.gpu_step_costs import loss_fn, median_ms
 from gpipe_lab.pipeline import GPipe
 
 VARIANTS: dict[str, dict[str, object]] = {
@@ -42,10 +42,6 @@ VARIANTS: dict[str, dict[str, object]] = {
 
 def log(*parts: object) -> None:
     print(*parts, flush=True)
-
-
-def loss_fn(out: Tensor, _target: object) -> Tensor:
-    return out.float().pow(2).mean()
 
 
 def sync_stacks(dev: torch.device) -> None:
@@ -72,18 +68,6 @@ def sync_stacks(dev: torch.device) -> None:
             torch.cuda.set_sync_debug_mode(0)
     for stack, n in stacks.items():
         log(f"=== sync x{n}\n{stack}")
-
-
-def median_seconds(step: Callable[[], object], n: int = 5) -> float:
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[n // 2]
 
 
 def sample_threads(step: Callable[[], object], steps: int = 4, every: float = 0.0005) -> tuple[Counter, Counter]:
@@ -148,13 +132,13 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch.autocast("cuda", dtype=torch.bfloat16):
         for M in (1, 4):
-            log(f"plain M={M}: {median_seconds(plain(M)) * 1e3:.1f} ms")
+            log(f"plain M={M}: {median_ms(plain(M), n=5):.1f} ms")
         for K, M in ((1, 1), (2, 1), (1, 4)):
             for name, options in VARIANTS.items():
                 pipe = GPipe(module, partitions=K, chunks=M, devices=[dev] * K, checkpoint="never", **options)
                 before = segments()
-                seconds = median_seconds(lambda p=pipe: p.train_step(x, x, loss_fn))
-                log(f"K={K} M={M} {name}: {seconds * 1e3:.1f} ms  allocs before/after {before} {segments()}")
+                ms = median_ms(lambda p=pipe: p.train_step(x, x, loss_fn), n=5)
+                log(f"K={K} M={M} {name}: {ms:.1f} ms  allocs before/after {before} {segments()}")
         for K in (1, 2):
             pipe = GPipe(module, partitions=K, chunks=1, devices=[dev] * K, checkpoint="never")
             pipe.train_step(x, x, loss_fn)
