@@ -243,3 +243,52 @@ def test_ctrl_c_in_the_caller_stops_every_worker_before_returning(schedule):
     loss = pipe.train_step(x, y, F.mse_loss)
     plain = nn.Sequential(*[m for m in model if not isinstance(m, Gate)])
     assert torch.allclose(loss, F.mse_loss(plain(x), y), atol=1e-6)
+
+
+class Counting(nn.Module):
+    """Counts its forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("queued", [False, True], ids=["before-queueing", "after-queueing"])
+def test_ctrl_c_inside_submit_cancels_the_unstarted_rank_at_once(queued, monkeypatch):
+    """A Ctrl-C can land while the caller hands rank 2 its task. The step raises without waiting for
+    that task (not queued, it never begins); a queued task that begins after the interrupt returns
+    without running anything; the pipe stays clean and the next step is exact."""
+    torch.manual_seed(0)
+    last = Counting()
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6), last)
+    pipe = GPipe(model, balance=[1, 1, 2], chunks=4, seed=SEED, timeout=300)
+    workers = pipe.executor.workers
+    submit = workers.submit
+    hold, handed = threading.Event(), []
+
+    def interrupted_submit(rank, task):
+        if rank != 2:
+            return submit(rank, task)
+        handed.append(task)
+        if queued:  # the worker begins the task only after the caller was interrupted
+            submit(rank, lambda: (hold.wait(30), task()))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workers, "submit", interrupted_submit)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.train_step(x, y, F.mse_loss)
+    hold.set()
+    monkeypatch.setattr(workers, "submit", submit)
+    wait_for_stage_threads(30)
+    step = handed[0].args[0]  # the task is ``partial(rank_thread, step, rank, device)``
+    assert not step.running[2].is_set() and step.finished[2].is_set() == queued
+    assert last.calls == 0, "the cancelled step's rank 2 ran a forward"
+    assert not busy_stage_threads() and all(not s._saved and s.live_bytes == 0 for s in pipe.stages)
+    loss = pipe.train_step(x, y, F.mse_loss)
+    assert torch.allclose(loss, F.mse_loss(model(x), y), atol=1e-6)

@@ -87,6 +87,8 @@ class _Step:
         self.progress = 0  # actions and waits ended, by every rank: the caller's sign of life
         self.waiting = [False] * K  # rank k is in a mailbox wait (bounded on its own)
         self.running = [threading.Event() for _ in range(K)]
+        self.starting = threading.Lock()  # a rank task begins, or the step is cancelled: not both
+        self.cancelled = False
         self.finished = [threading.Event() for _ in range(K)]
         self.autocast = autocast_state()  # autocast is per thread: the stage threads take the caller's
         # torch keeps one weight-cast cache per process and clears it when any thread leaves its
@@ -104,6 +106,23 @@ class _Step:
         self.mailbox.stop()
         if self.leaving is not None:
             self.leaving.abort()
+
+    def cancel(self) -> None:
+        """The caller was interrupted: running ranks stop at their next action or wait, and a
+        rank task that has not begun yet (or is still queued) returns without running."""
+        self.mailbox.stop()
+        with self.starting:
+            self.cancelled = True
+        if self.leaving is not None:
+            self.leaving.abort()
+
+    def begin(self, rank: int) -> bool:
+        """Rank ``rank``'s task starts: False when the step was cancelled before it did."""
+        with self.starting:
+            if self.cancelled:
+                return False
+            self.running[rank].set()
+            return True
 
     def leave_together(self, timeout: float) -> None:
         """Wait (bounded) for every rank thread to end its walk before leaving autocast."""
@@ -181,12 +200,11 @@ class Executor:
             for k in launched:
                 self._wait_for(step, k)
         except BaseException:  # e.g. Ctrl-C in the caller: stop the threads before re-raising
-            step.mailbox.stop()
-            # A Ctrl-C inside submit() can leave a launched task not yet running: wait for it to begin
-            # (bounded: an interrupt before it was queued means it never will).
-            # A running one stops at its next action or wait; its compute cannot be interrupted.
+            # A task queued but not begun (a Ctrl-C can land inside submit) will not run; a running
+            # one stops at its next action or wait (its compute cannot be interrupted): wait for it.
+            step.cancel()
             for k in launched:
-                if step.running[k].wait(timeout=10.0):
+                if step.running[k].is_set():
                     step.finished[k].wait(self.endpoint.timeout)
             raise
         finally:
@@ -209,7 +227,9 @@ class Executor:
             seen = step.progress
 
     def _rank_thread(self, step: _Step, k: int, device: torch.device) -> None:
-        step.running[k].set()
+        if not step.begin(k):
+            step.finished[k].set()
+            return
         try:
             with ExitStack() as stack:
                 stack.enter_context(autocast_as(step.autocast))
