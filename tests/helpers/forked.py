@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -112,6 +113,51 @@ def run_module(module: str, args: Sequence[str], *, cwd: str | Path, env: Mappin
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
     return subprocess.CompletedProcess(command, proc.exitcode, stdout, stderr)
+
+
+def run_torchrun(nproc: int, module: str, args: Sequence[str], *, cwd: str | Path,
+                 env: Mapping[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc -m module *args`` on this machine, its ranks forked like
+    ``run_module``'s. As torchrun's agent does, this process hosts the key-value store the ranks
+    join (``TORCHELASTIC_USE_AGENT_STORE``) and gives each rank torchrun's variables; the output
+    is every rank's stdout, then every rank's stderr, in rank order; the exit status is the first
+    non-zero one of a rank (torchrun's is 1).
+
+    Raises:
+        subprocess.TimeoutExpired: a rank ran longer than ``timeout`` (every rank is killed first).
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+    base = dict(os.environ if env is None else env)
+    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+                "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+    with tempfile.TemporaryDirectory(prefix="gpipe-torchrun-") as scratch:
+        files = [(os.path.join(scratch, f"out{r}"), os.path.join(scratch, f"err{r}")) for r in range(nproc)]
+        procs = [_CONTEXT.Process(target=_child, args=(module, list(args), str(cwd), {
+            **base, **torchrun, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}, *files[r]))
+            for r in range(nproc)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        timed_out = any(proc.is_alive() for proc in procs)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        stdout, stderr = ("".join(Path(f[i]).read_text(errors="replace") if os.path.exists(f[i]) else ""
+                                  for f in files) for i in (0, 1))
+    del store
+    command = ["torchrun", "--nproc-per-node", str(nproc), "-m", module, *args]
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    codes = [proc.exitcode for proc in procs]
+    return subprocess.CompletedProcess(command, next((1 for c in codes if c), 0), stdout, stderr)
 
 
 class ForkedProcess:
