@@ -109,7 +109,6 @@ ALL = sorted({c for path in DOCS for c in documented_commands(path)})
 def test_every_documented_command_is_run_or_skipped_here():
     assert [c for c in ALL if c not in COMMANDS] == []
     assert [c for c in COMMANDS if c not in ALL] == []  # no stale entry either
-    assert COMMANDS[REAL_TORCHRUN][0] == "run"  # torchrun itself runs one documented command
 
 
 COVERED = sorted(c for c, how in COMMANDS.items() if how[0] == "covered")
@@ -133,10 +132,9 @@ CONSOLE_SCRIPTS = dict(re.findall(r'^([\w-]+) = "([\w.]+):\w+"$', re.search(
     r"^\[project\.scripts\]\n(.*?)\n\n", (ROOT / "pyproject.toml").read_text(), flags=re.S | re.M).group(1), flags=re.M))
 
 
-#: The one documented torchrun command that runs under torchrun itself (its launcher, store and
-#: environment); the others fork their ranks with torchrun's environment (``run_torchrun``),
-#: which saves each rank's import of torch and Lightning (about 10 CPU-seconds a rank here).
-REAL_TORCHRUN = "torchrun --nproc-per-node 2 -m gpipe_lab.pipeline.distributed.demo"
+#: A one-node torchrun command forks its ranks with torchrun's environment and store
+#: (``run_torchrun``), saving each rank's import of torch and Lightning (about 10 CPU-seconds a rank
+#: here). torchrun itself starts the 2-rank demo in ``test_gpu_check_dry_run`` (its two_gpus section).
 TORCHRUN = re.compile(r"torchrun --nproc-per-node (\d+) -m ([\w.]+)(?: (.*))?$")
 
 
@@ -144,13 +142,13 @@ def shell(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProces
     """Run ``command`` as bash would. A console script of ours (optionally piped into shell
     filters) runs as its module, forked from the suite's server that imported torch and
     Lightning once (``helpers.forked``); the filters then read its output. A one-node torchrun
-    command other than ``REAL_TORCHRUN`` forks its ranks the same way."""
+    command forks its ranks the same way."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "MPLBACKEND": "Agg",
            "GPIPE_LAB_ROOT": str(cwd), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
                [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
     program, _, filters = command.partition(" | ")
     torchrun = TORCHRUN.match(program)
-    if torchrun and not program.startswith(REAL_TORCHRUN + " ") and program != REAL_TORCHRUN and not filters:
+    if torchrun and not filters:
         nproc, module, rest = torchrun.groups()
         return run_torchrun(int(nproc), module, shlex.split(rest or ""), cwd=cwd, env=env, timeout=timeout)
     words = shlex.split(program)
