@@ -62,6 +62,23 @@ def test_flops_of_a_linear_layer_stack_are_exact():
     assert preset_costs(model, "flops")[1] == expected
 
 
+@pytest.mark.parametrize("name", ["amoebanet_d_tiny", "transformer_tiny"])
+def test_flops_are_counted_as_in_training_mode_and_the_modes_are_left_as_they_were(name):
+    """The count runs in eval mode (cheaper meta BatchNorm): the same FLOPs as a training-mode count."""
+    from gpipe_lab.measure import measure_layers
+    from gpipe_lab.models import example_input
+
+    model = build(name, device="meta")
+    model.train()
+    model[1].eval()  # a mixed state must come back as it was
+    modes = [m.training for m in model.modules()]
+    in_training = [c / 2 for c in measure_layers(model.train(), example_input(model, 2, "meta"), "flops")]
+    for m, training in zip(model.modules(), modes):
+        m.training = training
+    assert preset_costs(model, "flops") == in_training and sum(in_training) > 0
+    assert [m.training for m in model.modules()] == modes
+
+
 def test_activation_bytes_scale_with_input():
     small = preset_costs(build("transformer_tiny", device="meta"), "activation_bytes")
     large = preset_costs(build("transformer_tiny", device="meta", seq_len=32), "activation_bytes")
