@@ -55,9 +55,9 @@ def test_wheel_installed_in_a_fresh_venv_runs_from_another_directory(tmp_path):
                     "--force-reinstall", str(wheel)], check=True, timeout=300, env=_env())
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    where = subprocess.run([str(bin_dir / "python"), "-c", "import gpipe_lab, torch; print(gpipe_lab.__file__); "
-                            "print(torch.__file__)"], capture_output=True, text=True, check=True, cwd=elsewhere,
-                           env=_env())
+    where = subprocess.run([str(bin_dir / "python"), "-c", "import gpipe_lab, importlib.util; print(gpipe_lab.__file__); "
+                            "print(importlib.util.find_spec('torch').origin)"],  # where torch is, without its import
+                           capture_output=True, text=True, check=True, cwd=elsewhere, env=_env())
     package, torch_file = where.stdout.split()
     assert str(tmp_path / "venv") in package, where.stdout
     assert torch_file == torch.__file__, where.stdout  # this environment's torch, not the base interpreter's
