@@ -66,7 +66,7 @@ def test_compiled_app_matches_eager(eager_losses: list[float], tmp_path: Path, c
 def test_compiled_distributed_transport_matches_eager(eager_losses: list[float], tmp_path: Path) -> None:
     (tmp_path / "compiled").mkdir()
     gpipe_train([*COMMON, COMPILE, "pipeline.transport=distributed", "trainer=distributed"],
-                tmp_path / "compiled", timeout=360)
+                tmp_path / "compiled", timeout=360, torchrun=2)  # each rank forked, as torchrun starts them
     assert _losses(tmp_path / "compiled") == pytest.approx(eager_losses, abs=1e-4, rel=1e-4)
 
 

@@ -47,8 +47,9 @@ def test_distributed_transport_matches_local(model: str, tmp_path: Path) -> None
     run(make_config(*MODELS[model], *COMMON, tmp_path=tmp_path / "local"))  # in-process: no start-up
     local = train_losses(tmp_path / "local")
     (tmp_path / "distributed").mkdir()
+    # started as torchrun starts it (each rank forked); Lightning's own launcher is tested in test_multiprocess
     gpipe_train([*MODELS[model], *COMMON, "pipeline.transport=distributed", "trainer=distributed"],
-                tmp_path / "distributed", timeout=240)
+                tmp_path / "distributed", timeout=240, torchrun=2)
     distributed = train_losses(tmp_path / "distributed")
     assert len(local) == STEPS, local
     assert distributed == pytest.approx(local, abs=1e-5, rel=0), (local, distributed)

@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 from gpipe_lab.train import CONFIG_DIR, cli
-from helpers.forked import run_module
+from helpers.forked import run_module, run_torchrun
 
 CONF = Path(CONFIG_DIR)
 
@@ -34,12 +34,19 @@ def make_config(*overrides: str, tmp_path: Path | None = None) -> DictConfig:
     return cfg
 
 
-def gpipe_train(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def gpipe_train(args: list[str], tmp_path: Path, timeout: float = 240, torchrun: int | None = None,
+                ) -> subprocess.CompletedProcess:
+    """``gpipe-train *args`` with its logs under ``tmp_path``, forked (``helpers.forked``); with
+    ``torchrun=N`` as ``torchrun --nproc-per-node N -m gpipe_lab.train`` (each rank forked, none started
+    by Lightning's launcher in a fresh interpreter)."""
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
     flags = [a for a in args if a.startswith("-")]
     overrides = [a for a in args if not a.startswith("-")]
-    proc = run_module("gpipe_lab.train", [*flags, f"paths.log_dir={tmp_path}", *overrides], cwd=tmp_path, env=env,
-                      timeout=timeout)
+    argv = [*flags, f"paths.log_dir={tmp_path}", *overrides]
+    if torchrun is None:
+        proc = run_module("gpipe_lab.train", argv, cwd=tmp_path, env=env, timeout=timeout)
+    else:
+        proc = run_torchrun(torchrun, "gpipe_lab.train", argv, cwd=tmp_path, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
