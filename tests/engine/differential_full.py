@@ -1,115 +1,183 @@
 """The differential harness's full product, as a resumable job outside pytest.
 
-    python tests/engine/differential_full.py --shard 0/2 --log differential-log
-    python tests/engine/differential_full.py --summary --log differential-log
+    python tests/engine/differential_full.py --shard 0/2     # and --shard 1/2 beside it
+    python tests/engine/differential_full.py --summary
 
 Each shard takes every n-th case of ``all_cases()`` from the i-th, judges it as the
-test does (``differential_run.judge``) and appends one JSON line per case, with the
-commit that judged it, to ``<log>/shard-i-of-n.jsonl``; a restarted shard skips what its
-log holds, so an interrupted job loses at most the chunk in flight, and judges its failed
-cases again (the latest line of a case counts). A failing case's line carries the recipe
-that reruns it under pytest. ``--summary`` counts every shard's log; it exits 1
-while a case has failed and 2 while cases remain.
+test does (``differential_run.judge``) and appends one JSON line per chunk of cases
+to ``<log>/shard-i-of-n.jsonl`` (``results/differential`` by default, small enough to
+commit, so the product can be finished over several sessions): the engine digest it
+judged, the commit, the seconds the chunk took, the passed cases as index ranges and
+each failed case with its recipe and problems. A judgement counts only while the
+engine digest (``engine_digest``: the engine's and the harness's source, and torch's
+version) is the current one, so a change to the engine starts the product again. A
+restarted shard skips what its log holds for the current digest and judges its failed
+cases again (the latest line of a case counts). ``--summary`` counts every shard's log
+and writes ``<log>/summary.md``; it exits 1 while a case has failed and 2 while cases remain.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
 from differential_cases import Case, all_cases  # noqa: E402
 from differential_distributed import run_distributed  # noqa: E402
 from differential_run import judge, run_engine  # noqa: E402
 
+import gpipe_lab.pipeline  # noqa: E402
 from gpipe_lab.provenance import source_commit  # noqa: E402
 
-CHUNK = 400  # cases between log flushes (distributed ones in one launch per K)
+CHUNK = 1000  # cases per log line (distributed ones in launches of PER_LAUNCH per K)
+HARNESS = ("differential_cases.py", "differential_run.py", "differential_compare.py",
+           "differential_distributed.py")
+DEFAULT_LOG = HERE.parents[1] / "results" / "differential"
+
+
+def engine_digest() -> str:
+    """What a judgement depends on: every engine source file, the harness's, torch's version."""
+    engine = Path(gpipe_lab.pipeline.__file__).parent
+    files = sorted(engine.rglob("*.py")) + [HERE / name for name in HARNESS]
+    h = hashlib.sha256(torch.__version__.encode())
+    for path in files:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _log_path(log: Path, i: int, n: int) -> Path:
     return log / f"shard-{i}-of-{n}.jsonl"
 
 
-def _latest(path: Path) -> dict[int, dict]:
-    """Each judged case's latest line (a re-judged case appends a new one)."""
+def _ranges(indices: list[int], step: int) -> list[list[int]]:
+    """Sorted indices as [first, last] runs of ``step``."""
+    runs: list[list[int]] = []
+    for k in indices:
+        if runs and k == runs[-1][1] + step:
+            runs[-1][1] = k
+        else:
+            runs.append([k, k])
+    return runs
+
+
+@dataclass
+class Judged:
+    """A shard log read for one engine digest: each case's latest verdict, and what else it holds."""
+
+    ok: dict[int, bool] = field(default_factory=dict)
+    failures: dict[int, dict] = field(default_factory=dict)
+    seconds: float = 0.0
+    commits: Counter = field(default_factory=Counter)
+    stale: int = 0  # judgements of another engine digest
+
+
+def read_log(path: Path, digest: str) -> Judged:
+    out = Judged()
     if not path.exists():
-        return {}
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return {row["index"]: row for row in rows}
+        return out
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        _, n = row["shard"]
+        count = sum((b - a) // n + 1 for a, b in row["passed"]) + len(row["failed"])
+        if row["engine"] != digest:
+            out.stale += count
+            continue
+        out.seconds += row["seconds"]
+        out.commits[row["commit"]] += count
+        for a, b in row["passed"]:
+            for k in range(a, b + 1, n):
+                out.ok[k] = True
+                out.failures.pop(k, None)
+        for failure in row["failed"]:
+            out.ok[failure["index"]] = False
+            out.failures[failure["index"]] = failure
+    return out
 
 
-def _done(path: Path) -> set[int]:
-    """The cases that passed: a failed one is judged again by the next run (a launch that died with
-    the machine, or a fix since), and its new line replaces the old."""
-    return {index for index, row in _latest(path).items() if row["ok"]}
-
-
-def _judge_chunk(chunk: list[tuple[int, Case]]) -> list[dict]:
-    rows = []
+def _judge_chunk(chunk: list[tuple[int, Case]]) -> list[tuple[int, Case, list[str]]]:
     distributed = [c for _, c in chunk if c.transport == "distributed"]
     try:
         runs = run_distributed(distributed) if distributed else {}
         launch_error = None
     except RuntimeError as exc:  # a rank died: every distributed case of the chunk fails with it
         runs, launch_error = {}, str(exc).splitlines()[0]
+    out = []
     for index, case in chunk:
         if case.transport == "distributed":
             problems = [launch_error] if launch_error else judge(case, *runs[case])
         else:
             problems = judge(case, run_engine(case), None)
-        rows.append({"index": index, "ok": not problems, "recipe": case.recipe(), "problems": problems,
-                     "commit": source_commit()})
-    return rows
+        out.append((index, case, problems))
+    return out
 
 
-def run_shard(log: Path, i: int, n: int) -> int:
-    """Judge shard ``i`` of ``n``; the number of its cases that failed (this run and before)."""
-    cases = all_cases()
+def run_shard(log: Path, i: int, n: int, limit: int | None = None) -> int:
+    """Judge shard ``i`` of ``n`` (at most ``limit`` cases this run); the number of its cases
+    that failed (this run and before) under the current engine digest."""
+    cases, digest, commit = all_cases(), engine_digest(), source_commit()
     path = _log_path(log, i, n)
     log.mkdir(parents=True, exist_ok=True)
-    done = _done(path)
-    todo = [(k, cases[k]) for k in range(i, len(cases), n) if k not in done]
-    print(f"shard {i}/{n}: {len(done)} judged before, {len(todo)} to go", flush=True)
+    before = read_log(path, digest)
+    done = {k for k, ok in before.ok.items() if ok}
+    todo = [(k, cases[k]) for k in range(i, len(cases), n) if k not in done][:limit]
+    print(f"shard {i}/{n} at engine {digest}: {len(done)} passed before, {len(todo)} to go", flush=True)
     start = time.monotonic()
     for c in range(0, len(todo), CHUNK):
-        rows = _judge_chunk(todo[c:c + CHUNK])
+        t0 = time.monotonic()
+        judged = _judge_chunk(todo[c:c + CHUNK])
+        failed = [{"index": k, "recipe": case.recipe(), "problems": p} for k, case, p in judged if p]
+        row = {"engine": digest, "commit": commit, "shard": [i, n], "seconds": round(time.monotonic() - t0, 1),
+               "passed": _ranges([k for k, _, p in judged if not p], n), "failed": failed}
         with path.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        for r in rows:
-            if not r["ok"]:
-                print(f"FAILED GPIPE_DIFFERENTIAL_CASE='{r['recipe']}': {r['problems'][0]}", flush=True)
-        rate = (c + len(rows)) / (time.monotonic() - start)
-        print(f"shard {i}/{n}: {len(done) + c + len(rows)} judged, {rate:.1f} cases/s", flush=True)
-    return sum(1 for row in _latest(path).values() if not row["ok"])
+            f.write(json.dumps(row) + "\n")
+        for r in failed:
+            print(f"FAILED GPIPE_DIFFERENTIAL_CASE='{r['recipe']}': {r['problems'][0]}", flush=True)
+        rate = (c + len(judged)) / (time.monotonic() - start)
+        print(f"shard {i}/{n}: {len(done) + c + len(judged)} judged, {rate:.1f} cases/s", flush=True)
+    return sum(1 for ok in read_log(path, digest).ok.values() if not ok)
 
 
 def summary(log: Path) -> int:
-    """Print the counts over every shard's log: 0 all passed, 1 a failure, 2 cases remain."""
-    total = len(all_cases())
-    judged = failed = 0
-    commits: Counter[str] = Counter()
-    for path in sorted(log.glob("shard-*.jsonl")):
-        for row in _latest(path).values():
-            judged += 1
-            commits[row.get("commit", "unrecorded")] += 1
-            if not row["ok"]:
-                failed += 1
-                print(f"FAILED {row['recipe']}: {row['problems'][0]}")
-    print(f"{judged} of {total} combinations judged, {judged - failed} passed, {failed} failed; "
-          f"judged at commit: {', '.join(f'{c} ({n})' for c, n in sorted(commits.items()))}")
-    return 1 if failed else (2 if judged < total else 0)
+    """Print the counts over every shard's log (and write them to ``<log>/summary.md``):
+    0 all passed, 1 a failure, 2 cases remain."""
+    total, digest = len(all_cases()), engine_digest()
+    logs = [read_log(path, digest) for path in sorted(log.glob("shard-*.jsonl"))]
+    judged = sum(len(j.ok) for j in logs)
+    failures = [f for j in logs for f in j.failures.values()]
+    commits = sum((j.commits for j in logs), Counter())
+    seconds, stale = sum(j.seconds for j in logs), sum(j.stale for j in logs)
+    lines = [f"FAILED {f['recipe']}: {f['problems'][0]}" for f in failures]
+    lines.append(f"{judged} of {total} combinations judged at engine {digest}, {judged - len(failures)} passed, "
+                 f"{len(failures)} failed, in {seconds / 3600:.2f} shard-hours; judged at commit: "
+                 + (", ".join(f"{c} ({k})" for c, k in sorted(commits.items())) or "none"))
+    if stale:
+        lines.append(f"{stale} judgements of another engine digest are not counted")
+    print("\n".join(lines))
+    if log.exists():
+        (log / "summary.md").write_text(
+            "# The differential harness's full product\n\nGenerated by `python tests/engine/differential_full.py "
+            "--summary` from the shard logs here (one line per chunk of cases).\n\n"
+            + "\n".join(f"- {line}" for line in lines) + "\n")
+    return 1 if failures else (2 if judged < total else 0)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--log", type=Path, default=Path("differential-log"))
+    parser.add_argument("--log", type=Path, default=DEFAULT_LOG)
     parser.add_argument("--shard", default="0/1", help="i/n: every n-th case from the i-th (0-based)")
+    parser.add_argument("--limit", type=int, default=None, help="judge at most this many cases now")
     parser.add_argument("--summary", action="store_true", help="count the logs instead of running")
     args = parser.parse_args(argv)
     if args.summary:
@@ -120,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         parser.error(f"--shard {args.shard!r}: expected i/n with 0 <= i < n")
-    return 1 if run_shard(args.log, i, n) else 0
+    return 1 if run_shard(args.log, i, n, args.limit) else 0
 
 
 if __name__ == "__main__":

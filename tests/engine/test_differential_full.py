@@ -1,4 +1,4 @@
-"""The full-product runner (``differential_full.py``): a line per case, resumable, failed cases judged again."""
+"""The full-product runner (``differential_full.py``): resumable, compact, judged per engine digest."""
 
 from __future__ import annotations
 
@@ -21,30 +21,51 @@ CASES = [Case.parse(r) for r in (
 )]
 
 
-def _lines(log: Path) -> list[dict]:
+def _rows(log: Path) -> list[dict]:
     return [json.loads(line) for path in sorted(log.glob("*.jsonl")) for line in path.read_text().splitlines()]
+
+
+def test_ranges_are_runs_of_the_shard_step() -> None:
+    assert full._ranges([1, 3, 5, 9, 11], 2) == [[1, 5], [9, 11]]
+    assert full._ranges([], 3) == []
 
 
 def test_shards_judge_every_case_once_and_resume_judging_only_what_failed(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(full, "all_cases", lambda: CASES)
     assert full.run_shard(tmp_path, 0, 2) == 0 and full.run_shard(tmp_path, 1, 2) == 0
-    rows = _lines(tmp_path)
-    assert sorted(r["index"] for r in rows) == [0, 1, 2] and all(r["ok"] for r in rows)
-    assert {r["recipe"] for r in rows} == {c.recipe() for c in CASES}
-    assert {r["commit"] for r in rows} == {source_commit()}
+    rows = _rows(tmp_path)
+    assert sorted(tuple(r) for row in rows for r in row["passed"]) == [(0, 2), (1, 1)]
+    assert {row["engine"] for row in rows} == {full.engine_digest()}
+    assert {row["commit"] for row in rows} == {source_commit()}
+    assert all(row["failed"] == [] and row["seconds"] >= 0 for row in rows)
     assert full.summary(tmp_path) == 0
+    assert "3 of 3 combinations judged" in (tmp_path / "summary.md").read_text()
 
     # a case recorded as failed (a launch that died, say) is judged again; passed ones are not
     path = tmp_path / "shard-0-of-2.jsonl"
-    path.write_text(path.read_text() + json.dumps({"index": 2, "ok": False, "recipe": CASES[2].recipe(),
-                                                   "problems": ["rank 0 exit -9: None"]}) + "\n")
+    failed = {"engine": full.engine_digest(), "commit": "x", "shard": [0, 2], "seconds": 1.0, "passed": [],
+              "failed": [{"index": 2, "recipe": CASES[2].recipe(), "problems": ["rank 0 exit -9: None"]}]}
+    path.write_text(path.read_text() + json.dumps(failed) + "\n")
     assert full.summary(tmp_path) == 1
     assert full.run_shard(tmp_path, 0, 2) == 0
-    again = [r["ok"] for r in _lines(tmp_path) if r["index"] == 2]
-    assert again == [True, False, True]  # judged, marked failed, judged again: the last line counts
-    assert len([r for r in _lines(tmp_path) if r["index"] == 0]) == 1  # not judged twice
+    last = json.loads(path.read_text().splitlines()[-1])
+    assert last["passed"] == [[2, 2]] and last["failed"] == []  # only the failed case ran again
     assert full.summary(tmp_path) == 0
+
+
+def test_a_judgement_of_another_engine_does_not_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(full, "all_cases", lambda: CASES)
+    old = {"engine": "000000000000", "commit": "old", "shard": [0, 1], "seconds": 1.0, "passed": [[0, 2]],
+           "failed": []}
+    (tmp_path / "shard-0-of-1.jsonl").write_text(json.dumps(old) + "\n")
+    assert full.summary(tmp_path) == 2
+    out = capsys.readouterr().out
+    assert f"0 of 3 combinations judged at engine {full.engine_digest()}" in out
+    assert "3 judgements of another engine digest are not counted" in out
+    assert full.run_shard(tmp_path, 0, 1, limit=1) == 0  # judges case 0 again, not from the old line
+    assert _rows(tmp_path)[-1]["passed"] == [[0, 0]]
 
 
 def test_summary_says_cases_remain_and_a_bad_shard_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -52,8 +73,18 @@ def test_summary_says_cases_remain_and_a_bad_shard_is_refused(tmp_path: Path, mo
     monkeypatch.setattr(full, "all_cases", lambda: CASES)
     full.run_shard(tmp_path, 0, 3)
     assert full.summary(tmp_path) == 2
-    assert f"1 of 3 combinations judged, 1 passed, 0 failed; judged at commit: {source_commit()} (1)" in \
+    assert f"1 of 3 combinations judged at engine {full.engine_digest()}, 1 passed, 0 failed" in \
         capsys.readouterr().out
     with pytest.raises(SystemExit):
         full.main(["--shard", "2/2", "--log", str(tmp_path)])
     assert "--shard '2/2': expected i/n with 0 <= i < n" in capsys.readouterr().err
+
+
+def test_the_engine_digest_changes_with_the_engine_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = tmp_path / "pipeline"
+    engine.mkdir()
+    (engine / "__init__.py").write_text("x = 1\n")
+    monkeypatch.setattr(full.gpipe_lab.pipeline, "__file__", str(engine / "__init__.py"))
+    first = full.engine_digest()
+    (engine / "__init__.py").write_text("x = 2\n")
+    assert full.engine_digest() != first
