@@ -11,8 +11,9 @@ judged, the commit, the seconds the chunk took, the passed cases as index ranges
 each failed case with its recipe and problems. A judgement counts only while the
 engine digest (``engine_digest``: the engine's and the harness's source, and torch's
 version) is the current one, so a change to the engine starts the product again. A
-restarted shard skips what its log holds for the current digest and judges its failed
-cases again (the latest line of a case counts). ``--summary`` counts every shard's log
+restarted shard skips what any log holds as passed for the current digest (so shards of
+another n can take over the rest) and judges its failed cases again (the latest line of a
+case counts). ``--summary`` counts every shard's log
 and writes ``<log>/summary.md``; it exits 1 while a case has failed and 2 while cases remain.
 """
 
@@ -106,6 +107,22 @@ def read_log(path: Path, digest: str) -> Judged:
     return out
 
 
+def read_logs(log: Path, digest: str) -> Judged:
+    """Every shard log of ``log`` merged (shards of another n may hold the same cases):
+    a case failed if its latest verdict in some log failed."""
+    out = Judged()
+    for path in sorted(log.glob("shard-*.jsonl")):
+        one = read_log(path, digest)
+        for k, ok in one.ok.items():
+            out.ok[k] = out.ok.get(k, True) and ok
+        out.failures.update(one.failures)
+        out.seconds += one.seconds
+        out.commits += one.commits
+        out.stale += one.stale
+    out.failures = {k: f for k, f in out.failures.items() if not out.ok[k]}
+    return out
+
+
 def _judge_chunk(chunk: list[tuple[int, Case]]) -> list[tuple[int, Case, list[str]]]:
     distributed = [c for _, c in chunk if c.transport == "distributed"]
     try:
@@ -129,8 +146,7 @@ def run_shard(log: Path, i: int, n: int, limit: int | None = None) -> int:
     cases, digest, commit = all_cases(), engine_digest(), source_commit()
     path = _log_path(log, i, n)
     log.mkdir(parents=True, exist_ok=True)
-    before = read_log(path, digest)
-    done = {k for k, ok in before.ok.items() if ok}
+    done = {k for k, ok in read_logs(log, digest).ok.items() if ok}
     todo = [(k, cases[k]) for k in range(i, len(cases), n) if k not in done][:limit]
     print(f"shard {i}/{n} at engine {digest}: {len(done)} passed before, {len(todo)} to go", flush=True)
     start = time.monotonic()
@@ -146,18 +162,17 @@ def run_shard(log: Path, i: int, n: int, limit: int | None = None) -> int:
             print(f"FAILED GPIPE_DIFFERENTIAL_CASE='{r['recipe']}': {r['problems'][0]}", flush=True)
         rate = (c + len(judged)) / (time.monotonic() - start)
         print(f"shard {i}/{n}: {len(done) + c + len(judged)} judged, {rate:.1f} cases/s", flush=True)
-    return sum(1 for ok in read_log(path, digest).ok.values() if not ok)
+    mine = read_log(path, digest).ok
+    return sum(1 for k in range(i, len(cases), n) if mine.get(k) is False)
 
 
 def summary(log: Path) -> int:
     """Print the counts over every shard's log (and write them to ``<log>/summary.md``):
     0 all passed, 1 a failure, 2 cases remain."""
     total, digest = len(all_cases()), engine_digest()
-    logs = [read_log(path, digest) for path in sorted(log.glob("shard-*.jsonl"))]
-    judged = sum(len(j.ok) for j in logs)
-    failures = [f for j in logs for f in j.failures.values()]
-    commits = sum((j.commits for j in logs), Counter())
-    seconds, stale = sum(j.seconds for j in logs), sum(j.stale for j in logs)
+    merged = read_logs(log, digest)
+    judged, failures = len(merged.ok), list(merged.failures.values())
+    commits, seconds, stale = merged.commits, merged.seconds, merged.stale
     lines = [f"FAILED {f['recipe']}: {f['problems'][0]}" for f in failures]
     lines.append(f"{judged} of {total} combinations judged at engine {digest}, {judged - len(failures)} passed, "
                  f"{len(failures)} failed, in {seconds / 3600:.2f} shard-hours; judged at commit: "

@@ -88,3 +88,14 @@ def test_the_engine_digest_changes_with_the_engine_source(tmp_path: Path, monkey
     first = full.engine_digest()
     (engine / "__init__.py").write_text("x = 2\n")
     assert full.engine_digest() != first
+
+
+def test_shards_of_another_n_take_over_only_what_is_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(full, "all_cases", lambda: CASES)
+    assert full.run_shard(tmp_path, 0, 1, limit=1) == 0  # case 0 by the one-shard job
+    assert full.run_shard(tmp_path, 0, 2) == 0  # cases 0 and 2: only 2 is left to it
+    assert json.loads((tmp_path / "shard-0-of-2.jsonl").read_text())["passed"] == [[2, 2]]
+    assert full.run_shard(tmp_path, 1, 2) == 0
+    assert full.summary(tmp_path) == 0
+    assert "3 of 3 combinations judged" in capsys.readouterr().out
