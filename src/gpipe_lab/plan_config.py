@@ -10,7 +10,10 @@ The keys live in the ``pipeline`` group beside the engine's options but are the 
   by ``auto``);
 - ``pipeline.devices_available``: stages that can run side by side (default: the GPUs, else the
   CPU cores: one thread per stage);
-- ``pipeline.schedules_allowed``: the schedules searched (default: ``planner.auto.DEFAULT_SCHEDULES``).
+- ``pipeline.schedules_allowed``: the schedules searched (default: ``planner.auto.DEFAULT_SCHEDULES``);
+- ``pipeline.plan_trials``: how many of the fastest predicted plans that fit are run for a few steps
+  before choosing, the fastest measured winning (default ``planner.trials.DEFAULT_TRIALS``, 3; 0:
+  choose by the prediction alone).
 
 What ``auto`` compares with its budget, per stage: parameter state (parameters x bytes per
 parameter of the optimizer, ``auto_run.bytes_per_param_of``) plus the peak saved-activation
@@ -29,7 +32,7 @@ from gpipe_lab.config_schema import ConfigError
 
 __all__ = ["PLANNER_KEYS", "PlannerConfig", "engine_section", "validate_planner"]
 
-PLANNER_KEYS = ("plan", "memory_per_device", "devices_available", "schedules_allowed")
+PLANNER_KEYS = ("plan", "memory_per_device", "devices_available", "schedules_allowed", "plan_trials")
 PLANS = ("manual", "auto")
 
 
@@ -41,6 +44,7 @@ class PlannerConfig:
     budget_bytes: int | None = None
     devices: int | None = None
     schedules: tuple[str, ...] | None = None
+    trials: int = 3  # planner.trials.DEFAULT_TRIALS (not imported: the planner pulls in the engine)
 
     @property
     def auto(self) -> bool:
@@ -85,7 +89,11 @@ def validate_planner(cfg: DictConfig) -> PlannerConfig:
             raise ConfigError(f"pipeline.schedules_allowed: must be null or a non-empty list of "
                               f"{sorted(SCHEDULES)}, got {names!r}")
         schedules = tuple(names)
+    trials = section.get("plan_trials", 3)
+    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 0:
+        raise ConfigError(f"pipeline.plan_trials: must be an integer >= 0 (0: choose by the prediction alone), "
+                          f"got {trials!r}")
     if plan == "auto" and budget is None:
         raise ConfigError("pipeline.memory_per_device: pipeline.plan=auto needs a memory budget per device, "
                           "e.g. pipeline.memory_per_device=8GiB")
-    return PlannerConfig(plan, budget, devices, schedules)
+    return PlannerConfig(plan, budget, devices, schedules, trials)

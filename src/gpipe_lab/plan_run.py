@@ -49,7 +49,8 @@ class PlanRecord:
                 "plan_search_seconds": self.result.seconds,
                 "predicted_step_s": chosen.step_time, "predicted_bubble": chosen.bubble,
                 "predicted_stage_peak_bytes": [int(b) for b in chosen.stage_bytes],
-                "predicted_peak_bytes": int(chosen.peak_bytes),
+                "predicted_peak_bytes": int(chosen.peak_bytes), "plan_trials": self.result.trials,
+                "plan_trial_step_s": chosen.measured_step,
                 "plan_runners_up": [r.to_dict() for r in self.result.runners_up]}
 
     def compare(self, summary: dict[str, Any], walls: list[float]) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def choose_plan(cfg: DictConfig, options: PipelineOptions, planner: PlannerConfi
         bpp = bytes_per_param_of(cfg.optimizer.get("name"), cfg.optimizer.get("momentum"))
         assert planner.budget_bytes is not None  # validate_planner requires it with auto
         result, _, facts = plan_model(cfg.model.name, sizes, batch, planner.budget_bytes, planner.devices,
-                                      planner.schedules, bytes_per_param=bpp)
+                                      planner.schedules, bytes_per_param=bpp, trials=planner.trials)
     except NoPlanFits as exc:
         raise ConfigError(f"pipeline.memory_per_device: {exc}") from None
     except ValueError as exc:

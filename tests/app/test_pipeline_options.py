@@ -18,7 +18,8 @@ from helpers.app import make_config
 #: conf/pipeline/default.yaml's own choices for the default run (K=2 balanced by FLOPs).
 APP_CHOICES = {"partitions": 2, "cost": "flops"}
 #: the planner's keys (the app's, not engine options: gpipe_lab.plan_config) and their defaults
-PLANNER = {"plan": "manual", "memory_per_device": None, "devices_available": None, "schedules_allowed": None}
+PLANNER = {"plan": "manual", "memory_per_device": None, "devices_available": None, "schedules_allowed": None,
+           "plan_trials": 3}
 
 
 def test_pipeline_yaml_holds_only_the_default_runs_choices() -> None:

@@ -32,6 +32,8 @@ def test_plan_auto_runs_the_chosen_plan_and_records_predicted_beside_measured(tm
     assert summary["predicted_peak_bytes"] <= summary["plan_memory_per_device_bytes"] == 2 * 2**20
     assert summary["measured_within_budget"] == (summary["measured_peak_bytes"] <= 2 * 2**20)
     assert summary["measured_within_budget"]
+    assert summary["plan_trials"] == 3 and summary["plan_trial_step_s"] > 0  # chosen by measurement
+    assert "3 plans trialled" in done.out
     timed = len(calls)
     done = run(*args[:-2], "pipeline.memory_per_device=1KiB")  # the cached profile; nothing fits
     assert len(calls) == timed
@@ -45,6 +47,8 @@ def test_plan_auto_runs_the_chosen_plan_and_records_predicted_beside_measured(tm
     ("pipeline.plan=smart", r"pipeline\.plan: must be one of \['manual', 'auto'\], got 'smart'"),
     ("pipeline.devices_available=0", r"pipeline\.devices_available: must be an integer >= 1"),
     ("pipeline.schedules_allowed=[gpipe,fast]", r"pipeline\.schedules_allowed: must be null or a non-empty list"),
+    ("pipeline.plan_trials=-2", r"pipeline\.plan_trials: must be an integer >= 0 .*got -2"),
+    ("pipeline.plan_trials=many", r"pipeline\.plan_trials: must be an integer >= 0 .*got 'many'"),
 ])
 def test_bad_planner_keys_are_one_line(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as error:

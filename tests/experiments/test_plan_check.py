@@ -23,9 +23,18 @@ def test_plan_check_tiny_writes_its_table(monkeypatch, tmp_path) -> None:
         fitting = [g for g in grid if max(g["stage_bytes"]) <= r["budget_bytes"]]
         assert min(g["step_s"] for g in fitting) == r["best_step_s"] and r["plans_fitting"] == len(fitting)
         assert r["ratio"] == r["best_step_s"] / r["chosen_step_s"]
+        assert r["trial_ratio"] == r["best_step_s"] / r["trial_chosen_step_s"]
+        trialled = {t["K"]: t for t in r["trialled"]}  # each trialled plan kept its measured step
+        assert r["trials"] == len(r["trialled"]) >= 1 and all(t["measured_step_s"] > 0 for t in r["trialled"])
+        assert trialled and any(r["trial_chosen"].startswith(f"K={k} ") for k in trialled)
         assert r["budget_bytes"] <= rows[0 if r["workload"] == "transformer" else 2]["budget_bytes"]
         line = next(x for x in md.splitlines() if x.startswith(f"| {r['workload']} | {r['budget']} "))
-        assert line.endswith(f"| {'yes' if r['ratio'] >= 0.9 else 'no'} | "
-                             f"{'yes' if r['chosen_peak_bytes'] <= r['budget_bytes'] else 'no'} |")
-    close = sum(r["ratio"] >= 0.9 for r in rows)
-    assert f"within 10% of the best measured plan in {close} of 4 rows" in md
+        yes = {True: "yes", False: "no"}
+        assert line.endswith(f"| {yes[r['ratio'] >= 0.9]}; {yes[r['trial_ratio'] >= 0.9]} | "
+                             f"{yes[r['chosen_peak_bytes'] <= r['budget_bytes']]}; "
+                             f"{yes[r['trial_chosen_peak_bytes'] <= r['budget_bytes']]} |")
+    for key, what in (("trial_ratio", "plan=auto (its default trials)"),
+                      ("ratio", "the choice by prediction alone (trials=0)")):
+        close = sum(r[key] >= 0.9 for r in rows)
+        said = next(x for x in md.splitlines() if x.startswith(f"Finding for {what} "))
+        assert f"within 10% of the best measured plan in {close} of 4 rows" in said

@@ -111,12 +111,18 @@ def test_bad_memory_strings_give_one_line_naming_the_value_and_the_forms(bad):
 def test_cli_prints_the_chosen_plan_and_the_runner_ups(monkeypatch, tmp_path, capsys):
     use_fake_timing(monkeypatch, tmp_path)
     args = ["auto", "--model", "transformer_tiny", *SETS, "--batch", "16", "--devices", "2"]
-    assert main([*args, "--memory", "4MiB"]) == 0
+    assert main([*args, "--memory", "4MiB", "--trials", "0"]) == 0
     out = capsys.readouterr().out
     assert "chosen: K=" in out and "predicted step" in out and "runner-ups:" in out
     assert "slower by" in out or "over memory on stage" in out
-    result, _, facts = plan_model("transformer_tiny", TINY, 16, 4 * 2**20, 2)
+    result, _, facts = plan_model("transformer_tiny", TINY, 16, 4 * 2**20, 2, trials=0)
     assert facts["cached"] and result.chosen.candidate.describe() in out  # the CLI's plan, from the cache
+    assert main([*args, "--memory", "4MiB"]) == 0  # three trials by default
+    out = capsys.readouterr().out
+    assert "3 plans trialled in" in out and "(fastest measured of 3 trials)" in out
+    assert out.count("in trial") == 3  # the chosen plan and two runner-ups show their measured step
+    assert main([*args, "--memory", "4MiB", "--trials", "-1"]) == 2
+    assert "trials: must be >= 0" in capsys.readouterr().err
     assert main([*args, "--memory", "1KiB"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "smallest memory that fits is" in err

@@ -4,7 +4,8 @@
     gpipe-plan auto --model amoebanet_d_tiny --batch 64 --memory 8MiB --set num_filters=8 --json
 
 The model's per-layer times and bytes are measured once and cached (``planner.profile_cache``);
-the search (``planner.auto``) takes seconds. Exit status 2, with one line, when no plan fits: the
+the search (``planner.auto``) takes seconds; the ``--trials`` fastest predicted plans (3 by default)
+then run a few steps each and the fastest measured is chosen (``planner.trials``). Exit status 2, with one line, when no plan fits: the
 line names the smallest memory that would fit and the plan it would use.
 """
 
@@ -21,6 +22,7 @@ import yaml
 from gpipe_lab.planner.auto import CHECKPOINTS, NoPlanFits
 from gpipe_lab.planner.auto_run import default_devices, format_result, plan_model
 from gpipe_lab.planner.memory_size import parse_memory
+from gpipe_lab.planner.trials import DEFAULT_TRIALS
 
 __all__ = ["add_auto_parser", "run_auto"]
 
@@ -40,6 +42,9 @@ def add_auto_parser(sub: Any) -> None:
     p.add_argument("--max-microbatches", type=int, default=32)
     p.add_argument("--bytes-per-param", type=float, default=16.0,
                    help="weights + gradients + optimizer slots per parameter (Adam float32: 16)")
+    p.add_argument("--trials", type=int, default=DEFAULT_TRIALS,
+                   help="run this many of the fastest predicted plans that fit for a few steps and keep the "
+                        "fastest measured (0: choose by the prediction alone)")
     p.add_argument("--cache", default=None, help="profile cache folder (default $GPIPE_LAB_CACHE/plans)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
@@ -77,7 +82,7 @@ def run_auto(args: argparse.Namespace) -> int:
         result, _, facts = plan_model(
             args.model, _overrides(args.set), args.batch, budget, devices, _names(args.schedules),
             _names(args.checkpoints) or [], args.max_microbatches, args.bytes_per_param,
-            cache=Path(args.cache) if args.cache else None)
+            cache=Path(args.cache) if args.cache else None, trials=args.trials)
     except NoPlanFits as exc:
         print(f"gpipe-plan: {exc}", file=sys.stderr)
         return 2

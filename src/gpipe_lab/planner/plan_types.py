@@ -27,13 +27,16 @@ class Candidate:
 
 @dataclass
 class Scored:
-    """A candidate with its per-stage peak memory (bytes) and, if simulated, its predicted step."""
+    """A candidate with its per-stage peak memory (bytes) and, if simulated, its predicted step; if
+    trialled (``planner.trials``), its measured step and per-stage memory."""
 
     candidate: Candidate
     stage_bytes: list[float]
     step_time: float | None = None
     bubble: float | None = None
     reason: str = ""
+    measured_step: float | None = None
+    measured_stage_bytes: list[float] | None = None
 
     @property
     def peak_bytes(self) -> float:
@@ -43,7 +46,10 @@ class Scored:
         c = self.candidate
         return {"K": c.partitions, "M": c.microbatches, "balance": list(c.balance), "schedule": c.schedule,
                 "checkpoint": c.checkpoint, "step_time_s": self.step_time, "bubble": self.bubble,
-                "stage_peak_bytes": [int(b) for b in self.stage_bytes], "reason": self.reason}
+                "stage_peak_bytes": [int(b) for b in self.stage_bytes], "reason": self.reason,
+                "measured_step_s": self.measured_step,
+                "measured_stage_peak_bytes": None if self.measured_stage_bytes is None
+                else [int(b) for b in self.measured_stage_bytes]}
 
 
 @dataclass
@@ -60,6 +66,7 @@ class PlanResult:
     simulated: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    trials: int = 0  # plans run before choosing (``planner.trials``); 0: chosen by prediction alone
 
     @property
     def samples_per_s(self) -> float:
@@ -69,7 +76,8 @@ class PlanResult:
     def to_dict(self) -> dict[str, object]:
         return {"chosen": self.chosen.to_dict(), "runners_up": [r.to_dict() for r in self.runners_up],
                 "budget_bytes": self.budget_bytes, "batch": self.batch, "devices": self.devices,
-                "considered": self.considered, "fitting": self.fitting, "simulated": self.simulated, "search_seconds": self.seconds}
+                "considered": self.considered, "fitting": self.fitting, "simulated": self.simulated, "search_seconds": self.seconds,
+                "trials": self.trials, "notes": list(self.notes)}
 
 
 class NoPlanFits(ValueError):
