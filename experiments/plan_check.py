@@ -91,6 +91,10 @@ def check_workload(label: str, spec: WorkloadSpec, schedules: list[str], max_m: 
                                                 max_microbatches=max_m, bytes_per_param=BYTES_PER_PARAM,
                                                 repeat=repeat, cache=Path(cache))
     grid = candidates(profile, DEVICES, schedules, max_microbatches=max_m, bytes_per_param=BYTES_PER_PARAM)
+    cost = profile.cost_model()
+    predicted = {s.candidate: cost.predict(list(s.candidate.balance), s.candidate.microbatches, spec.batch,
+                                           s.candidate.schedule, s.candidate.checkpoint,
+                                           profile.split_backward).step_time for s in grid}
     loose = float(max(s.peak_bytes for s in grid))
     least = float(min(s.peak_bytes for s in grid))
     chosen_loose = plan_auto(profile, loose, DEVICES, schedules, max_microbatches=max_m,
@@ -111,6 +115,9 @@ def check_workload(label: str, spec: WorkloadSpec, schedules: list[str], max_m: 
         tried = next(m for m in measured if m["plan"] == refined.chosen.candidate)
         fits = [m for m in measured if max(m["stage_bytes"]) <= budget]
         best = min((m for m in fits if m["finalist"]), key=lambda m: m["step_s"])
+        # how many trials would have reached the best measured plan: its place in the predicted order
+        order = sorted((s for s in grid if s.peak_bytes <= budget), key=lambda s: predicted[s.candidate])
+        rank = next((1 + i for i, s in enumerate(order) if s.candidate == best["plan"]), None)  # None: predicted over
         rows.append({"workload": label, "budget": name, "budget_bytes": int(budget),
                      "chosen": result.chosen.candidate.describe(), "predicted_step_s": result.chosen.step_time,
                      "chosen_step_s": mine["step_s"], "best": best["plan"].describe(), "best_step_s": best["step_s"],
@@ -118,22 +125,32 @@ def check_workload(label: str, spec: WorkloadSpec, schedules: list[str], max_m: 
                      "predicted_peak_bytes": result.chosen.peak_bytes, "plans_fitting": len(fits),
                      "trials": refined.trials, "trial_chosen": refined.chosen.candidate.describe(),
                      "trial_chosen_step_s": tried["step_s"], "trial_ratio": best["step_s"] / tried["step_s"],
-                     "trial_chosen_peak_bytes": max(tried["stage_bytes"]),
+                     "trial_chosen_peak_bytes": max(tried["stage_bytes"]), "best_predicted_rank": rank,
+                     "plans_predicted_to_fit": len(order),
+                     "best_predicted_step_s": predicted[best["plan"]],
                      "trialled": [r.to_dict() for r in [refined.chosen, *refined.runners_up]
                                   if r.measured_step is not None],
                      "search_seconds": result.seconds, "profile_seconds": facts["profile_seconds"]})
-    grid_rows = [{**m, "plan": m["plan"].describe(), "times": [round(t, 6) for t in m["times"]]} for m in measured]
+    grid_rows = [{**m, "plan": m["plan"].describe(), "times": [round(t, 6) for t in m["times"]],
+                  "predicted_step_s": predicted[m["plan"]]} for m in measured]
     return rows, grid_rows
 
 
+def _rank(r: dict[str, Any]) -> str:
+    rank = r["best_predicted_rank"]
+    return "predicted over the budget" if rank is None else f"{rank} of {r['plans_predicted_to_fit']}"
+
+
 def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
-    header = ["model", "budget", "best measured plan", "best step", "choice by prediction alone", "predicted step",
+    header = ["model", "budget", "best measured plan", "best step", "its rank in the prediction",
+              "choice by prediction alone", "predicted step",
               "measured step", "ratio", "choice with trials (plan=auto's default)", "measured step", "ratio",
               "peak / budget (prediction; trials)", "within 10%? (prediction; trials)",
               "within budget? (prediction; trials)"]
     yes = {True: "yes", False: "no"}
     body = [[r["workload"], f"{r['budget']} {format_bytes(r['budget_bytes'])}", r["best"],
-             f"{r['best_step_s'] * 1e3:.1f} ms", r["chosen"], f"{r['predicted_step_s'] * 1e3:.1f} ms",
+             f"{r['best_step_s'] * 1e3:.1f} ms", _rank(r), r["chosen"],
+             f"{r['predicted_step_s'] * 1e3:.1f} ms",
              f"{r['chosen_step_s'] * 1e3:.1f} ms", f"{r['ratio']:.3f}", r["trial_chosen"],
              f"{r['trial_chosen_step_s'] * 1e3:.1f} ms", f"{r['trial_ratio']:.3f}",
              f"{format_bytes(r['chosen_peak_bytes'])}; {format_bytes(r['trial_chosen_peak_bytes'])} / "
@@ -162,6 +179,11 @@ def finding(rows: list[dict[str, Any]]) -> str:
         out.append(f"Finding for {what} ({verdict}): within 10% of the best measured plan in {close} of "
                    f"{len(rows)} rows (lowest ratio {worst[ratio]:.3f}: {worst['workload']}, {worst['budget']} "
                    f"budget); measured memory within the budget in {within} of {len(rows)}.")
+    ranks = [r["best_predicted_rank"] for r in rows]
+    reached = sum(r is not None and r <= DEFAULT_TRIALS for r in ranks)
+    out.append(f"The best measured plan's rank among the plans predicted to fit, fastest predicted first, per row: "
+               f"{', '.join('over' if r is None else str(r) for r in ranks)}; {DEFAULT_TRIALS} trials reach it in "
+               f"{reached} of {len(rows)} rows.")
     return "\n\n".join(out)
 
 

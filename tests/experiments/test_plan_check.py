@@ -27,6 +27,11 @@ def test_plan_check_tiny_writes_its_table(monkeypatch, tmp_path) -> None:
         trialled = {t["K"]: t for t in r["trialled"]}  # each trialled plan kept its measured step
         assert r["trials"] == len(r["trialled"]) >= 1 and all(t["measured_step_s"] > 0 for t in r["trialled"])
         assert trialled and any(r["trial_chosen"].startswith(f"K={k} ") for k in trialled)
+        predicted = sorted((g for g in grid if max(g["predicted_stage_bytes"]) <= r["budget_bytes"]),
+                           key=lambda g: g["predicted_step_s"])  # the rank is the best plan's place here
+        if r["best_predicted_rank"] is not None:
+            assert predicted[r["best_predicted_rank"] - 1]["plan"] == r["best"]
+            assert r["plans_predicted_to_fit"] == len(predicted)
         assert r["budget_bytes"] <= rows[0 if r["workload"] == "transformer" else 2]["budget_bytes"]
         line = next(x for x in md.splitlines() if x.startswith(f"| {r['workload']} | {r['budget']} "))
         yes = {True: "yes", False: "no"}
