@@ -8,7 +8,8 @@ profile, then the search) chooses a plan at two budgets per stage: a loose one t
 and a tight one halfway between the least memory any plan needs and what the loose choice uses, which
 forces re-materialization, more micro-batches or another cut. Then every plan of the grid the planner
 searched on this machine (K in {1, 2} real CPU stages, one thread each; M in {1, 2, 4, ..., 32}; both
-balances; gpipe, 1f1b and zb-h1; the checkpoint modes) is run by ``GPipe`` and timed (one step after
+balances; every schedule the planner searches by default, interleaved-1f1b with 2 and 4 virtual stages per
+device; the checkpoint modes) is run by ``GPipe`` and timed (one step after
 a warm-up; the fastest that fit each budget, and the chosen plans, for ``--steps`` more, round-robin:
 the fastest of all) with its per-stage memory (parameters x 16 bytes, Adam's state, plus the engine's tracked peak
 saved activations). Per row: the best measured plan among those whose measured memory fits the
@@ -30,17 +31,17 @@ from typing import Any
 from experiments.common import parser, provenance, write
 from gpipe_lab.bench import Progress, WorkloadSpec
 from gpipe_lab.bench.markdown import md_table
-from gpipe_lab.planner.auto import Candidate, candidates, plan_auto
+from gpipe_lab.planner.auto import DEFAULT_SCHEDULES, VIRTUAL_STAGES, Candidate, candidates, plan_auto
 from gpipe_lab.planner.auto_run import plan_model
 from gpipe_lab.planner.memory_size import format_bytes
 from gpipe_lab.planner.trials import DEFAULT_TRIALS, measure_plan, refine_by_trials
 
 #: label: (preset, sizes, mini-batch, largest M); small analogues of Table 2's workloads that run in seconds
-#: here (AmoebaNet's M=32 steps, two samples per convolution, take seconds each: the grid stops at 16)
+#: here
 WORKLOADS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "transformer": ("transformer_l", {"num_layers": 8, "d_model": 64, "ffn_dim": 256, "num_heads": 4,
                                       "vocab_size": 256, "seq_len": 32, "dropout": 0.0}, 64, 32),
-    "amoebanet": ("amoebanet_d", {"num_layers": 6, "num_filters": 16, "image_size": 16, "num_classes": 10}, 64, 16),
+    "amoebanet": ("amoebanet_d", {"num_layers": 6, "num_filters": 16, "image_size": 16, "num_classes": 10}, 64, 32),
 }
 TINY: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "transformer": ("transformer_tiny", {"num_layers": 2, "d_model": 16, "ffn_dim": 32, "num_heads": 2,
@@ -49,8 +50,8 @@ TINY: dict[str, tuple[str, dict[str, Any], int, int]] = {
 }
 BYTES_PER_PARAM = 16.0  # Adam: weights, gradients and two slots in float32
 DEVICES = 2  # this machine's cores: one thread per CPU stage
-#: searched and measured (the grid's size keeps the run near ten minutes on two cores)
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+#: searched and measured: every schedule the planner searches by default
+SCHEDULES = DEFAULT_SCHEDULES
 
 
 def screened(spec: WorkloadSpec, grid: list[Any], budgets: list[float], chosen: list[Candidate], steps: int,
@@ -206,7 +207,8 @@ def main() -> None:
     specs = "; ".join(f"{k}: `{p}` {s}, batch {b}, M up to {m}" for k, (p, s, b, m) in workloads.items())
     md = ["# Automatic planning: the planner's choice against the best measured plan", "", provenance(), "",
           f"{'TINY smoke run. ' if args.tiny else ''}Workloads: {specs}. Planner: a fresh profile, {DEVICES} "
-          f"devices (CPU stages, one thread each), schedules {', '.join(schedules)}, checkpoint modes never, "
+          f"devices (CPU stages, one thread each), schedules {', '.join(schedules)} (interleaved-1f1b with "
+          f"{' and '.join(map(str, VIRTUAL_STAGES))} virtual stages per device), checkpoint modes never, "
           f"except_last, always, Adam's 16 bytes per parameter. Grid: every plan the planner "
           f"searched with K <= {DEVICES}, each run by GPipe for one timed step after one warm-up; the finalists "
           f"(the {args.finalists} fastest that fit each budget, and the chosen plans) for {args.steps} more, one "

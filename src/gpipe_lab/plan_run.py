@@ -11,7 +11,7 @@ it. ``PlanRecord.compare`` puts the prediction beside the run's measured figures
 - ``predicted_stage_peak_bytes`` / ``measured_stage_peak_bytes`` (and their maxima
   ``predicted_peak_bytes`` / ``measured_peak_bytes``): per stage, parameter state (parameters x
   ``plan_bytes_per_param``) plus the peak saved-activation bytes, predicted by ``planner.stage_memory``,
-  measured by the engine's tracking; ``measured_within_budget`` compares the measured maximum with
+  measured by the engine's tracking (per device: a device's virtual stages summed); ``measured_within_budget`` compares the measured maximum with
   ``plan_memory_per_device_bytes``.
 """
 
@@ -28,6 +28,7 @@ from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.plan_config import PlannerConfig
 from gpipe_lab.planner.auto import NoPlanFits, PlanResult
 from gpipe_lab.planner.auto_run import bytes_per_param_of, format_result, plan_model
+from gpipe_lab.planner.trials import per_device
 
 __all__ = ["PlanRecord", "choose_plan"]
 
@@ -58,8 +59,9 @@ class PlanRecord:
         walls the summary's means count."""
         params = summary.get("stage_parameter_bytes") or []
         acts = summary.get("stage_peak_activation_bytes") or []
-        # parameter bytes are float32 weights: parameters = bytes / 4, state = parameters x bytes_per_param
-        measured = [int(p / 4 * self.bytes_per_param + a) for p, a in zip(params, acts)]
+        rows = [{"parameter_bytes": p, "peak_activation_bytes": a} for p, a in zip(params, acts)]
+        devices = self.result.chosen.candidate.partitions
+        measured = [int(b) for b in per_device(rows, devices, self.bytes_per_param)] if rows else []
         peak = max(measured) if measured else None
         return {"measured_step_s": mean(walls) if walls else None,
                 "measured_bubble": summary.get("bubble_measured"),
@@ -91,5 +93,6 @@ def choose_plan(cfg: DictConfig, options: PipelineOptions, planner: PlannerConfi
     print(format_result(result, f"pipeline.plan=auto ({cfg.model.name})", facts))
     c = result.chosen.candidate
     chosen = options.replace(partitions=c.partitions, balance=list(c.balance), chunks=c.microbatches,
-                             schedule=c.schedule, checkpoint=c.checkpoint, virtual_stages=1, cost="params")
+                             schedule=c.schedule, checkpoint=c.checkpoint, virtual_stages=c.virtual_stages,
+                             cost="params")
     return chosen, PlanRecord(result, bpp, facts)

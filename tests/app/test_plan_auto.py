@@ -24,8 +24,9 @@ def test_plan_auto_runs_the_chosen_plan_and_records_predicted_beside_measured(tm
     assert "chosen: K=" in done.out and "runner-ups:" in done.out
     summary = json.loads(next(tmp_path.glob("train/runs/*/summary.json")).read_text())
     chosen = summary["plan_chosen"]
+    v = f" virtual_stages={summary['virtual_stages']}" if summary["virtual_stages"] > 1 else ""
     assert chosen == (f"K={summary['K']} M={summary['M']} balance={summary['balance']} "
-                      f"schedule={summary['schedule']} checkpoint={summary['checkpoint']}")  # what ran
+                      f"schedule={summary['schedule']}{v} checkpoint={summary['checkpoint']}")  # what ran
     for key in ("step_s", "bubble", "peak_bytes"):
         assert summary[f"predicted_{key}"] is not None and summary[f"measured_{key}"] is not None
     assert len(summary["predicted_stage_peak_bytes"]) == len(summary["measured_stage_peak_bytes"]) == summary["K"]

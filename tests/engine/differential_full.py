@@ -148,7 +148,8 @@ def run_shard(log: Path, i: int, n: int, limit: int | None = None) -> int:
     log.mkdir(parents=True, exist_ok=True)
     done = {k for k, ok in read_logs(log, digest).ok.items() if ok}
     todo = [(k, cases[k]) for k in range(i, len(cases), n) if k not in done][:limit]
-    print(f"shard {i}/{n} at engine {digest}: {len(done)} passed before, {len(todo)} to go", flush=True)
+    print(f"shard {i}/{n} at engine {digest}: {len(done)} passed in all logs, {len(todo)} of this shard to go",
+          flush=True)
     start = time.monotonic()
     for c in range(0, len(todo), CHUNK):
         t0 = time.monotonic()
@@ -161,7 +162,7 @@ def run_shard(log: Path, i: int, n: int, limit: int | None = None) -> int:
         for r in failed:
             print(f"FAILED GPIPE_DIFFERENTIAL_CASE='{r['recipe']}': {r['problems'][0]}", flush=True)
         rate = (c + len(judged)) / (time.monotonic() - start)
-        print(f"shard {i}/{n}: {len(done) + c + len(judged)} judged, {rate:.1f} cases/s", flush=True)
+        print(f"shard {i}/{n}: {c + len(judged)} of {len(todo)} judged, {rate:.1f} cases/s", flush=True)
     mine = read_log(path, digest).ok
     return sum(1 for k in range(i, len(cases), n) if mine.get(k) is False)
 

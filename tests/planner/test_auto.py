@@ -8,13 +8,14 @@ import pytest
 from gpipe_lab.bench import WorkloadSpec
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.schedules import get_schedule
-from gpipe_lab.planner.auto import CHECKPOINTS, NoPlanFits, plan_auto
+from gpipe_lab.planner.auto import CHECKPOINTS, VIRTUAL_STAGES, NoPlanFits, candidates, plan_auto
 from gpipe_lab.planner.auto_run import plan_model
 from gpipe_lab.planner.capacity import layer_records
 from gpipe_lab.planner.cli import main
 from gpipe_lab.planner.memory_size import format_bytes, parse_memory
 from gpipe_lab.planner.profile_cache import fixed_bytes, load_or_measure
 from gpipe_lab.planner.stage_memory import StageMemoryModel
+from gpipe_lab.planner.trials import per_device
 from helpers.fake_timing import use_fake_timing
 
 TINY = {"num_layers": 4, "d_model": 32, "ffn_dim": 64, "num_heads": 2, "vocab_size": 64, "seq_len": 8}
@@ -77,19 +78,34 @@ def test_the_profile_is_measured_once_and_then_read_from_the_cache(monkeypatch, 
     assert len(calls) == 2 * timed
 
 
-@pytest.mark.parametrize(("schedule", "checkpoint"), [("gpipe", "except_last"), ("1f1b", "never"),
-                                                      ("zb-h1", "always")])
-def test_the_stage_memory_model_bounds_what_the_engine_tracks(schedule, checkpoint):
+@pytest.mark.parametrize(("schedule", "checkpoint", "virtual"), [
+    ("gpipe", "except_last", 1), ("1f1b", "never", 1), ("zb-h1", "always", 1), ("interleaved-1f1b", "except_last", 2)])
+def test_the_stage_memory_model_bounds_what_the_engine_tracks(schedule, checkpoint, virtual):
     work = WorkloadSpec("t", "transformer_tiny", TINY, 16)
     model = StageMemoryModel(layer_records("transformer_tiny", **TINY), 4.0, fixed_bytes(work))
-    built = work.build(2)
+    built = work.build(2 * virtual)
     pipe = GPipe(built.module, balance=built.balance, chunks=4, checkpoint=checkpoint, schedule=schedule,
-                 threads_per_stage=1, seed=0)
+                 virtual_stages=virtual, threads_per_stage=1, seed=0)
     pipe.train_step(built.inputs, built.targets, built.loss_fn)
-    measured = [r["peak_activation_bytes"] + r["parameter_bytes"] for r in pipe.memory()]
-    predicted = model.stage_peaks(get_schedule(schedule, 2, 4), built.balance, 4, 16, checkpoint)
+    measured = per_device(pipe.memory(), 2, bytes_per_param=4.0)  # a device's virtual stages summed
+    predicted = model.stage_peaks(get_schedule(schedule, 2, 4, virtual), built.balance, 4, 16, checkpoint)
+    assert len(predicted) == len(measured) == 2
     for p, m in zip(predicted, measured):
         assert m <= p <= 1.1 * m
+
+
+def test_interleaved_plans_are_searched_with_virtual_stages_and_described(profile):
+    every = candidates(profile, devices=2)
+    interleaved = [s.candidate for s in every if s.candidate.schedule == "interleaved-1f1b"]
+    assert {c.virtual_stages for c in interleaved} == set(VIRTUAL_STAGES) - {v for v in VIRTUAL_STAGES
+                                                                              if 2 * v > profile.num_layers}
+    assert all(c.partitions == 2 and len(c.balance) == 2 * c.virtual_stages for c in interleaved)
+    c = interleaved[0]
+    assert f"schedule=interleaved-1f1b virtual_stages={c.virtual_stages} " in c.describe()
+    only = candidates(profile, devices=2, schedules=["interleaved-1f1b"])  # without 1f1b: v=1 is searched too
+    assert {s.candidate.virtual_stages for s in only if s.candidate.partitions == 1} == {1}
+    best = plan_auto(profile, 2**40, devices=2, schedules=["interleaved-1f1b"])
+    assert best.chosen.step_time is not None and best.chosen.candidate.schedule == "interleaved-1f1b"
 
 
 @pytest.mark.parametrize(("text", "expected"), [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1.5e9),

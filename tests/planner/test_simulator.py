@@ -132,3 +132,26 @@ def test_replaying_a_measured_step_starts_every_action_no_later(schedule, checkp
         assert replay.wall <= measured.wall + 1e-6
         ratios.append(replay.wall / measured.wall)
     print(f"{schedule}/{checkpoint}: replayed / measured step time {[round(r, 3) for r in ratios]}")
+
+
+def test_interleaved_virtual_stages_follow_the_interleaved_bubble_and_run_on_their_ranks() -> None:
+    # K=2 devices, v=2 stages each (S=4), M=4; a stage's F costs 1, its B 2 (half a device's layers):
+    # step = M·v·(f+b) + (K-1)·(f+b) = 24 + 3 (Megatron's bubble (K-1)/(v·M) of the ideal step)
+    from gpipe_lab.planner.simulator import simulate_stages
+
+    plan = get_schedule("interleaved-1f1b", 2, 4, 2)
+    costs = StageCosts.uniform(4, forward=1, backward_input=2, backward_weight=0)
+    pred = predict_step(plan, costs)
+    assert pred.step_time == 27 and pred.timeline.num_stages == 2
+    assert abs(pred.bubble - 3 / 27) < 1e-12
+    one = predict_step(get_schedule("1f1b", 2, 4), StageCosts.uniform(2, forward=2, backward_input=4,
+                                                                       backward_weight=0))
+    assert one.step_time == 30  # the same work without virtual stages: a larger bubble
+    stages = simulate_stages(plan, costs)
+    assert stages.num_stages == 4 and {e.stage for e in stages.events} == {0, 1, 2, 3}
+    for k in (0, 1):  # each rank runs its two stages' actions, one at a time
+        mine = sorted((e for e in stages.events if e.stage % 2 == k and e.kind != "wait"), key=lambda e: e.start)
+        assert sum(e.duration for e in mine) == 24
+        assert all(a.end <= b.start for a, b in zip(mine, mine[1:]))
+    with pytest.raises(ValueError, match="costs are for 2 stages but the schedule has 4"):
+        predict_step(plan, StageCosts.uniform(2))

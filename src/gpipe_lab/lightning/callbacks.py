@@ -231,6 +231,7 @@ class PipelineMetrics(pl.Callback):
                 "schedule": strategy.schedule, "checkpoint": strategy.checkpoint,
                 "transport": strategy.transport,
                 "balance": list(getattr(strategy.pipe, "balance", []) or []),
+                "virtual_stages": getattr(getattr(strategy.pipe, "options", None), "virtual_stages", 1),
                 "threads_per_stage": getattr(strategy.pipe, "threads_per_stage", None),
                 "samples_per_s": mean(r[0] for r in self._rates) if self._rates else None,
                 "tokens_per_s": mean(r[1] for r in self._rates) if self._rates else None,

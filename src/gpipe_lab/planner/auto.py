@@ -2,7 +2,8 @@
 
 Every candidate is built from a measured ``Profile`` (``planner.profile_cache``):
 
-- K from 1 to the devices available (and the layers); M from 1, 2, 4, ... up to ``max_microbatches``,
+- K from 1 to the devices available (and the layers), and for ``interleaved-1f1b`` v virtual stages per
+  device (``VIRTUAL_STAGES``: K·v stages, stage s on device s % K); M from 1, 2, 4, ... up to ``max_microbatches``,
   dividing the mini-batch, whose micro-batch size the profile measured (a size the model cannot
   train on, e.g. BatchNorm over one value, is never planned); each balance ``balance_by_cost`` gives for the per-layer time (forward +
   backward at that micro-batch size) and for the per-layer memory; each allowed schedule; each
@@ -31,11 +32,13 @@ from gpipe_lab.planner.plan_types import Candidate, NoPlanFits, PlanResult, Scor
 from gpipe_lab.planner.profile_cache import Profile
 from gpipe_lab.planner.stage_memory import StageMemoryModel
 
-__all__ = ["CHECKPOINTS", "DEFAULT_SCHEDULES", "Candidate", "NoPlanFits", "PlanResult", "Scored", "candidates",
+__all__ = ["CHECKPOINTS", "DEFAULT_SCHEDULES", "VIRTUAL_STAGES", "Candidate", "NoPlanFits", "PlanResult", "Scored", "candidates",
            "microbatch_counts", "plan_auto"]
 
-#: Searched by default: ``interleaved-1f1b`` with one virtual stage is ``1f1b``'s action lists.
-DEFAULT_SCHEDULES = ("gpipe", "gpipe-bw", "1f1b", "zb-h1", "zb-h2")
+#: Searched by default; ``interleaved-1f1b`` with ``VIRTUAL_STAGES`` per device (with one it is ``1f1b``).
+DEFAULT_SCHEDULES = ("gpipe", "gpipe-bw", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2")
+#: virtual stages per device searched for ``interleaved-1f1b`` (K >= 2, K·v <= the layers)
+VIRTUAL_STAGES = (2, 4)
 CHECKPOINTS = ("never", "except_last", "always")
 #: predicted steps within this fraction of each other are a tie
 TIE = 1e-3
@@ -93,19 +96,32 @@ def candidates(profile: Profile, devices: int, schedules: Sequence[str] | None =
     cost, batch = profile.cost_model(), profile.batch
     memory = StageMemoryModel(profile.memory, bytes_per_param, profile.fixed_bytes)
     out: list[Scored] = []
+    cuts: dict[tuple[int, int], list[tuple[int, ...]]] = {}
     for k in range(1, min(devices, profile.num_layers) + 1):
         for m in [m for m in microbatch_counts(batch, max_microbatches) if batch // m in profile.micro_sizes]:
-            for balance in _balances(profile, cost, memory, k, batch // m):
-                for schedule in allowed:
-                    plan = get_schedule(schedule, k, m)
-                    sets: set[frozenset[int]] = set()
-                    for checkpoint in checkpoints:
-                        same = checkpointed_microbatches(checkpoint, m)
-                        if same not in sets:  # else e.g. except_last at M=1, which is never
-                            sets.add(same)
-                            out.append(Scored(Candidate(balance, m, schedule, checkpoint),
-                                              memory.stage_peaks(plan, balance, m, batch, checkpoint)))
+            for schedule in allowed:
+                for v in _virtual_stages(schedule, k, profile.num_layers, allowed):
+                    plan = get_schedule(schedule, k, m, v)
+                    if (k * v, m) not in cuts:
+                        cuts[(k * v, m)] = _balances(profile, cost, memory, k * v, batch // m)
+                    for balance in cuts[(k * v, m)]:
+                        sets: set[frozenset[int]] = set()
+                        for checkpoint in checkpoints:
+                            same = checkpointed_microbatches(checkpoint, m)
+                            if same not in sets:  # else e.g. except_last at M=1, which is never
+                                sets.add(same)
+                                out.append(Scored(Candidate(balance, m, schedule, checkpoint, v),
+                                                  memory.stage_peaks(plan, balance, m, batch, checkpoint)))
     return out
+
+
+def _virtual_stages(schedule: str, k: int, layers: int, allowed: Sequence[str]) -> list[int]:
+    """The virtual stages per device searched for ``schedule`` on ``k`` devices: ``VIRTUAL_STAGES`` that
+    fit the layers for a schedule with a virtual form (and 1 unless that is ``1f1b``, also allowed)."""
+    if schedule != "interleaved-1f1b":
+        return [1]
+    own = [v for v in VIRTUAL_STAGES if k >= 2 and k * v <= layers]
+    return own if "1f1b" in allowed else [1, *own]
 
 
 def plan_auto(profile: Profile, budget_bytes: float, devices: int, schedules: Sequence[str] | None = None,
@@ -137,7 +153,7 @@ def plan_auto(profile: Profile, budget_bytes: float, devices: int, schedules: Se
 
 def _predict(s: Scored, cost: CostModel, batch: int, split: Sequence[tuple[float, float]] | None) -> None:
     c = s.candidate
-    pred = cost.predict(list(c.balance), c.microbatches, batch, c.schedule, c.checkpoint, split)
+    pred = cost.predict(list(c.balance), c.microbatches, batch, c.schedule, c.checkpoint, split, c.virtual_stages)
     s.step_time, s.bubble = pred.step_time, pred.bubble
 
 

@@ -22,20 +22,22 @@ from collections.abc import Iterable, Mapping
 
 from gpipe_lab.pipeline.schedules import Schedule
 from gpipe_lab.pipeline.timeline import Timeline
-from gpipe_lab.planner.simulator import Prediction, StageCosts, predict_step
+from gpipe_lab.planner.simulator import Prediction, StageCosts, by_rank, predict_step, simulate_stages
 
 Key = tuple[int, str, int]
 
 
-def busy_shares(timeline: Timeline) -> dict[Key, float]:
+def busy_shares(timeline: Timeline, num_ranks: int | None = None) -> dict[Key, float]:
     """For each action ``(stage, kind, micro-batch)``, the share of its span during which at least
-    one other stage runs an action (waits are not work)."""
+    one other rank runs an action (waits are not work). A timeline by virtual stage gives
+    ``num_ranks`` (stage s runs on rank ``s % num_ranks``); default: one stage per rank."""
+    ranks = num_ranks or timeline.num_stages
     work = [e for e in timeline.events if e.kind != "wait"]
     shares: dict[Key, float] = {}
-    for k in range(timeline.num_stages):
-        others = _union((e.start, e.end) for e in work if e.stage != k)
+    for k in range(ranks):
+        others = _union((e.start, e.end) for e in work if e.stage % ranks != k)
         for e in work:
-            if e.stage == k:
+            if e.stage % ranks == k:
                 shares[(e.stage, e.kind, e.microbatch)] = _covered(e.start, e.end, others) / e.duration \
                     if e.duration > 0 else 0.0
     return shares
@@ -74,16 +76,18 @@ def predict_contended(schedule: Schedule, costs: StageCosts, alone: Mapping[Key,
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     replayed = list(checkpointed)
     durations = dict(alone)
-    pred = predict_step(schedule, costs, replayed, durations)
-    if len(schedule) < 2:
-        return pred
+    ranks = len(schedule)
+    if ranks < 2:
+        return predict_step(schedule, costs, replayed, durations)
+    stages = simulate_stages(schedule, costs, replayed, durations)
     for _ in range(rounds):
-        shares = busy_shares(pred.timeline)
+        shares = busy_shares(stages, ranks)
         target = {key: a + shares.get(key, 0.0) * (contended[key] - a) for key, a in alone.items()}
         moved = max((abs(target[key] - durations[key]) for key in durations), default=0.0)
         # halfway to the target: a step whose actions stop overlapping once slowed cannot flip forever
         durations = {key: 0.5 * (durations[key] + target[key]) for key in durations}
-        pred = predict_step(schedule, costs, replayed, durations)
-        if moved <= tolerance * max(pred.step_time, 1e-12):
+        stages = simulate_stages(schedule, costs, replayed, durations)
+        if moved <= tolerance * max(stages.wall, 1e-12):
             break
-    return pred
+    timeline = by_rank(stages, ranks)
+    return Prediction(timeline, timeline.wall, timeline.measured_bubble())

@@ -214,8 +214,11 @@ class CostModel:
 
     def predict(self, balance: Sequence[int], chunks: int, batch: int, schedule: str = "gpipe",
                 checkpoint: str = "except_last", split: Sequence[tuple[float, float]] | None = None,
-                ) -> Prediction:
+                virtual_stages: int = 1) -> Prediction:
         """The simulator's step for ``balance`` with ``chunks`` micro-batches of a ``batch``-sample mini-batch.
+
+        With ``virtual_stages`` v > 1, ``balance`` has K·v entries (stage s on rank ``s % K``) and the
+        timeline is by rank, as the executor records it.
 
         ``split``: for schedules with split backward (a ``W`` action), per stage (the last entry for
         the stages after it), the times of its ``B`` and of its ``W`` as multiples of the measured full
@@ -227,12 +230,17 @@ class CostModel:
         """
         if split is not None and (not split or min(min(f) for f in split) < 0):
             raise ValueError(f"split must be a non-empty list of (B, W) factors >= 0, got {split}")
-        k = len(balance)
+        stages = len(balance)
+        if virtual_stages < 1 or stages % virtual_stages:
+            raise ValueError(f"balance {list(balance)} has {stages} stages, not a multiple of virtual_stages="
+                             f"{virtual_stages}")
+        k = stages // virtual_stages
         samples = batch / chunks
         grad, back = self.stage_seconds("forward_grad", balance, samples), self.stage_seconds("backward", balance,
                                                                                              samples)
-        costs = StageCosts(grad, back, [0.0] * k, grad, [self.handover] * max(k - 1, 0))
-        plan, replayed = get_schedule(schedule, k, chunks), checkpointed_microbatches(checkpoint, chunks)
+        costs = StageCosts(grad, back, [0.0] * stages, grad, [self.handover] * max(stages - 1, 0))
+        plan = get_schedule(schedule, k, chunks, virtual_stages)
+        replayed = checkpointed_microbatches(checkpoint, chunks)
         alone = _split(self.durations(balance, chunks, batch, checkpoint), plan, split)
         if self.contended is None or k < 2:
             return predict_step(plan, costs, replayed, alone)
@@ -246,9 +254,10 @@ def _split(durations: dict[tuple[int, str, int], float], plan: Schedule,
     if split is None:
         return durations
     out = dict(durations)
-    for k, actions in enumerate(plan):
+    for actions in plan:
         for a in actions:
             if a.kind == "W":
+                k = a.stage
                 full, (b, w) = durations[(k, "B", a.microbatch)], split[min(k, len(split) - 1)]
                 out[(k, "B", a.microbatch)] = full * b
                 out[(k, "W", a.microbatch)] = full * w

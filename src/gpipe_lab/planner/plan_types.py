@@ -9,20 +9,24 @@ __all__ = ["Candidate", "NoPlanFits", "PlanResult", "Scored"]
 
 @dataclass(frozen=True)
 class Candidate:
-    """One plan: K stages of ``balance`` layers, M micro-batches, a schedule and a checkpoint mode."""
+    """One plan: K devices holding ``balance``'s stages of layers (K·v stages with v virtual stages per
+    device: stage s on device ``s % K``), M micro-batches, a schedule and a checkpoint mode."""
 
     balance: tuple[int, ...]
     microbatches: int
     schedule: str
     checkpoint: str
+    virtual_stages: int = 1
 
     @property
     def partitions(self) -> int:
-        return len(self.balance)
+        """K: the devices (pipeline ranks)."""
+        return len(self.balance) // self.virtual_stages
 
     def describe(self) -> str:
+        v = f" virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else ""
         return (f"K={self.partitions} M={self.microbatches} balance={list(self.balance)} "
-                f"schedule={self.schedule} checkpoint={self.checkpoint}")
+                f"schedule={self.schedule}{v} checkpoint={self.checkpoint}")
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Scored:
     def to_dict(self) -> dict[str, object]:
         c = self.candidate
         return {"K": c.partitions, "M": c.microbatches, "balance": list(c.balance), "schedule": c.schedule,
+                "virtual_stages": c.virtual_stages,
                 "checkpoint": c.checkpoint, "step_time_s": self.step_time, "bubble": self.bubble,
                 "stage_peak_bytes": [int(b) for b in self.stage_bytes], "reason": self.reason,
                 "measured_step_s": self.measured_step,

@@ -88,57 +88,82 @@ class Prediction:
     bubble: float
 
 
-def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] = (),
-             durations: Mapping[tuple[int, str, int], float] | None = None) -> Timeline:
-    """Run the action lists on virtual clocks; return the predicted timeline (starts at 0).
+def simulate_stages(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] = (),
+                    durations: Mapping[tuple[int, str, int], float] | None = None) -> Timeline:
+    """Run the action lists on virtual clocks; return the predicted timeline by (virtual) stage:
+    ``Timeline(S, ...)`` whose events carry the stage each action runs (rank ``stage % K`` of the
+    schedule's K lists). With one stage per rank it is ``simulate``'s timeline.
 
-    ``durations`` maps ``(stage, kind, micro-batch)`` to the seconds of that one
-    action (kinds F, B, W, R), overriding the per-stage costs; with a measured
-    step's ``durations_from_timeline`` the result is that step replayed with
-    no hand-over delays: the earliest each action could have started.
+    ``costs`` has one entry per stage (S = K·v with v virtual stages per rank) and a transfer per
+    hop between neighbouring stages. ``durations`` maps ``(stage, kind, micro-batch)`` to the
+    seconds of that one action (kinds F, B, W, R), overriding the per-stage costs; with a measured
+    step's ``durations_from_timeline`` the result is that step replayed with no hand-over delays:
+    the earliest each action could have started.
 
     Raises:
-        ValueError: costs for a different number of stages, or a schedule that
-            deadlocks (the message names the actions each stage waits at).
+        ValueError: costs for a different number of stages than the schedule's actions run, or a
+            schedule that deadlocks (the message names the actions each stage waits at).
     """
     K = len(schedule)
-    if costs.num_stages != K:
-        raise ValueError(f"costs are for {costs.num_stages} stages but the schedule has {K}")
+    S = costs.num_stages
+    stages = 1 + max((a.stage for actions in schedule for a in actions), default=K - 1)
+    if S != stages or S % max(K, 1):
+        raise ValueError(f"costs are for {S} stages but the schedule has {stages}")
     try:
-        order = walk(schedule)
+        order = walk(schedule, S)
     except ValueError as exc:
         raise ValueError(f"{exc} (in the simulator)") from None
     recompute = costs.recompute if costs.recompute is not None else costs.forward
     replayed = frozenset(checkpointed)
-    split = [{a.microbatch for a in actions if a.kind == "W"} for actions in schedule]
+    split = {(a.stage, a.microbatch) for actions in schedule for a in actions if a.kind == "W"}
     end: dict[Action, float] = {}
-    free = [0.0] * K
+    free = [0.0] * K  # per rank: its stages run one action at a time
     own = durations or {}
     events: list[Event] = []
     for k, a in order:
+        s = a.stage
         if a.kind == "B" and a.microbatch in replayed:
             # the engine re-materializes before it waits for the gradient
-            took = own.get((k, "R", a.microbatch), recompute[k])
-            events.append(Event(k, "R", a.microbatch, free[k], free[k] + took))
+            took = own.get((s, "R", a.microbatch), recompute[s])
+            events.append(Event(s, "R", a.microbatch, free[k], free[k] + took))
             free[k] += took
-        dep = dependency(a, K)
-        ready = 0.0 if dep is None else end[dep] + costs.hop(min(dep.stage, a.stage))
+        dep = dependency(a, S)
+        ready = 0.0 if dep is None else end[dep] + costs.hop(min(dep.stage, s))
         start = max(free[k], ready)
         if start > free[k]:
-            events.append(Event(k, "wait", a.microbatch, free[k], start))
+            events.append(Event(s, "wait", a.microbatch, free[k], start))
         if a.kind == "F":
-            duration = costs.forward[k]
+            duration = costs.forward[s]
         elif a.kind == "B":
-            duration = costs.backward_input[k]
-            if a.microbatch not in split[k]:
-                duration += costs.backward_weight[k]
+            duration = costs.backward_input[s]
+            if (s, a.microbatch) not in split:
+                duration += costs.backward_weight[s]
         else:
-            duration = costs.backward_weight[k]
-        duration = own.get((k, a.kind, a.microbatch), duration)
-        events.append(Event(k, a.kind, a.microbatch, start, start + duration))
+            duration = costs.backward_weight[s]
+        duration = own.get((s, a.kind, a.microbatch), duration)
+        events.append(Event(s, a.kind, a.microbatch, start, start + duration))
         end[a] = free[k] = start + duration
     events.sort(key=lambda e: (e.start, e.stage))
-    return Timeline(K, 0.0, max(free, default=0.0), events)
+    return Timeline(S, 0.0, max(free, default=0.0), events)
+
+
+def by_rank(timeline: Timeline, num_ranks: int) -> Timeline:
+    """A timeline by stage as the executor records it: each event on its rank (``stage % K``)."""
+    if timeline.num_stages == num_ranks:
+        return timeline
+    events = [Event(e.stage % num_ranks, e.kind, e.microbatch, e.start, e.end) for e in timeline.events]
+    return Timeline(num_ranks, timeline.start, timeline.end, events)
+
+
+def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] = (),
+             durations: Mapping[tuple[int, str, int], float] | None = None) -> Timeline:
+    """The predicted timeline of ``schedule`` by rank (starts at 0), as the executor records a real
+    step: ``simulate_stages`` with each event on its rank.
+
+    Raises:
+        ValueError: as ``simulate_stages``.
+    """
+    return by_rank(simulate_stages(schedule, costs, checkpointed, durations), len(schedule))
 
 
 def predict_step(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] = (),

@@ -98,15 +98,22 @@ class StageMemoryModel:
 
     def stage_peaks(self, plan: Schedule, balance: Sequence[int], microbatches: int, batch: int,
                     checkpoint: str) -> list[float]:
-        """Each stage's peak bytes (parameter state + activations) for the plan.
+        """Each device's (rank's) peak bytes (parameter state + activations) for the plan.
+
+        With v virtual stages per rank (``balance`` has K·v entries, stage s on rank ``s % K``) a rank's
+        figure is the sum of its stages' peaks, as the engine reports them (one ``StageRuntime`` per
+        stage): an upper bound of the rank's concurrent peak.
 
         Raises:
             ValueError: a bad balance or checkpoint mode.
         """
         parts = self.stage_parts(balance)
-        acts = activation_peaks(plan, [p[0] for p in parts], [p[1] for p in parts], batch / microbatches,
+        ranks, stages = len(plan), len(balance)
+        lists = plan if stages == ranks else [[a for a in plan[s % ranks] if a.stage == s] for s in range(stages)]
+        acts = activation_peaks(lists, [p[0] for p in parts], [p[1] for p in parts], batch / microbatches,
                                 checkpoint, [p[3] for p in parts])
-        return [a + p[2] for a, p in zip(acts, parts)]
+        per_stage = [a + p[2] for a, p in zip(acts, parts)]
+        return [sum(per_stage[s] for s in range(k, stages, ranks)) for k in range(ranks)]
 
     def layer_weights(self, samples: float) -> list[float]:
         """A per-layer memory weight for ``balance_by_cost``: parameter state plus the layer's saved

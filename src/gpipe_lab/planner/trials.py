@@ -21,7 +21,7 @@ from gpipe_lab.pipeline import GPipe
 from gpipe_lab.planner.memory_size import format_bytes
 from gpipe_lab.planner.plan_types import Candidate, PlanResult
 
-__all__ = ["DEFAULT_TRIALS", "Measure", "measure_plan", "refine_by_trials"]
+__all__ = ["DEFAULT_TRIALS", "Measure", "measure_plan", "per_device", "refine_by_trials"]
 
 #: plans ``gpipe-plan auto`` and ``pipeline.plan=auto`` run before choosing (0: the prediction alone)
 DEFAULT_TRIALS = 3
@@ -37,11 +37,18 @@ def measure_plan(spec: WorkloadSpec, c: Candidate, steps: int, bytes_per_param: 
     """
     built = spec.build(1)
     pipe = GPipe(built.module, balance=list(c.balance), chunks=c.microbatches, checkpoint=c.checkpoint,
-                 schedule=c.schedule, threads_per_stage=1, seed=0)
+                 schedule=c.schedule, virtual_stages=c.virtual_stages, threads_per_stage=1, seed=0)
     timing = time_call(lambda: pipe.train_step(built.inputs, built.targets, built.loss_fn), steps, warmup=1,
                        between=lambda: built.module.zero_grad(set_to_none=True))
-    memory = [r["parameter_bytes"] / 4 * bytes_per_param + r["peak_activation_bytes"] for r in pipe.memory()]
-    return list(timing.times), memory
+    return list(timing.times), per_device(pipe.memory(), c.partitions, bytes_per_param)
+
+
+def per_device(rows: list[dict[str, int]], devices: int, bytes_per_param: float = 16.0) -> list[float]:
+    """Each device's memory as the planner counts it, from the engine's per-stage ``memory()`` rows
+    (stage s on device ``s % devices``): parameter state (parameters x ``bytes_per_param``, from the
+    float32 parameter bytes) plus peak saved activations, summed over the device's stages."""
+    stage = [r["parameter_bytes"] / 4 * bytes_per_param + r["peak_activation_bytes"] for r in rows]
+    return [sum(stage[s] for s in range(k, len(stage), devices)) for k in range(devices)]
 
 
 def refine_by_trials(result: PlanResult, spec: WorkloadSpec, trials: int = DEFAULT_TRIALS, rounds: int = 2,
