@@ -16,6 +16,13 @@ Point-to-point traffic goes over *link groups*: one two-rank group per
 (sender, receiver, kind) edge. Each link then carries messages in one
 direction only, in the order both ends compute from the schedule, so NCCL's
 in-order matching and per-pair streams cannot cross a send with a receive.
+
+Every group is made once per world (``_group``) and reused by each later
+pipeline of the process: a process group holds native threads and sockets until
+the world ends, so a process that builds pipeline after pipeline (a sweep run
+in one process, a rebuilt evaluation pipe) would otherwise gain a dozen threads
+with each. Pipelines of one process therefore share their groups: step them one
+at a time, not from two threads at once.
 """
 
 from __future__ import annotations
@@ -26,6 +33,28 @@ import torch
 import torch.distributed as dist
 
 LinkKey = tuple[str, int, int]  # (kind "act" | "grad", source rank, destination rank): global ranks
+
+#: the groups ``_group`` made, by (role, ranks, backend), and the world they belong to
+_made: dict[tuple[tuple, tuple[int, ...], str | None], object] = {}
+_made_in: list[object] = []
+
+
+def _group(role: tuple, ranks: list[int], backend: str | None = None) -> object:
+    """``dist.new_group(ranks, backend=backend)`` for ``role`` (e.g. ``("act", 0, 1)``: two links between
+    the same ranks are two groups), made once per world and then reused.
+
+    Collective like ``new_group``: every rank asks for every group in the same order, so a group
+    is made by all ranks or reused by all. A new world (``destroy_process_group`` then
+    ``init_process_group``) starts a new set.
+    """
+    world = dist.group.WORLD
+    if not _made_in or _made_in[0] is not world:
+        _made.clear()
+        _made_in[:] = [world]
+    key = (role, tuple(ranks), backend)
+    if key not in _made:
+        _made[key] = dist.new_group(list(ranks), backend=backend)
+    return _made[key]
 
 
 @dataclass
@@ -107,7 +136,8 @@ def _edges(num_stages: int, virtual_stages: int) -> list[tuple[str, int, int]]:
 
 
 def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size: int | None = None) -> Topology:
-    """Create the pipeline, data-parallel and link groups (collective: every rank calls it).
+    """Create (or reuse: ``_group``) the pipeline, data-parallel and link groups (collective: every
+    rank calls it).
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -126,20 +156,20 @@ def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size:
     nccl = dist.get_backend() == "nccl"
     D = world // num_stages
     for d in range(D):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(d * num_stages, (d + 1) * num_stages)))
+        group = _group(("pipeline",), list(range(d * num_stages, (d + 1) * num_stages)))
         if d == topo.dp_rank:
             topo.pp_group = group
     for k in range(num_stages):
-        group = dist.new_group(list(range(k, world, num_stages)))
+        group = _group(("data",), list(range(k, world, num_stages)))
         if k == topo.stage_index:
             topo.dp_group = group
     for d in range(D):
         for kind, src, dst in _edges(num_stages, virtual_stages):
             a, b = d * num_stages + src, d * num_stages + dst
-            group = dist.new_group(sorted((a, b)))
+            group = _group((kind, a, b), sorted((a, b)))
             # NCCL moves device tensors only: headers travel over a CPU (gloo) group of their own,
             # so reading one never waits for the device
-            header = dist.new_group(sorted((a, b)), backend="gloo") if nccl else group
+            header = _group((kind, a, b), sorted((a, b)), backend="gloo") if nccl else group
             if rank in (a, b):
                 topo.links[(kind, a, b)] = group
                 topo.header_links[(kind, a, b)] = header
