@@ -146,3 +146,21 @@ def test_cli_prints_the_chosen_plan_and_the_runner_ups(monkeypatch, tmp_path, ca
     assert "'lots' is not a memory size" in capsys.readouterr().err
     assert main([*args, "--memory", "4MiB", "--checkpoints", "sometimes"]) == 2
     assert str(list(CHECKPOINTS)) in capsys.readouterr().err
+
+
+def test_a_schedule_that_cannot_run_an_m_is_left_out_of_the_search(profile, monkeypatch):
+    from gpipe_lab.pipeline.schedules import get_schedule
+    from gpipe_lab.planner import auto
+
+    with pytest.raises(ValueError, match="cannot run M=32"):
+        get_schedule("interleaved-1f1b", 5, 32, 2)  # deadlocks: M must be a multiple of 5 here
+
+    def refusing(name, k, m, v=1):
+        if (name, k, m, v) == ("interleaved-1f1b", 2, 4, 2):
+            raise ValueError("interleaved 1F1B with K=2, v=2 cannot run M=4 micro-batches")
+        return get_schedule(name, k, m, v)
+
+    monkeypatch.setattr(auto, "get_schedule", refusing)
+    every = [s.candidate for s in candidates(profile, devices=2, schedules=["interleaved-1f1b"])]
+    assert not any((c.partitions, c.microbatches, c.virtual_stages) == (2, 4, 2) for c in every)
+    assert any((c.partitions, c.microbatches, c.virtual_stages) == (2, 8, 2) for c in every)

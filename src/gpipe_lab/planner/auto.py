@@ -101,7 +101,10 @@ def candidates(profile: Profile, devices: int, schedules: Sequence[str] | None =
         for m in [m for m in microbatch_counts(batch, max_microbatches) if batch // m in profile.micro_sizes]:
             for schedule in allowed:
                 for v in _virtual_stages(schedule, k, profile.num_layers, allowed):
-                    plan = get_schedule(schedule, k, m, v)
+                    try:
+                        plan = get_schedule(schedule, k, m, v)
+                    except ValueError:  # a form that cannot run this M (interleaved 1F1B: K=5, M=32)
+                        continue
                     if (k * v, m) not in cuts:
                         cuts[(k * v, m)] = _balances(profile, cost, memory, k * v, batch // m)
                     for balance in cuts[(k * v, m)]:
