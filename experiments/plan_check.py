@@ -136,7 +136,7 @@ def main() -> None:
         found, grids[label], profile = check_workload(label, spec, schedules, max_m, args.steps, args.repeat,
                                                       args.finalists, f"writing to {args.out}")
         rows += found
-        found, grids[f"{label} (emulated)"] = check_emulated(label, spec, profile, max_m, args.steps,
+        found, grids[f"{label} (emulated)"] = check_emulated(label, spec, profile, max_m, args.steps, args.repeat,
                                                             args.finalists, f"writing to {args.out}", **emulated)
         emulated_rows += found
     rows += emulated_rows
@@ -161,10 +161,10 @@ def main() -> None:
           f"Emulated devices (the last rows): the same networks with each layer sleeping its FLOPs share of a "
           f"{emulated['forward_ms']:g} ms mini-batch forward (backward twice that), K up to {emulated['devices']}, "
           f"schedules {', '.join(emulated['schedules'])} (no split backward: an emulated layer has no separate "
-          "weight-gradient pass), the loose budget; their profile is built from the set layer times with the "
-          "engine overhead and hand-over measured for the real network, so these rows judge the search, the "
-          "schedule simulation and the executor's own costs up to K=8, not the layer timing; emulated layers "
-          "hold no real activations, so their memory is not judged.", "",
+          "weight-gradient pass), the loose budget; their profile times the emulated layers (no contention "
+          "between sleeping devices) with the engine overhead and hand-over measured for the real network, so "
+          "these rows judge the search, the schedule simulation and the executor's own costs up to K=8; "
+          "emulated layers hold no real activations, so their memory is not judged.", "",
           md_table(header, body), "", finding(rows), ""]
     print(write(args.out, "plan_check.md", "\n".join(md), {"rows": rows, "grids": grids}))
 

@@ -6,9 +6,10 @@ budget, alone and with measured trials, then every plan of the grid timed by ``G
 Emulated devices (``check_emulated``): the same network with each layer sleeping its share of a
 set forward time (``bench.EmulatedSpec``: FLOPs-proportional, backward twice the forward), so that
 up to ``EMULATED_DEVICES`` stages run side by side on two cores. Their per-layer costs are known by
-construction, so the emulated profile is built from them (no contention: a sleeping device leaves
-the CPU to the others) with the engine's per-action overhead and hand-over measured for the real
-network's profile; the planner then searches K up to 8 and the grid is timed as for real stages.
+construction, but a sleep overshoots and each call costs its own overhead, so the emulated layers
+are timed as the planner times any model (no contention: a sleeping device leaves the CPU to the
+others), with the engine's per-action overhead and hand-over measured for the real network's
+profile; the planner then searches K up to 8 and the grid is timed as for real stages.
 Emulated layers hold no real activations, so these rows judge speed only, at the loose budget (the
 real network's memory model prunes nothing there), and only the schedules without a split backward
 (an emulated layer has no separate weight-gradient pass to defer).
@@ -23,6 +24,7 @@ from typing import Any
 from gpipe_lab.bench import EmulatedSpec, Progress, WorkloadSpec
 from gpipe_lab.planner.auto import Candidate, PlanResult, Scored, candidates, plan_auto
 from gpipe_lab.planner.auto_run import plan_model
+from gpipe_lab.planner.layer_timing import layer_times
 from gpipe_lab.planner.profile_cache import Profile
 from gpipe_lab.planner.trials import DEFAULT_TRIALS, measure_plan, refine_by_trials
 
@@ -130,24 +132,23 @@ def check_workload(label: str, spec: WorkloadSpec, schedules: list[str], max_m: 
     return rows, grid_rows(measured, predicted), profile
 
 
-def emulated_profile(em: EmulatedSpec, real: Profile) -> Profile:
-    """The profile of ``em``'s emulated network: each layer's set seconds at every size ``real`` timed,
-    ``real``'s engine overhead, hand-over and memory records (see the module docstring)."""
-    per = em.per_sample_seconds()
-    alone = {n: {"forward_grad": [p * n for p in per], "forward_nograd": [p * n for p in per],
-                 "recompute": [p * n for p in per], "backward": [em.backward_ratio * p * n for p in per]}
-             for n in real.micro_sizes}
+def emulated_profile(em: EmulatedSpec, real: Profile, repeat: int) -> Profile:
+    """The profile of ``em``'s emulated network: its layers timed (``layer_timing.layer_times``: a sleep
+    overshoots its set time, and each call has its own overhead) at every size ``real`` timed, no
+    contention between devices, ``real``'s engine overhead, hand-over and memory records (see the
+    module docstring)."""
+    alone = {n: layer_times(em, n, repeat) for n in real.micro_sizes}  # type: ignore[arg-type]
     return Profile(f"emulated-{real.key}", real.preset, dict(real.sizes), real.batch, alone, None, real.overhead,
                    real.hop, list(real.memory), list(real.fixed_bytes), real.split_backward)
 
 
-def check_emulated(label: str, spec: WorkloadSpec, real: Profile, max_m: int, steps: int, top: int,
+def check_emulated(label: str, spec: WorkloadSpec, real: Profile, max_m: int, steps: int, repeat: int, top: int,
                    progress_note: str, devices: int = EMULATED_DEVICES, forward_ms: float = EMULATED_FORWARD_MS,
                    schedules: tuple[str, ...] = EMULATED_SCHEDULES, trials: int = DEFAULT_TRIALS,
                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The row (loose budget) and the measured grid of ``spec``'s network on emulated devices."""
     em = EmulatedSpec(spec, forward_ms)
-    profile = emulated_profile(em, real)
+    profile = emulated_profile(em, real, repeat)
     grid = candidates(profile, devices, schedules, max_microbatches=max_m, bytes_per_param=BYTES_PER_PARAM)
     predicted = predictions(profile, grid, spec.batch)
     loose = float(max(s.peak_bytes for s in grid))
