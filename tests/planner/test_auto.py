@@ -164,3 +164,19 @@ def test_a_schedule_that_cannot_run_an_m_is_left_out_of_the_search(profile, monk
     every = [s.candidate for s in candidates(profile, devices=2, schedules=["interleaved-1f1b"])]
     assert not any((c.partitions, c.microbatches, c.virtual_stages) == (2, 4, 2) for c in every)
     assert any((c.partitions, c.microbatches, c.virtual_stages) == (2, 8, 2) for c in every)
+
+
+def test_the_bound_never_exceeds_a_prediction_and_the_search_finds_the_brute_force_best(profile):
+    from gpipe_lab.planner import auto
+
+    cost, split = profile.cost_model(), profile.split_backward
+    every = candidates(profile, devices=3)
+    for s in every:
+        c = s.candidate
+        full = cost.predict(list(c.balance), c.microbatches, profile.batch, c.schedule, c.checkpoint, split,
+                            c.virtual_stages).step_time
+        assert auto._bound(c, cost, profile.batch, split) <= full * (1 + 1e-9), c.describe()
+        s.step_time = full
+    best = min(s.step_time for s in every)
+    chosen = plan_auto(profile, 2**40, devices=3).chosen
+    assert chosen.step_time <= best * (1 + auto.TIE)

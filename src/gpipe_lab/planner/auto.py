@@ -20,6 +20,7 @@ memory on stage k (the chosen plan's neighbours that keep more activations or us
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from collections.abc import Sequence
 
@@ -40,6 +41,8 @@ DEFAULT_SCHEDULES = ("gpipe", "gpipe-bw", "1f1b", "interleaved-1f1b", "zb-h1", "
 #: virtual stages per device searched for ``interleaved-1f1b`` (K >= 2, K·v <= the layers)
 VIRTUAL_STAGES = (2, 4)
 CHECKPOINTS = ("never", "except_last", "always")
+#: schedules whose backward is split into B and W (``_bound`` lets B + W cost their least)
+SPLIT_BACKWARD = ("gpipe-bw", "zb-h1", "zb-h2")
 #: predicted steps within this fraction of each other are a tie
 TIE = 1e-3
 #: checkpoint modes from the most to the least activation memory kept
@@ -160,25 +163,54 @@ def _predict(s: Scored, cost: CostModel, batch: int, split: Sequence[tuple[float
     s.step_time, s.bubble = pred.step_time, pred.bubble
 
 
+def _bound(c: Candidate, cost: CostModel, batch: int, split: Sequence[tuple[float, float]] | None) -> float:
+    """A lower bound of ``c``'s predicted step, without simulating: its busiest device's actions end to
+    end, and one micro-batch's forward and backward through every stage (the cost model's own costs;
+    a split backward's B + W at the least they may cost)."""
+    m, samples = c.microbatches, batch / c.microbatches
+    grad, nograd, back, again = (cost.stage_seconds(kind, list(c.balance), samples)
+                                 for kind in ("forward_grad", "forward_nograd", "backward", "recompute"))
+    replayed = len(checkpointed_microbatches(c.checkpoint, m))
+    split_here = bool(split) and c.schedule in SPLIT_BACKWARD
+    both = min(1.0, min(b + w for b, w in split)) if split_here else 1.0  # B + W of a micro-batch
+    only_b = min(1.0, min(b for b, _ in split)) if split_here else 1.0  # B alone: the backward's path
+    stage = [(m - replayed) * g + replayed * (n + a) + m * b * both
+             for g, n, b, a in zip(grad, nograd, back, again)]
+    k = c.partitions
+    busiest = max(sum(stage[s] for s in range(d, len(stage), k)) for d in range(k))
+    path = sum(min(g, n) for g, n in zip(grad, nograd)) + only_b * sum(back)
+    return max(busiest, path)
+
+
 def _rank(fitting: list[Scored], cost: CostModel, batch: int, top: int, schedules: list[str],
           split: Sequence[tuple[float, float]] | None) -> int:
     """Sort ``fitting`` so that its first ``top`` are the fastest by the full (contended) prediction;
     returns how many were fully simulated (the sorted prefix).
 
-    Stages only slow each other, so each candidate's prediction with stages alone is a lower bound:
-    candidates are fully simulated in the order of their bounds until the next bound cannot beat the
+    Two lower bounds keep the simulations few: ``_bound`` (no device finishes before its own actions, no
+    micro-batch before its path through every stage) and the prediction with stages alone (stages only
+    slow each other). Plans are fully simulated in the order of their stages-alone predictions, each
+    simulated alone only once its cheap bound is the lowest left, until no bound can beat the
     ``top``-th best found. Within ``TIE`` of the fastest (a tie), the smaller peak memory wins, then the
     simpler schedule and less re-materialization.
     """
-    alone = dataclasses.replace(cost, contended=None)
-    for s in fitting:
-        _predict(s, alone, batch, split)
-    fitting.sort(key=lambda s: s.step_time or 0.0)
+    bounds = {id(s): _bound(s.candidate, cost, batch, split) for s in fitting}
+    order = sorted(fitting, key=lambda s: bounds[id(s)])
+    alone_cost = dataclasses.replace(cost, contended=None)
+    alone: list[tuple[float, int, Scored]] = []  # a heap of (prediction with stages alone, order, plan)
     done: list[Scored] = []
-    for s in fitting:
+    i = 0
+    while True:
         best = sorted(x.step_time or 0.0 for x in done)
-        if len(best) >= top and (s.step_time or 0.0) > best[top - 1] * (1 + TIE):
+        limit = best[top - 1] * (1 + TIE) if len(best) >= top else float("inf")
+        # the cheap bounds admit a plan to the stages-alone prediction, that bound to the full one
+        while i < len(order) and bounds[id(order[i])] <= limit and (not alone or bounds[id(order[i])] <= alone[0][0]):
+            _predict(order[i], alone_cost, batch, split)
+            heapq.heappush(alone, (order[i].step_time or 0.0, i, order[i]))
+            i += 1
+        if not alone or alone[0][0] > limit:
             break
+        s = heapq.heappop(alone)[2]
         if cost.contended is not None and s.candidate.partitions > 1:
             _predict(s, cost, batch, split)
         done.append(s)
@@ -191,8 +223,8 @@ def _rank(fitting: list[Scored], cost: CostModel, batch: int, top: int, schedule
                 CHECKPOINTS.index(c.checkpoint))
 
     done.sort(key=key)
-    rest = fitting[len(done):]
-    fitting[:] = done + rest
+    chosen = {id(x) for x in done}
+    fitting[:] = done + [x for x in order if id(x) not in chosen]
     return len(done)
 
 
