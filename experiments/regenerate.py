@@ -1,0 +1,125 @@
+"""Regenerate the files of ``results/`` by their commands, one after the other, at one clean commit.
+
+    python -m experiments.regenerate --list              # the jobs, in order, with their commands
+    python -m experiments.regenerate                     # every job (about 3 h on two cores)
+    python -m experiments.regenerate --only table1_capacity transfer
+    python -m experiments.regenerate --resume            # skip jobs already done at this commit
+
+Each job runs its commands (those ``results/README.md`` names) as processes of their own, from
+the repository root, one at a time, so that no two measurements share the machine. After each
+job ``results/regeneration.json`` records: the commit, the job's commands, when it started,
+its wall seconds, the load average before it and after it, and its exit status. A job that
+fails is recorded and the run goes on with the next one (its exit status is 1 at the end).
+
+Raises (as a one-line error and exit status 2): uncommitted changes to tracked files outside
+``results/`` (every file would name a commit that did not make it), or a job name not in
+``JOBS``.
+"""
+
+from __future__ import annotations
+
+if not __package__:  # started as a file: rerun as the module
+    from gpipe_lab.bench.launch import rerun_as_module
+
+    rerun_as_module(__file__)
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.bench_common import ROOT, git_commit, load_average
+
+PY = [sys.executable, "-m"]
+SWEEP = ["gpipe_lab.train", "-m", "pipeline.partitions=1,2", "logger=csv"]
+#: job name: its commands, in order (those of results/README.md's table)
+JOBS: dict[str, list[list[str]]] = {
+    "table1_capacity": [PY + ["experiments.table1_capacity", "--out", "results"]],
+    "emulated_scaling": [PY + ["experiments.emulated_scaling", "--out", "results"]],
+    "trainability": [PY + ["experiments.trainability_search", "--out", "results"],
+                     PY + ["experiments.trainability", "--out", "results"]],
+    "nmt_scaling": [PY + ["experiments.nmt_scaling", "--out", "results"]],
+    "transfer": [PY + ["experiments.transfer", "--out", "results"]],
+    "schedules": [PY + ["benchmarks.bench_schedules", "--out", "results/schedules"]],
+    "table2_throughput": [PY + ["experiments.table2_throughput", "--out", "results"]],
+    "table3_throughput": [PY + ["experiments.table3_throughput", "--out", "results"]],
+    "overheads": [PY + ["experiments.overheads", "--out", "results"]],
+    "simulator_heldout": [PY + ["experiments.simulator_heldout", "--out", "results"]],
+    "sweeps": [PY + SWEEP + ["experiment=paper_table2_amoebanet", "pipeline.chunks=1,4,32",
+                             "hydra.sweep.dir=logs/table2_sweep"],
+               PY + SWEEP + ["experiment=paper_table2_transformer", "pipeline.chunks=1,4,32",
+                             "hydra.sweep.dir=logs/table2_sweep_tf"],
+               PY + ["experiments.table2_throughput", "--from-multirun", "logs/table2_sweep", "logs/table2_sweep_tf",
+                     "--out", "results/sweeps"]],
+    "sweeps_compiled": [PY + SWEEP + ["experiment=paper_table2_transformer", "pipeline.chunks=1,4",
+                                      "pipeline.compile=true", "pipeline.timeout=3600",
+                                      "hydra.sweep.dir=logs/table2_sweep_tf_compiled"],
+                        PY + ["experiments.table2_throughput", "--from-multirun", "logs/table2_sweep_tf_compiled",
+                              "--out", "results/sweeps/compiled"]],
+    "plan_check": [PY + ["experiments.plan_check", "--out", "results"]],
+    "benchmarks": [PY + ["benchmarks.run", "--quick", "--out", "results"]],
+    "benchmarks_full": [PY + ["benchmarks.run", "--out", "results/full", "--compile"]],
+}
+
+
+def shown(argv: list[str]) -> str:
+    """A command as a user types it."""
+    return " ".join(["python", *argv[1:]] if argv[0] == sys.executable else argv)
+
+
+def dirty() -> bool:
+    """Whether tracked files outside ``results/`` differ from the commit (``git_commit``'s rule)."""
+    return git_commit().endswith("+dirty")
+
+
+def run_job(name: str, commands: list[list[str]], root: Path = ROOT) -> dict[str, object]:
+    """Run one job's commands in order (stopping at the first that fails); its record."""
+    record: dict[str, object] = {"job": name, "commit": git_commit(), "commands": [shown(c) for c in commands],
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_before": load_average()}
+    began, status = time.monotonic(), 0
+    for argv in commands:
+        print(f"[regenerate {name}] {shown(argv)}", flush=True)
+        status = subprocess.run(argv, cwd=root, check=False).returncode
+        if status != 0:
+            break
+    record.update({"seconds": round(time.monotonic() - began, 1), "load_after": load_average(), "exit_status": status})
+    return record
+
+
+def main(argv: list[str] | None = None, path: Path = ROOT / "results" / "regeneration.json") -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="+", metavar="JOB", help="these jobs (in JOBS' order)")
+    p.add_argument("--resume", action="store_true", help="skip the jobs recorded as done at this commit")
+    p.add_argument("--list", action="store_true", help="print the jobs and their commands")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.only or []) - set(JOBS))
+    if unknown:
+        print(f"regenerate: error: unknown job(s) {unknown}; allowed: {list(JOBS)}", file=sys.stderr)
+        return 2
+    names = [n for n in JOBS if not args.only or n in args.only]
+    if args.list:
+        for n in names:
+            print(f"{n}: " + "; then ".join(shown(c) for c in JOBS[n]))
+        return 0
+    if dirty():
+        print(f"regenerate: error: uncommitted changes outside results/ (commit {git_commit()}); commit or "
+              "stash them first, so that every file names the commit that made it", file=sys.stderr)
+        return 2
+    records = json.loads(path.read_text()) if path.exists() else []
+    done = {r["job"] for r in records if r["commit"] == git_commit() and r["exit_status"] == 0}
+    failed = 0
+    for n in names:
+        if args.resume and n in done:
+            print(f"[regenerate {n}] done at {git_commit()}: skipped", flush=True)
+            continue
+        record = run_job(n, JOBS[n])
+        records = [r for r in records if r["job"] != n] + [record]
+        path.write_text(json.dumps(records, indent=2) + "\n")
+        failed += record["exit_status"] != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""``python -m experiments.regenerate``: every results job in order at one clean commit, recorded, resumable."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import regenerate
+
+
+def test_list_names_every_job_with_its_commands(capsys: pytest.CaptureFixture) -> None:
+    assert regenerate.main(["--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == list(regenerate.JOBS)
+    assert "trainability: python -m experiments.trainability_search --out results; then python -m " \
+           "experiments.trainability --out results" in out
+
+
+def test_unknown_jobs_and_a_dirty_tree_are_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    assert regenerate.main(["--only", "table9"], tmp_path / "r.json") == 2
+    assert "unknown job(s) ['table9']; allowed: ['table1_capacity'" in capsys.readouterr().err
+    monkeypatch.setattr(regenerate, "git_commit", lambda: "abc+dirty")
+    assert regenerate.main(["--only", "table1_capacity"], tmp_path / "r.json") == 2
+    assert "uncommitted changes outside results/ (commit abc+dirty)" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_jobs_run_in_order_are_recorded_and_resume_skips_what_is_done(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    marks = tmp_path / "marks"
+    py = [sys.executable, "-c"]
+    monkeypatch.setattr(regenerate, "JOBS", {
+        "good": [py + [f"open({str(marks)!r}, 'a').write('good ')"]],
+        "bad": [py + ["import sys; sys.exit(3)"], py + [f"open({str(marks)!r}, 'a').write('never ')"]],
+        "after": [py + [f"open({str(marks)!r}, 'a').write('after ')"]],
+    })
+    monkeypatch.setattr(regenerate, "git_commit", lambda: "c0ffee")
+    path = tmp_path / "regeneration.json"
+    assert regenerate.main([], path) == 1  # a job failed; the others still ran
+    assert marks.read_text() == "good after "
+    records = {r["job"]: r for r in json.loads(path.read_text())}
+    assert [records[n]["exit_status"] for n in ("good", "bad", "after")] == [0, 3, 0]
+    assert all(r["commit"] == "c0ffee" and r["seconds"] >= 0 and len(r["load_before"]) in (0, 3)
+               for r in records.values())
+    assert records["bad"]["commands"][0] == "python -c import sys; sys.exit(3)"
+    assert regenerate.main(["--resume"], path) == 1  # only the failed job runs again
+    assert marks.read_text() == "good after "
+    assert len(json.loads(path.read_text())) == 3  # one record per job, the latest
+    monkeypatch.setattr(regenerate, "git_commit", lambda: "beef00")  # another commit: nothing is done
+    assert regenerate.main(["--resume", "--only", "good"], path) == 0
+    assert marks.read_text() == "good after good "
