@@ -33,6 +33,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import differential_distributed  # noqa: E402
 from differential_cases import Case, all_cases  # noqa: E402
 from differential_distributed import run_distributed  # noqa: E402
 from differential_run import judge, run_engine  # noqa: E402
@@ -40,7 +41,7 @@ from differential_run import judge, run_engine  # noqa: E402
 import gpipe_lab.pipeline  # noqa: E402
 from gpipe_lab.provenance import source_commit  # noqa: E402
 
-CHUNK = 1000  # cases per log line (distributed ones in launches of PER_LAUNCH per K)
+CHUNK = 3000  # cases per log line (from the command line, a chunk's distributed cases in one launch per K)
 HARNESS = ("differential_cases.py", "differential_run.py", "differential_compare.py",
            "differential_distributed.py")
 DEFAULT_LOG = HERE.parents[1] / "results" / "differential"
@@ -204,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         parser.error(f"--shard {args.shard!r}: expected i/n with 0 <= i < n")
+    # one launch of K processes per K and chunk (the harness's default is sized for the test's few cases):
+    # starting a launch costs about a second; the judgement does not depend on how cases are grouped
+    differential_distributed.PER_LAUNCH = CHUNK
     return 1 if run_shard(args.log, i, n, args.limit) else 0
 
 
