@@ -12,7 +12,7 @@ The keys live in the ``pipeline`` group beside the engine's options but are the 
   CPU cores: one thread per stage);
 - ``pipeline.schedules_allowed``: the schedules searched (default: ``planner.auto.DEFAULT_SCHEDULES``);
 - ``pipeline.plan_trials``: how many of the fastest predicted plans that fit are run for a few steps
-  before choosing, the fastest measured winning (default ``planner.trials.DEFAULT_TRIALS``, 3; 0:
+  before choosing, the fastest measured winning (default ``planner.plan_types.DEFAULT_TRIALS``, 3; 0:
   choose by the prediction alone).
 
 What ``auto`` compares with its budget, per stage: parameter state (parameters x bytes per
@@ -29,6 +29,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from gpipe_lab.config_schema import ConfigError
+from gpipe_lab.planner.plan_types import DEFAULT_TRIALS
 
 __all__ = ["PLANNER_KEYS", "PlannerConfig", "engine_section", "validate_planner"]
 
@@ -44,7 +45,7 @@ class PlannerConfig:
     budget_bytes: int | None = None
     devices: int | None = None
     schedules: tuple[str, ...] | None = None
-    trials: int = 3  # planner.trials.DEFAULT_TRIALS (not imported: the planner pulls in the engine)
+    trials: int = DEFAULT_TRIALS
 
     @property
     def auto(self) -> bool:
@@ -89,7 +90,7 @@ def validate_planner(cfg: DictConfig) -> PlannerConfig:
             raise ConfigError(f"pipeline.schedules_allowed: must be null or a non-empty list of "
                               f"{sorted(SCHEDULES)}, got {names!r}")
         schedules = tuple(names)
-    trials = section.get("plan_trials", 3)
+    trials = section.get("plan_trials", DEFAULT_TRIALS)
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 0:
         raise ConfigError(f"pipeline.plan_trials: must be an integer >= 0 (0: choose by the prediction alone), "
                           f"got {trials!r}")

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Candidate", "NoPlanFits", "PlanResult", "Scored"]
+__all__ = ["DEFAULT_TRIALS", "Candidate", "NoPlanFits", "PlanResult", "Scored"]
+
+#: plans ``gpipe-plan auto`` and ``pipeline.plan=auto`` run before choosing (``planner.trials``; 0: the
+#: prediction alone)
+DEFAULT_TRIALS = 3
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,10 @@ from collections.abc import Callable
 from gpipe_lab.bench import WorkloadSpec, time_call
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.planner.memory_size import format_bytes
-from gpipe_lab.planner.plan_types import Candidate, PlanResult
+from gpipe_lab.planner.plan_types import DEFAULT_TRIALS, Candidate, PlanResult
 
 __all__ = ["DEFAULT_TRIALS", "Measure", "measure_plan", "per_device", "refine_by_trials"]
 
-#: plans ``gpipe-plan auto`` and ``pipeline.plan=auto`` run before choosing (0: the prediction alone)
-DEFAULT_TRIALS = 3
 #: ``(spec, plan, steps, bytes_per_param)`` -> (seconds of each timed step, memory of each stage)
 Measure = Callable[[WorkloadSpec, Candidate, int, float], tuple[list[float], list[float]]]
 
