@@ -1,9 +1,9 @@
 """What this machine's cores deliver in parallel: the ceiling of any K=2 pipeline.
 
 Each stage's real work of one step (F+B of its M micro-batches, inputs and
-output gradients prepared beforehand, no hand-over between the stages) is run
-twice per round: the two stages one after the other on one thread, and the
-two stages at the same time on two threads. Nothing is shared between the
+output gradients prepared beforehand, no hand-over between the stages; tensor or
+tuple values between them) is run twice per round: the two stages one after the
+other on one thread, and the two stages at the same time on two threads. Nothing is shared between the
 threads, so their ratio is the machine's parallel scaling for this work (2.0
 on two idle cores). On the 2-core VM it drifts between ~1.4 and ~2.0 during a
 day (shared caches, memory bandwidth, the host's other tenants): no engine can
@@ -19,41 +19,61 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from gpipe_lab.bench import Workload
+from gpipe_lab.bench.workloads import Inputs
 
 K = 2
 
 
-def _stage_jobs(work: Workload, chunks: int) -> list:
-    """One closure per stage running F+B of all its micro-batches (single tensors only)."""
-    if isinstance(work.inputs, tuple):
-        raise ValueError("the ceiling is measured on single-tensor workloads (the MLP)")
+def split_batch(value: Inputs, chunks: int) -> list[Inputs]:
+    """``value`` cut into ``chunks`` micro-batches along dimension 0 (a tuple: each of its tensors)."""
+    if isinstance(value, tuple):
+        return list(zip(*(t.chunk(chunks) for t in value)))
+    return list(value.chunk(chunks))
+
+
+def _leaf(value: Inputs, grad: bool) -> Inputs:
+    """A stage's input as its pipeline stage receives it: detached, floating tensors needing grad."""
+    if isinstance(value, tuple):
+        return tuple(t.detach().requires_grad_(grad and t.is_floating_point()) for t in value)
+    return value.detach().requires_grad_(grad and value.is_floating_point())
+
+
+def _backward(out: Inputs, grads: list[Tensor]) -> None:
+    """Backward of a stage's output (tensor or tuple) from made-up gradients of its floating parts."""
+    outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
+    torch.autograd.backward(outs, grads)
+
+
+def _stage_jobs(work: Workload, chunks: int) -> list[Callable[[], None]]:
+    """One closure per stage running F+B of all its micro-batches (tensor or tuple values)."""
     jobs = []
-    values: list[Tensor] = list(work.inputs.chunk(chunks))
-    targets = list(work.targets.chunk(chunks))
+    values, targets = split_batch(work.inputs, chunks), split_batch(work.targets, chunks)
     start = 0
     for k, n in enumerate(work.balance):
         part = work.module[start:start + n]
         start += n
         last = k == len(work.balance) - 1
-        inputs = [v.detach().requires_grad_(k > 0) for v in values]
+        inputs = [_leaf(v, k > 0) for v in values]
         with torch.no_grad():
             outs = [part(v) for v in inputs]
-        grads = [None if last else torch.randn_like(o) for o in outs]
+        grads = [[] if last else [torch.randn_like(t) for t in (o if isinstance(o, tuple) else (o,))
+                                  if t.is_floating_point()] for o in outs]
 
-        def job(part=part, inputs=inputs, grads=grads, last=last) -> None:
+        def job(part: nn.Module = part, inputs: list = inputs, grads: list = grads, last: bool = last) -> None:
             torch.set_num_threads(1)
             for i, (x, g) in enumerate(zip(inputs, grads)):
                 out = part(x)
                 if last:
                     work.loss_fn(out, targets[i]).backward()
                 else:
-                    out.backward(g)
+                    _backward(out, g)
             part.zero_grad(set_to_none=True)
 
         jobs.append(job)
@@ -61,13 +81,20 @@ def _stage_jobs(work: Workload, chunks: int) -> list:
     return jobs
 
 
-def ceiling_functions(work: Workload, chunks: int) -> dict[str, Callable[[], None]]:
-    """``sequential`` and ``parallel`` runs of the stages' independent work, to time alternately."""
+def ceiling_functions(work: Workload, chunks: int, stage_times: list[list[float]] | None = None,
+                      ) -> dict[str, Callable[[], None]]:
+    """``sequential`` and ``parallel`` runs of the stages' independent work, to time alternately.
+
+    With ``stage_times`` (a list per stage), ``sequential`` appends each stage's own seconds to it.
+    """
     jobs = _stage_jobs(work, chunks)
 
     def sequential() -> None:
-        for job in jobs:
+        for k, job in enumerate(jobs):
+            start = time.perf_counter()
             job()
+            if stage_times is not None:
+                stage_times[k].append(time.perf_counter() - start)
 
     def parallel() -> None:
         threads = [threading.Thread(target=job) for job in jobs]
@@ -79,8 +106,14 @@ def ceiling_functions(work: Workload, chunks: int) -> dict[str, Callable[[], Non
     return {"sequential": sequential, "parallel": parallel}
 
 
-def ceiling_summary(sequential: list[float], parallel: list[float], chunks: int) -> dict[str, float]:
-    """Scaling and ceiling step from the timed runs (medians)."""
+def ceiling_summary(sequential: list[float], parallel: list[float], chunks: int,
+                    stage_times: list[list[float]] | None = None) -> dict[str, object]:
+    """Scaling and ceiling step from the timed runs (medians); with ``stage_times``, each stage's
+    own seconds (``stage_s``) and their imbalance (the slowest over the mean)."""
     seq, par = statistics.median(sequential), statistics.median(parallel)
-    return {"M": chunks, "sequential_s": seq, "parallel_s": par, "parallel_scaling": seq / par,
-            "ceiling_step_s": par * (chunks + K - 1) / chunks}
+    summary: dict[str, object] = {"M": chunks, "sequential_s": seq, "parallel_s": par,
+                                  "parallel_scaling": seq / par, "ceiling_step_s": par * (chunks + K - 1) / chunks}
+    if stage_times:
+        stages = [statistics.median(t) for t in stage_times]
+        summary.update(stage_s=stages, imbalance=max(stages) / statistics.fmean(stages))
+    return summary

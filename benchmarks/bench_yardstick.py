@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from benchmarks.bench_ceiling import ceiling_functions, ceiling_summary, split_batch
 from benchmarks.bench_common import SIZES, Sizes, make_workload, prepare_process, sync
 from gpipe_lab.bench import Timing, Workload, md_table, paired_ratio, time_rounds
 from gpipe_lab.pipeline import GPipe
@@ -46,15 +47,9 @@ ENGINES = {"K=1": (1, "auto"), "K=1, no replay": (1, False), "K=2": (2, "auto"),
 DROPOUT = 0.1
 
 
-def _split(value: torch.Tensor | tuple[torch.Tensor, ...], chunks: int) -> list:
-    if isinstance(value, tuple):
-        return list(zip(*(t.chunk(chunks) for t in value)))
-    return list(value.chunk(chunks))
-
-
 def plain_step(work: Workload, chunks: int, device: str) -> Callable[[], None]:
     """Forward + loss + backward of each micro-batch in turn on one thread, gradients accumulating."""
-    inputs, targets = _split(work.inputs, chunks), _split(work.targets, chunks)
+    inputs, targets = split_batch(work.inputs, chunks), split_batch(work.targets, chunks)
     weights = [t.shape[0] / work.batch for t in targets]
 
     def step() -> None:
@@ -119,14 +114,22 @@ def measure(name: str, sizes: Sizes, device: str, chunks: int = CHUNKS) -> dict[
     works = {"plain": plain_work}
     fns: dict[str, Callable[[], None]] = {"plain": plain_step(plain_work, chunks, device)}
     fns.update(_engine_steps(name, sizes, device, chunks, ENGINES, works))
+    ceiling_work = make_workload(name, sizes, partitions=2).to(torch.device(device))
+    stage_times: list[list[float]] = [[] for _ in ceiling_work.balance]
+    fns.update(ceiling_functions(ceiling_work, chunks, stage_times))
     timed = _timed(fns, works, sizes)
+    ceiling = ceiling_summary(timed.pop("sequential").times, timed.pop("parallel").times, chunks,
+                              [t[-_rounds(sizes):] for t in stage_times])
     steps = {label: t.median for label, t in timed.items()}
+    ceiling.update(gain=steps["plain"] / ceiling["ceiling_step_s"],
+                   fraction=ceiling["ceiling_step_s"] / steps["K=2"])
     return {"workload": name, "batch": plain_work.batch, "M": chunks, "rounds": _rounds(sizes), "step_s": steps,
             "rounds_s": {label: list(t.times) for label, t in timed.items()},
             "overhead": {label: paired_ratio(timed[label], timed["plain"]) for label in ENGINES
                          if label.startswith("K=1")},
             "gain": {label: paired_ratio(timed["plain"], timed[label]) for label in ENGINES if label.startswith("K=2")},
-            "replay_cost": {f"K={k}": paired_ratio(timed[f"K={k}"], timed[f"K={k}, no replay"]) - 1 for k in (1, 2)}}
+            "replay_cost": {f"K={k}": paired_ratio(timed[f"K={k}"], timed[f"K={k}, no replay"]) - 1 for k in (1, 2)},
+            "ceiling": ceiling}
 
 
 def replay_row(sizes: Sizes, device: str, chunks: int = CHUNKS, dropout: float = DROPOUT) -> dict[str, object]:
@@ -163,10 +166,20 @@ def table(rows: Sequence[dict]) -> str:
     """The rows as a markdown table."""
     return md_table(
         ["workload", "batch", "M", "plain s", "K=1 / plain (overhead)", "same, no replay",
-         "plain / K=2 (gain)", "same, no replay", "replay cost at K=2", "rounds"],
+         "plain / K=2 (gain)", "same, no replay", "replay cost at K=2", "K=2 stages alone s",
+         "2-thread scaling", "gain ceiling", "rounds"],
         [[r["workload"], r["batch"], r["M"], f"{r['step_s']['plain']:.4f}", f"{r['overhead']['K=1']:.2f}",
           f"{r['overhead']['K=1, no replay']:.2f}", f"{r['gain']['K=2']:.2f}x",
-          f"{r['gain']['K=2, no replay']:.2f}x", _cost(r), r["rounds"]] for r in rows])
+          f"{r['gain']['K=2, no replay']:.2f}x", _cost(r), *_ceiling_cells(r.get("ceiling")), r["rounds"]]
+         for r in rows])
+
+
+def _ceiling_cells(ceiling: dict | None) -> list[str]:
+    """The K=2 stages' own seconds, their 2-thread scaling and the gain no K=2 pipeline beats."""
+    if not ceiling:
+        return ["-", "-", "-"]
+    return [" / ".join(f"{t:.4f}" for t in ceiling["stage_s"]), f"{ceiling['parallel_scaling']:.2f}",
+            f"{ceiling['gain']:.2f}x"]
 
 
 def replay_line(row: dict) -> str:

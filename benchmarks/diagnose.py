@@ -88,6 +88,7 @@ def diagnose(results: dict) -> list[str]:
         if "1F1B peak" in name:
             notes.append("1F1B: see the memory table; its stage 0 keeps K micro-batches alive, the "
                          "view over-count above inflates both schedules alike.")
+    notes += _yardstick_notes(results, missed)
     torch_missed = sorted(n for n in missed if "vs torch" in n)
     if torch_missed:
         steps = {(r["framework"], r["schedule"], r["chunks"]): r["step"]["median"]
@@ -101,4 +102,51 @@ def diagnose(results: dict) -> list[str]:
         notes.append(f"vs torch.distributed.pipelining ({len(torch_missed)} missed): " + "; ".join(parts)
                      + ". The local transport's two stages share one process (GIL, one allocator); the "
                      "distributed transport and torch both run one process per stage.")
+    return notes
+
+
+def _goal(results: dict, name: str) -> float:
+    """The number in target ``name``'s goal (">= 1.3x" -> 1.3)."""
+    goal = next(t["goal"] for t in results["targets"] if t["name"] == name)
+    return float(goal.split()[-1].rstrip("x"))
+
+
+def _yardstick_notes(results: dict, missed: set[str]) -> list[str]:
+    """Where the time of the missed yardstick targets goes: overhead, gain and replay cost."""
+    notes = []
+    per_action = results.get("overhead", {}).get("overhead_per_action_us")
+    for row in results.get("yardstick", []):
+        name, m, plain = row["workload"], row["M"], row["step_s"]["plain"]
+        over = f"{name} M={m}: engine K=1 / plain gradient accumulation (overhead)"
+        if over in missed:
+            hand_over = "" if per_action is None else (
+                f"; at the tiny pipeline's {per_action:.0f} us per action, its {2 * m} actions would cost "
+                f"{2 * m * per_action * 1e-6 / plain:.1%} of plain's {plain:.4f} s step")
+            notes.append(f"{name} K=1 overhead at M={m}: {row['overhead']['K=1']:.3f} with random replay at its "
+                         f"default, {row['overhead']['K=1, no replay']:.3f} without{hand_over}.")
+        gain = f"{name} M={m}: plain gradient accumulation / engine K=2 (gain)"
+        ceiling = row.get("ceiling")
+        if gain in missed and ceiling:
+            bound, goal = ceiling["gain"], _goal(results, gain)
+            where = ("the goal is above what a K=2 pipeline could gain on these cores at that moment"
+                     if bound < goal else f"the engine's share (hand-over, waits) is the remaining "
+                     f"{1 - ceiling['fraction']:.0%} of the bound")
+            stages = " s and ".join(f"{t:.4f}" for t in ceiling["stage_s"])
+            notes.append(
+                f"{name} K=2 gain at M={m}: {row['gain']['K=2']:.2f}x ({row['gain']['K=2, no replay']:.2f}x "
+                f"without random replay). Its two stages alone take {stages} s (imbalance "
+                f"{ceiling['imbalance']:.2f}, the slowest over the mean; together {sum(ceiling['stage_s']):.4f} s "
+                f"against plain's {plain:.4f} s); at once on two threads they ran {ceiling['parallel_scaling']:.2f}x "
+                f"faster than one after the other (2.00 = two free cores), so fill-drain ((M+K-1)/M = "
+                f"{(m + K - 1) / m:.2f}) at that speed bounds the gain at {bound:.2f}x, and the engine reached "
+                f"{ceiling['fraction']:.2f} of that bound: {where}.")
+    replay = [n for n in missed if "random replay's cost (draws nothing)" in n]
+    if replay:
+        costs = ", ".join(f"{r['workload']} K=1 {r['replay_cost']['K=1']:+.1%} / K=2 {r['replay_cost']['K=2']:+.1%}"
+                          for r in results.get("yardstick", []))
+        share = results.get("overhead", {}).get("replay_guard_share")
+        notes.append(f"Random replay on models that draw nothing (the guard: each forward compares the shared "
+                     f"default generators' state before and after): {costs}"
+                     + ("" if share is None else f"; on the tiny pipeline (every action a few microseconds) the "
+                        f"guard is {share:+.1%} of the step") + ".")
     return notes

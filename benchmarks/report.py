@@ -110,7 +110,11 @@ def _yardstick_section(results: dict) -> list[str]:
             "K=1 / plain is the engine's pure overhead (1.00 is "
             "free); plain / K=2 is what pipelining over two cores gains. Replay cost: the step with "
             "`random_replay` at its default over the step with it off, less one (the MLP and AmoebaNet "
-            "draw nothing).", ""] + ([f"Replay cost where something is drawn: {replay_line(results['replay'])}.", ""]
+            "draw nothing). *K=2 stages alone*: each stage's own F+B of the M micro-batches, no hand-over, "
+            "one after the other on one thread; *2-thread scaling*: those two run at once on two threads "
+            "against one after the other (2.00 = two free cores); *gain ceiling*: plain / (their parallel "
+            "time · (M+K−1)/M), what a K=2 fill-drain pipeline with free hand-over could gain on these "
+            "cores at that moment (`bench_ceiling.py`, timed in the same rounds).", ""] + ([f"Replay cost where something is drawn: {replay_line(results['replay'])}.", ""]
                                      if results.get("replay") else [])
 
 

@@ -15,7 +15,17 @@ import statistics
 from pathlib import Path
 
 import pytest
-from benchmarks import bench_app, bench_gloo, bench_memory, bench_yardstick, report, run, targets
+from benchmarks import (
+    bench_app,
+    bench_ceiling,
+    bench_gloo,
+    bench_memory,
+    bench_yardstick,
+    diagnose,
+    report,
+    run,
+    targets,
+)
 from benchmarks import bench_common as common
 
 from helpers.forked import run_module
@@ -96,6 +106,11 @@ def test_yardstick_rows_are_ratios_of_one_run_and_targets_read_them(smoke):
         assert r["replay_cost"]["K=2"] == pytest.approx(paired("K=2", "K=2, no replay") - 1)
         row = next(t for t in res["targets"] if t["name"].startswith(f"{r['workload']} K=2 M=4: random replay"))
         assert row["value"] == round(r["replay_cost"]["K=2"], 4) and row["status"] in ("PASS", "MISS")
+        ceiling = r["ceiling"]  # the K=2 stages' own work, timed in the same rounds
+        assert len(ceiling["stage_s"]) == 2 and min(ceiling["stage_s"]) > 0
+        assert ceiling["imbalance"] == pytest.approx(max(ceiling["stage_s"]) / statistics.fmean(ceiling["stage_s"]))
+        assert ceiling["gain"] == pytest.approx(steps["plain"] / ceiling["ceiling_step_s"])
+        assert ceiling["fraction"] == pytest.approx(ceiling["ceiling_step_s"] / steps["K=2"])
     unmeasured = [t for t in res["targets"] if t["name"].startswith(("transformer M=4", "amoebanet M=4",
                                                                      "amoebanet K=2", "transformer dropout"))]
     assert len(unmeasured) == 6 and {t["status"] for t in unmeasured} == {"N/A"}
@@ -111,6 +126,47 @@ def test_plain_gradient_accumulation_computes_the_engines_gradients():
     for (name, a), b in zip(plain.module.named_parameters(), piped.module.parameters()):
         assert a.grad is not None and b.grad is not None, name
         assert (a.grad - b.grad).abs().max() <= 1e-5 * max(1.0, b.grad.abs().max().item()), name
+
+
+@pytest.mark.parametrize("name", ["transformer", "amoebanet"])
+def test_the_ceiling_runs_each_stage_of_a_tuple_or_image_workload(name):
+    """The machine ceiling's stage jobs take tuple values between stages (the Transformer) and
+    reach every parameter of both stages, as the pipelined step does."""
+    work = common.make_workload(name, common.SIZES["smoke"], partitions=2)
+    reached: set[str] = set()
+    for n, p in work.module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, n=n: reached.add(n))
+    times: list[list[float]] = [[], []]
+    bench_ceiling.ceiling_functions(work, 4, times)["sequential"]()
+    assert reached == {n for n, _ in work.module.named_parameters()} and [len(t) for t in times] == [1, 1]
+    summary = bench_ceiling.ceiling_summary([2.0], [1.25], 4, [[1.5], [0.5]])
+    assert summary["parallel_scaling"] == pytest.approx(1.6) and summary["ceiling_step_s"] == pytest.approx(1.5625)
+    assert summary["imbalance"] == pytest.approx(1.5)
+
+
+def test_missed_yardstick_targets_are_explained_from_their_own_numbers():
+    row = {"workload": "amoebanet", "M": 4, "step_s": {"plain": 0.2}, "overhead": {"K=1": 1.1, "K=1, no replay": 1.04},
+           "gain": {"K=2": 1.1, "K=2, no replay": 1.15}, "replay_cost": {"K=1": 0.05, "K=2": 0.04},
+           "ceiling": {"stage_s": [0.12, 0.08], "imbalance": 1.2, "parallel_scaling": 1.6, "gain": 1.25,
+                       "fraction": 0.88}}
+    names = ["amoebanet M=4: engine K=1 / plain gradient accumulation (overhead)",
+             "amoebanet M=4: plain gradient accumulation / engine K=2 (gain)",
+             "amoebanet K=2 M=4: random replay's cost (draws nothing)"]
+    results = {"meta": {"load_before": [0.1], "machine": {"cores": 2}}, "yardstick": [row],
+               "overhead": {"overhead_per_action_us": 50.0, "replay_guard_share": 0.01},
+               "targets": [{"name": n, "goal": g, "status": "MISS"} for n, g in zip(names, ["<= 1.05", ">= 1.3x",
+                                                                                          "<= 0.02"])]}
+    notes = diagnose.diagnose(results)
+    overhead = next(n for n in notes if n.startswith("amoebanet K=1 overhead"))
+    assert "1.100 with random replay" in overhead and "8 actions would cost 0.2%" in overhead  # 8 * 50 us / 0.2 s
+    gain = next(n for n in notes if n.startswith("amoebanet K=2 gain"))
+    assert "bounds the gain at 1.25x" in gain and "imbalance 1.20" in gain
+    assert "the goal is above what a K=2 pipeline could gain" in gain  # 1.25 < 1.3
+    row["ceiling"]["gain"] = 1.4
+    gain = next(n for n in diagnose.diagnose(results) if n.startswith("amoebanet K=2 gain"))
+    assert "the remaining 12% of the bound" in gain
+    replay = next(n for n in notes if n.startswith("Random replay"))
+    assert "amoebanet K=1 +5.0% / K=2 +4.0%" in replay and "+1.0% of the step" in replay
 
 
 def _peak(rows, m, schedule, checkpoint, stage):
