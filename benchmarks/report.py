@@ -195,6 +195,12 @@ def _memory_section(results: dict) -> list[str]:
     return out
 
 
+def _sections(meta: dict) -> str:
+    """The run's wall seconds per section, as `` (local 80 s, yardstick 40 s, ...)``."""
+    sections = meta.get("sections_s")
+    return " (" + ", ".join(f"{k} {v:.0f} s" for k, v in sections.items()) + ")" if sections else ""
+
+
 def write_report(results: dict, out: Path, memory_m: int | None) -> None:
     """Write ``benchmarks.json``, ``benchmarks.md`` and the plots under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -216,7 +222,7 @@ def write_report(results: dict, out: Path, memory_m: int | None) -> None:
              f"{meta['machine']['torch']}, device {meta['machine']['device']}",
              f"- load average before / after: {meta['load_before']} / {meta['load_after']} "
              "(timings are only meaningful when the load is below the core count)",
-             f"- wall time of the run: {meta['duration_s']:.0f} s", "",
+             f"- wall time of the run: {meta['duration_s']:.0f} s" + _sections(meta), "",
              "## Targets (K=2, this machine)", ""]
     lines += _table(["target", "value", "goal", "status"],
                     [[t["name"], f"{_f(t['value'])} {t['unit']}".strip(), t["goal"], t["status"]]

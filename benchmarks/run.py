@@ -31,6 +31,8 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -75,6 +77,17 @@ def gloo_cases(sizes: Sizes) -> list[GlooCase]:
     return cases
 
 
+@contextmanager
+def timed_section(results: dict, name: str) -> Iterator[None]:
+    """Add the enclosed block's wall seconds to ``results["meta"]["sections_s"][name]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        sections = results["meta"].setdefault("sections_s", {})
+        sections[name] = sections.get(name, 0.0) + time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
@@ -114,33 +127,41 @@ def main(argv: list[str] | None = None) -> int:
         work = make_workload(name, sizes).to(torch.device(args.device))
         ms = sizes.microbatches if name == "mlp" else sizes.model_microbatches
         cks = sizes.checkpoints if name == "mlp" else sizes.model_checkpoints
-        results["local"][name] = run_workload(work, sizes, args.device, ms, cks,
-                                              sizes.torch_microbatches if name == "mlp" else (),
-                                              sizes.recompute_microbatches if name == "mlp" else ())
+        with timed_section(results, "local"):
+            results["local"][name] = run_workload(work, sizes, args.device, ms, cks,
+                                                  sizes.torch_microbatches if name == "mlp" else (),
+                                                  sizes.recompute_microbatches if name == "mlp" else ())
         mem_ms = [m for m in (4, 8, 16, 32) if m in ms] if sizes.name == "full" else [max(m for m in ms if m <= 8)]
         print(f"[memory] {name} M={mem_ms} ...", flush=True)
-        results["memory"][name] = run_memory(work, mem_ms, args.device, sizes.memory_checkpoints)
+        with timed_section(results, "memory"):
+            results["memory"][name] = run_memory(work, mem_ms, args.device, sizes.memory_checkpoints)
     print("[yardstick] plain gradient accumulation vs the engine at K=1 and K=2 ...", flush=True)
     # smoke checks the wiring on the MLP alone: the models' steps would double the smoke run
-    results["yardstick"] = run_yardstick(sizes, args.device, ["mlp"] if sizes.name == "smoke" else None)
+    with timed_section(results, "yardstick"):
+        results["yardstick"] = run_yardstick(sizes, args.device, ["mlp"] if sizes.name == "smoke" else None)
     if sizes.name != "smoke":
         print("[replay] transformer with dropout: random replay's cost ...", flush=True)
-        results["replay"] = replay_row(sizes, args.device)
+        with timed_section(results, "replay"):
+            results["replay"] = replay_row(sizes, args.device)
     print("[overhead] tiny layers ...", flush=True)
-    results["overhead"] = run_overhead(sizes, args.device)
+    with timed_section(results, "overhead"):
+        results["overhead"] = run_overhead(sizes, args.device)
     if args.device == "cpu" and not args.no_distributed and sizes.distributed:
         print("[gloo] 2 processes ...", flush=True)
-        results["gloo"] = run_gloo(gloo_cases(sizes), sizes.name, timeout=3600 if sizes.name == "full" else 900)
+        with timed_section(results, "gloo"):
+            results["gloo"] = run_gloo(gloo_cases(sizes), sizes.name, timeout=3600 if sizes.name == "full" else 900)
     if sizes.name != "smoke" and not args.no_product and args.device == "cpu":
         # the Table-2 analogues at their configs' mini-batches in every mode: Lightning's fixed per-step
         # cost would dominate the --quick sizes' 0.1 s steps; --quick keeps a sixth / a third of the layers
         # (steps of a second or less, where a fixed cost shows more, not less) and fewer rounds
         quick = sizes.name == "quick"
-        results["product"] = run_product_rows(quick=False, repeats=3 if quick else 8, warmup=1 if quick else None,
-                                              layers=QUICK_PRODUCT_LAYERS if quick else None)
+        with timed_section(results, "product"):
+            results["product"] = run_product_rows(quick=False, repeats=3 if quick else 8, warmup=1 if quick else None,
+                                                  layers=QUICK_PRODUCT_LAYERS if quick else None)
     if args.compile:
-        results["compile"] = run_compile_rows(sizes.name != "full", (4,) if sizes.name != "full" else (4, 32),
-                                              repeats=5)
+        with timed_section(results, "compile"):
+            results["compile"] = run_compile_rows(sizes.name != "full", (4,) if sizes.name != "full" else (4, 32),
+                                                  repeats=5)
     results["meta"]["load_after"] = load_average()
     results["meta"]["duration_s"] = time.perf_counter() - start
     return finish(results, args.out)

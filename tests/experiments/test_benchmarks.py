@@ -47,6 +47,7 @@ def test_outputs_exist(smoke):
                     "## Scheduling overhead", "## Memory"):
         assert heading in md
     assert "cores" in md and "torch" in md and "--smoke" in md
+    assert "s (local " in md and ", yardstick " in md  # the wall time per section
     assert "same with random_replay=False µs" in md and "replay guard's share of the step" in md
     for png in ("throughput.png", "bubble.png", "memory.png"):
         assert (out / "benchmarks" / png).stat().st_size > 0
@@ -57,6 +58,9 @@ def test_json_structure(smoke):
     assert {"meta", "local", "memory", "overhead", "targets", "notes", "gloo", "yardstick"} <= set(res)
     assert {"date", "command", "machine", "mode", "load_before", "load_after"} <= set(res["meta"])
     assert res["meta"]["mode"] == "smoke"
+    sections = res["meta"]["sections_s"]  # where the run's time went, within its wall time
+    assert set(sections) == {"local", "memory", "yardstick", "overhead"} and min(sections.values()) > 0
+    assert sum(sections.values()) <= res["meta"]["duration_s"]
     assert set(res["local"]) == {"mlp", "transformer", "amoebanet"}
     for name, entry in res["local"].items():
         assert entry["baseline_s"] > 0, name
