@@ -8,7 +8,8 @@ step time is almost all engine work (threads, mailbox, hooks, generators):
 
 The unpipelined compute runs forward + loss + backward of the whole module on
 each micro-batch in turn, on one thread. The target is judged with memory counting
-(saved-tensor hooks, ``track_memory``) off; the figures with it on, and with ``random_replay``
+(saved-tensor hooks, ``track_memory``) off; the figures with it on (counted once per forward
+signature, the default), counting every forward (``"every_step"``), and with ``random_replay``
 off (what the replay guard costs a model that draws nothing), are reported too.
 """
 
@@ -41,11 +42,11 @@ def run_overhead(sizes: Sizes, device: str) -> dict[str, float]:
         for x, y in micro:
             work.loss_fn(work.module(x), y).backward()
 
-    def pipe(track: bool, replay: bool | str = "auto") -> GPipe:
+    def pipe(track: bool | str, replay: bool | str = "auto") -> GPipe:
         return GPipe(work.module, balance=work.balance, chunks=chunks, checkpoint="never", devices=[device] * K,
                      threads_per_stage=1, seed=0, track_memory=track, random_replay=replay)
 
-    pipes = {True: pipe(True), False: pipe(False)}
+    pipes = {True: pipe(True), False: pipe(False), "every_step": pipe("every_step")}
     no_replay = pipe(False, False)
     inside: list[float] = []
     last: list[GPipe] = []
@@ -63,14 +64,17 @@ def run_overhead(sizes: Sizes, device: str) -> dict[str, float]:
 
     reps = ROUNDS if sizes.name != "smoke" else max(2, sizes.repeats)
     times = time_rounds({"compute": compute, "pipe": lambda: step(pipes[False]),
-                         "tracked": lambda: step(pipes[True]), "no_replay": lambda: no_replay.train_step(
+                         "tracked": lambda: step(pipes[True]), "every_step": lambda: step(pipes["every_step"]),
+                         "no_replay": lambda: no_replay.train_step(
                              work.inputs, work.targets, work.loss_fn)}, reps, max(2, sizes.warmup), between)
     between()
-    compute_s, step_s, tracked_s, plain_s = (times[k].median for k in ("compute", "pipe", "tracked", "no_replay"))
+    compute_s, step_s, tracked_s, every_s, plain_s = (times[k].median for k in
+                                                      ("compute", "pipe", "tracked", "every_step", "no_replay"))
     actions = 2 * K * chunks
     return {"microbatches": chunks, "actions": actions, "step_s": step_s, "compute_s": compute_s,
             "overhead_per_action_us": (step_s - compute_s) / actions * 1e6,
             "overhead_with_memory_tracking_us": (tracked_s - compute_s) / actions * 1e6,
+            "overhead_counting_every_forward_us": (every_s - compute_s) / actions * 1e6,
             "overhead_without_replay_us": (plain_s - compute_s) / actions * 1e6,
             "replay_guard_share": paired_ratio(times["pipe"], times["no_replay"]) - 1,
             "inside_action_us": statistics.median(inside[-reps:]) / actions * 1e6,

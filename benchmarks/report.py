@@ -236,11 +236,13 @@ def write_report(results: dict, out: Path, memory_m: int | None) -> None:
     if ov:
         lines += ["## Scheduling overhead (4 × Linear(4,4), K=2)", ""]
         lines += _table(["M", "actions", "step s", "unpipelined compute s", "overhead / action µs",
-                         "same with memory counting µs", "same with random_replay=False µs",
+                         "same with memory counting µs", "same, counting every forward µs",
+                         "same with random_replay=False µs",
                          "replay guard's share of the step", "time inside an action µs",
                          "per critical-path tick µs"],
                         [[ov["microbatches"], ov["actions"], ov["step_s"], ov["compute_s"],
                           ov["overhead_per_action_us"], ov.get("overhead_with_memory_tracking_us", float("nan")),
+                          ov.get("overhead_counting_every_forward_us", float("nan")),
                           ov.get("overhead_without_replay_us", float("nan")), ov.get("replay_guard_share", float("nan")),
                           ov["inside_action_us"], ov["per_tick_us"]]])
     lines += _gloo_section(results)

@@ -49,6 +49,7 @@ def test_outputs_exist(smoke):
     assert "cores" in md and "torch" in md and "--smoke" in md
     assert "s (local " in md and ", yardstick " in md  # the wall time per section
     assert "same with random_replay=False µs" in md and "replay guard's share of the step" in md
+    assert "same, counting every forward µs" in md
     for png in ("throughput.png", "bubble.png", "memory.png"):
         assert (out / "benchmarks" / png).stat().st_size > 0
 

@@ -159,4 +159,7 @@ def running_stats_untouched(layers: list[nn.Module]) -> Iterator[None]:
         with torch.no_grad():
             for m, buffers in saved:
                 for n, b in m.named_buffers(recurse=False):
-                    b.copy_(buffers[n])
+                    # through ``.data``: the replay's graph saved these buffers (a training-mode
+                    # batch norm's backward takes them, unread), and restoring their values must not
+                    # count as an in-place change of what that backward needs
+                    b.data.copy_(buffers[n])

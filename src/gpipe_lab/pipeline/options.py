@@ -23,6 +23,8 @@ CHECKPOINT_MODES = ("always", "except_last", "never")
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 TRANSPORTS = ("local", "distributed")
 REPLAY_SETTINGS = ("auto", True, False)
+#: ``track_memory``: count once per forward signature and reuse, count every forward, do not count
+MEMORY_SETTINGS = (True, "every_step", False)
 
 
 class OptionError(ValueError):
@@ -74,8 +76,10 @@ class PipelineOptions:
     #: ``nn.Dropout`` draws (see ``compiling``); it raises for any other draw. The first steps
     #: compile, and a neighbour's wait for it counts against ``timeout``: raise it for large stages.
     compile: Any = False
-    #: count saved-activation bytes per stage (``memory()``) with saved-tensor hooks.
-    track_memory: bool = True
+    #: count saved-activation bytes per stage (``memory()``) with saved-tensor hooks: ``true`` counts
+    #: the first forward of each signature (input shapes, grad and autocast modes ...) and reuses it,
+    #: ``every_step`` counts every forward (saved tensors whose size depends on values), ``false`` none.
+    track_memory: bool | str = True
     #: CPU stages: keep freed memory in the process for the next step (glibc ``mallopt``).
     retain_cpu_memory: bool = True
 
@@ -119,6 +123,8 @@ class PipelineOptions:
             fail("transport", f"must be one of {list(TRANSPORTS)}")
         if not isinstance(self.random_replay, (bool, str)) or self.random_replay not in REPLAY_SETTINGS:
             fail("random_replay", f"must be one of {list(REPLAY_SETTINGS)}")
+        if not isinstance(self.track_memory, (bool, str)) or self.track_memory not in MEMORY_SETTINGS:
+            fail("track_memory", f"must be one of {list(MEMORY_SETTINGS)}")
         if self.nonfinite not in NONFINITE_POLICIES:
             fail("nonfinite", f"must be one of {list(NONFINITE_POLICIES)}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \

@@ -15,6 +15,7 @@ then back-propagates.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable
 from contextlib import nullcontext
 from typing import Any
 
@@ -27,6 +28,7 @@ from gpipe_lab.pipeline.checkpointing import autocast_as, autocast_state, checkp
 from gpipe_lab.pipeline.compiling import CompiledStage
 from gpipe_lab.pipeline.context import microbatch_seed
 from gpipe_lab.pipeline.device_timing import DeviceClock
+from gpipe_lab.pipeline.memory_count import SignatureMemo, parameters_needing_grad
 from gpipe_lab.pipeline.microbatch import as_tuple, final_output, unwrap
 from gpipe_lab.pipeline.module_walk import ModuleWalk, walk
 from gpipe_lab.pipeline.replay_policy import DISPATCH, NONE, OFF, StageReplay
@@ -60,12 +62,14 @@ class StageRuntime:
         self.outputs: dict[int, tuple[tuple[Tensor, ...], bool]] = {}
         self.keep_outputs = False
         self._saved: dict[int, SavedMicrobatch] = {}
-        self._param_storages: frozenset[int] = frozenset()
+        self._param_storages: frozenset[int] | None = None
+        self._params_key: Hashable | None = None
+        self.memory_memo = SignatureMemo()
         self._norms: list[nn.Module] | None = None
         self._walk: ModuleWalk | None = None
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.track_memory = True
+        self.track_memory: bool | str = True  # see ``memory_count``
         self.replay = StageReplay("auto", device, NONE, module, index)  # the core sets the option's
         self.clock = DeviceClock(device) if device.type == "cuda" else None
         self.compiled: CompiledStage | None = None  # set by the core with ``compile``
@@ -83,11 +87,7 @@ class StageRuntime:
         if self.clock is not None:
             self.clock.begin()
         self._walk = None  # the step's one walk of the module, made when first needed
-        if self.track_memory:
-            found = self.step_walk()
-            self._param_storages = storage_keys([*found.parameters, *found.buffers])
-        else:
-            self._param_storages = frozenset()
+        self._param_storages = self._params_key = None  # made when a forward of the step first needs them
         self._norms = None  # found at the step's first replay
         self.replay.settle()
 
@@ -141,9 +141,8 @@ class StageRuntime:
             saved.saved_bytes += n
             self._add_bytes(n)
 
-        # boundary inputs are counted on their own; the rule is the lab's one (gpipe_lab.saved_bytes)
-        hooks = (SavedBytes(self._param_storages, inputs, count).hooks() if self.track_memory
-                 else nullcontext())
+        counter, signature = self._memory_counter(inputs, target, recomputing, mb, count)
+        hooks = nullcontext() if counter is None else counter.hooks()
         # every micro-batch gets its generator: any layer may draw from current_generator()
         seed = microbatch_seed(self.base_seed, self.plan.step, self.index, mb)
         training = self.module.training
@@ -175,7 +174,33 @@ class StageRuntime:
                 self.outputs[mb] = (tuple(t.detach() for t in outputs), out_is_tensor)
         if mode is not None and not recomputing:
             saved.drew_nothing = mode.draws == 0
+        if signature is not None:
+            self.memory_memo.remember(signature, counter.total)  # type: ignore[union-attr]
         return outputs, out_is_tensor
+
+    def _memory_counter(self, inputs: tuple[Tensor, ...], target: object, recomputing: bool, mb: int,
+                        count: Callable[[int], None]) -> tuple[SavedBytes | None, Hashable | None]:
+        """The counter for this forward's saved bytes (None: not counted), and the signature to
+        remember its count under (None: nothing to remember). A forward whose signature was
+        counted before is charged that count here (``memory_count``)."""
+        if not self.track_memory:
+            return None, None
+        signature = None
+        if self.track_memory is True:
+            if self._params_key is None:
+                self._params_key = parameters_needing_grad(self.step_walk().parameters)
+            loss = (self.plan.loss_fn, target) if self.is_last and self.plan.loss_fn is not None else None
+            signature = self.memory_memo.signature(self.module, self._params_key, inputs, recomputing,
+                                                   mb in self.plan.checkpointed and not recomputing, loss)
+            known = self.memory_memo.known(signature)
+            if known is not None:
+                count(known)
+                return None, None
+        if self._param_storages is None:
+            found = self.step_walk()
+            self._param_storages = storage_keys([*found.parameters, *found.buffers])
+        # boundary inputs are counted on their own; the rule is the lab's one (gpipe_lab.saved_bytes)
+        return SavedBytes(self._param_storages, inputs, count), signature
 
     # ---------------------------------------------------------------- actions
     def forward(self, mb: int, inputs: tuple[Tensor, ...], was_tensor: bool,
