@@ -32,6 +32,8 @@ AXES: dict[str, tuple] = {
     "frozen": (False, True),
     "dtype": ("float32", "float64"),
     "output": ("tensor", "dict"),
+    # counting hooks switch off autograd's in-place check of what a forward saved: both ways
+    "track_memory": (True, False),
     "transport": ("local", "distributed"),
 }
 BALANCE = {1: [5], 2: [2, 3], 3: [2, 1, 2]}  # layer 2 (the probe) sits on stage 0, 1, 1
@@ -53,6 +55,7 @@ class Case:
     frozen: bool
     dtype: str
     output: str
+    track_memory: bool
     transport: str
 
     def recipe(self) -> str:

@@ -80,7 +80,8 @@ class Judged:
     failures: dict[int, dict] = field(default_factory=dict)
     seconds: float = 0.0
     commits: Counter = field(default_factory=Counter)
-    stale: int = 0  # judgements of another engine digest
+    # judgements of another engine digest, per digest: [judged, failed, seconds]
+    stale: dict[str, list[float]] = field(default_factory=dict)
 
 
 def read_log(path: Path, digest: str) -> Judged:
@@ -94,7 +95,10 @@ def read_log(path: Path, digest: str) -> Judged:
         _, n = row["shard"]
         count = sum((b - a) // n + 1 for a, b in row["passed"]) + len(row["failed"])
         if row["engine"] != digest:
-            out.stale += count
+            earlier = out.stale.setdefault(row["engine"], [0, 0, 0.0])
+            earlier[0] += count
+            earlier[1] += len(row["failed"])
+            earlier[2] += row["seconds"]
             continue
         out.seconds += row["seconds"]
         out.commits[row["commit"]] += count
@@ -119,7 +123,9 @@ def read_logs(log: Path, digest: str) -> Judged:
         out.failures.update(one.failures)
         out.seconds += one.seconds
         out.commits += one.commits
-        out.stale += one.stale
+        for other, (judged, failed, seconds) in one.stale.items():
+            earlier = out.stale.setdefault(other, [0, 0, 0.0])
+            earlier[0], earlier[1], earlier[2] = earlier[0] + judged, earlier[1] + failed, earlier[2] + seconds
     out.failures = {k: f for k, f in out.failures.items() if not out.ok[k]}
     return out
 
@@ -179,8 +185,9 @@ def summary(log: Path) -> int:
     lines.append(f"{judged} of {total} combinations judged at engine {digest}, {judged - len(failures)} passed, "
                  f"{len(failures)} failed, in {seconds / 3600:.2f} shard-hours; judged at commit: "
                  + (", ".join(f"{c} ({k})" for c, k in sorted(commits.items())) or "none"))
-    if stale:
-        lines.append(f"{stale} judgements of another engine digest are not counted")
+    for other, (n, failed, hours) in sorted(stale.items()):
+        lines.append(f"not counted: {int(n)} judgements at engine {other} ({int(failed)} failed, "
+                     f"{hours / 3600:.2f} shard-hours), an earlier engine or harness")
     print("\n".join(lines))
     if log.exists():
         (log / "summary.md").write_text(

@@ -63,7 +63,8 @@ def run_engine(case: Case) -> Observed:
     obs: Observed = {}
     try:
         options = dict(balance=BALANCE[case.K], chunks=case.M, checkpoint=case.checkpoint,
-                       schedule=case.schedule, deferred_batch_norm=case.bn == "deferred", seed=SEED, timeout=60)
+                       schedule=case.schedule, deferred_batch_norm=case.bn == "deferred", seed=SEED, timeout=60,
+                       track_memory=case.track_memory)
         if case.transport == "local":
             pipe = GPipe(model, threads_per_stage=1, **options)
         else:  # this rank's share; differential_distributed merges the ranks'

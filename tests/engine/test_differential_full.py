@@ -13,11 +13,11 @@ from gpipe_lab.provenance import source_commit
 
 CASES = [Case.parse(r) for r in (
     "door=train_step,K=2,M=3,batch=10,checkpoint=except_last,schedule=gpipe,bn=plain,rand=dropout,"
-    "autocast=none,inputs=tensor,frozen=False,dtype=float32,output=tensor,transport=local",
+    "autocast=none,inputs=tensor,frozen=False,dtype=float32,output=tensor,track_memory=True,transport=local",
     "door=backward,K=1,M=1,batch=12,checkpoint=never,schedule=gpipe,bn=none,rand=none,"
-    "autocast=none,inputs=tensor,frozen=False,dtype=float32,output=dict,transport=local",  # must refuse
+    "autocast=none,inputs=tensor,frozen=False,dtype=float32,output=dict,track_memory=True,transport=local",  # must refuse
     "door=nograd_train,K=3,M=4,batch=12,checkpoint=never,schedule=gpipe,bn=deferred,rand=functional,"
-    "autocast=bf16,inputs=tuple,frozen=True,dtype=float32,output=tensor,transport=local",
+    "autocast=bf16,inputs=tuple,frozen=True,dtype=float32,output=tensor,track_memory=True,transport=local",
 )]
 
 
@@ -57,13 +57,14 @@ def test_shards_judge_every_case_once_and_resume_judging_only_what_failed(tmp_pa
 def test_a_judgement_of_another_engine_does_not_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(full, "all_cases", lambda: CASES)
-    old = {"engine": "000000000000", "commit": "old", "shard": [0, 1], "seconds": 1.0, "passed": [[0, 2]],
-           "failed": []}
+    old = {"engine": "000000000000", "commit": "old", "shard": [0, 1], "seconds": 1.0, "passed": [[0, 1]],
+           "failed": [{"index": 2, "recipe": CASES[2].recipe(), "problems": ["differs"]}]}
     (tmp_path / "shard-0-of-1.jsonl").write_text(json.dumps(old) + "\n")
     assert full.summary(tmp_path) == 2
     out = capsys.readouterr().out
     assert f"0 of 3 combinations judged at engine {full.engine_digest()}" in out
-    assert "3 judgements of another engine digest are not counted" in out
+    assert "not counted: 3 judgements at engine 000000000000 (1 failed, 0.00 shard-hours)" in out
+    assert "not counted: 3 judgements at engine 000000000000" in (tmp_path / "summary.md").read_text()
     assert full.run_shard(tmp_path, 0, 1, limit=1) == 0  # judges case 0 again, not from the old line
     assert _rows(tmp_path)[-1]["passed"] == [[0, 0]]
 
