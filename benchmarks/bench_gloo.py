@@ -13,17 +13,21 @@ divides a baseline timed beside it. Both frameworks run with the same allocator 
 torch.distributed.pipelining runs ``ScheduleGPipe`` / ``Schedule1F1B`` without
 re-materialization (it has none of its own), so it is compared with our
 ``never`` mode. Workloads whose stage inputs are tuples (the Transformer) run
-only on our transport.
+only on our transport. Each stage's own F+B of the M micro-batches, timed alone on rank 0 in
+the same rounds, gives the least step any schedule could reach (``pipeline_lower_bound``):
+how far each framework is from it bounds what the other could gain.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.bench_ceiling import ceiling_functions
 from benchmarks.bench_common import SIZES, make_workload, prepare_process
 from gpipe_lab.bench import time_rounds
 from gpipe_lab.pipeline.distributed import DistributedGPipe
@@ -95,6 +99,30 @@ def _baseline(workload: str, sizes_name: str, rank: int) -> Callable[[], None]:
     return step
 
 
+def _stages_alone(workload: str, sizes_name: str, chunks: int, rank: int,
+                  stage_times: list[list[float]]) -> Callable[[], None]:
+    """On rank 0: each stage's own F+B of the M micro-batches, one after the other, no hand-over
+    (``bench_ceiling``), each stage's seconds appended to ``stage_times``; other ranks idle."""
+    if rank != 0:
+        return lambda: None
+    return ceiling_functions(make_workload(workload, SIZES[sizes_name]), chunks, stage_times)["sequential"]
+
+
+def pipeline_lower_bound(stage_s: Sequence[float], chunks: int) -> float:
+    """The least step of any schedule over stages that take ``stage_s`` seconds each for all M
+    micro-batches (K=2): a stage cannot start before the other's first forward of one micro-batch,
+    nor end before the other's last backward of one, so the step is at least
+    max(S0 + S1/M, S1 + S0/M).
+
+    Raises:
+        ValueError: not two stages.
+    """
+    if len(stage_s) != 2:
+        raise ValueError(f"the bound is for K=2 stages, got {len(stage_s)} stage times")
+    s0, s1 = stage_s
+    return max(s0 + s1 / chunks, s1 + s0 / chunks)
+
+
 def _run_group(group: Sequence[GlooCase], sizes_name: str, rank: int) -> list[dict]:
     """Time the cases of one (workload, M, checkpoint) and the baseline side by side.
 
@@ -111,11 +139,17 @@ def _run_group(group: Sequence[GlooCase], sizes_name: str, rank: int) -> list[di
         return timed
 
     steps = {str(j): across_ranks(step) for j, (_, step, _) in enumerate(made)}
-    timings = time_rounds({**steps, "baseline": across_ranks(base)},
-                          max(1, sizes.gloo_repeats or sizes.repeats), sizes.warmup, between=dist.barrier)
+    stage_times: list[list[float]] = [[], []]
+    alone = _stages_alone(group[0].workload, sizes_name, group[0].chunks, rank, stage_times)
+    repeats = max(1, sizes.gloo_repeats or sizes.repeats)
+    timings = time_rounds({**steps, "baseline": across_ranks(base), "stages_alone": across_ranks(alone)},
+                          repeats, sizes.warmup, between=dist.barrier)
     baseline = timings["baseline"].median
+    stage_s = [statistics.median(t[-repeats:]) for t in stage_times] if rank == 0 else None
+    bound = stage_s and pipeline_lower_bound(stage_s, group[0].chunks)
     return [{**case.__dict__, "step": timings[str(j)].summary(), "baseline_s": baseline,
-             "speedup": baseline / timings[str(j)].median, **report(), "error": None}
+             "speedup": baseline / timings[str(j)].median, "stage_alone_s": stage_s, "lower_bound_s": bound,
+             **report(), "error": None}
             for j, (case, _, report) in enumerate(made)]
 
 

@@ -102,6 +102,7 @@ def diagnose(results: dict) -> list[str]:
         notes.append(f"vs torch.distributed.pipelining ({len(torch_missed)} missed): " + "; ".join(parts)
                      + ". The local transport's two stages share one process (GIL, one allocator); the "
                      "distributed transport and torch both run one process per stage.")
+        notes += _bound_notes(results)
     return notes
 
 
@@ -150,3 +151,20 @@ def _yardstick_notes(results: dict, missed: set[str]) -> list[str]:
                      + ("" if share is None else f"; on the tiny pipeline (every action a few microseconds) the "
                         f"guard is {share:+.1%} of the step") + ".")
     return notes
+
+
+def _bound_notes(results: dict) -> list[str]:
+    """How close torch's steps come to the least step of any schedule of the same stages: the
+    speed-up over torch that any engine could reach at most."""
+    rows = [r for r in results.get("gloo", []) if r["framework"] == "torch" and r.get("lower_bound_s")
+            and not r.get("error")]
+    if not rows:
+        return []
+    parts = [f"{r['schedule']} M={r['chunks']}: torch {r['step']['median']:.3f} s, bound {r['lower_bound_s']:.3f} s "
+             f"(stages alone {' + '.join(f'{t:.3f}' for t in r['stage_alone_s'])} s), at most "
+             f"{r['step']['median'] / r['lower_bound_s']:.2f}x" for r in rows]
+    best = max(r["step"]["median"] / r["lower_bound_s"] for r in rows)
+    return ["Least step of any K=2 schedule of these stages, max(S0 + S1/M, S1 + S0/M) from each stage's own "
+            "work timed alone: " + "; ".join(parts) + f". So no engine could run these schedules more than "
+            f"{best:.2f}x faster than torch on this machine"
+            + (", below the 1.1x goal." if best < 1.1 else ".")]

@@ -144,11 +144,21 @@ def _gloo_section(results: dict) -> list[str]:
         return out + ["Not run (CUDA device, or `--no-distributed`).", ""]
     rows = [[r["workload"], r["framework"], r["schedule"], r["chunks"], r["checkpoint"],
              r["step"]["median"] if not r.get("error") else None, r.get("baseline_s"), r.get("speedup"),
-             r.get("bubble"), (r.get("error") or "")[:80]]
+             r.get("bubble"), _of_bound(r), (r.get("error") or "")[:80]]
             for r in results["gloo"]]
     return out + _table(["workload", "framework", "schedule", "M", "checkpoint", "step s (median)",
-                         "baseline s (same rounds)", "speed-up", "bubble", "error"], rows) + [
-        "The baseline is the whole module on rank 0 (one thread), timed in the same alternating rounds.", ""]
+                         "baseline s (same rounds)", "speed-up", "bubble", "step / lower bound", "error"], rows) + [
+        "The baseline is the whole module on rank 0 (one thread), timed in the same alternating rounds. "
+        "*Lower bound*: max(S0 + S1/M, S1 + S0/M), where S0, S1 are the stages' own F+B of the M "
+        "micro-batches timed alone on rank 0 in the same rounds (`bench_gloo.pipeline_lower_bound`): no "
+        "schedule of these stages can take less, and two stages computing at once on two cores only "
+        "slow each other.", ""]
+
+
+def _of_bound(row: dict) -> float | None:
+    """A gloo row's step over the lower bound of any schedule of its stages (None if unmeasured)."""
+    bound = row.get("lower_bound_s")
+    return row["step"]["median"] / bound if bound and not row.get("error") else None
 
 
 def _app_sections(results: dict) -> list[str]:

@@ -220,6 +220,21 @@ def test_gloo_cases_run():
         # the baseline is timed in the group's own rounds: one value for the group, each row divided by it
         assert r["baseline_s"] == rows[0]["baseline_s"] > 0
         assert r["speedup"] == pytest.approx(r["baseline_s"] / r["step"]["median"])
+        # the stages' own work, timed alone in the same rounds, bounds any schedule of them
+        s0, s1 = r["stage_alone_s"]
+        assert min(s0, s1) > 0 and r["lower_bound_s"] == pytest.approx(max(s0 + s1 / 2, s1 + s0 / 2))
+
+
+def test_the_lower_bound_of_any_schedule_and_what_it_says_of_torch():
+    assert bench_gloo.pipeline_lower_bound([0.8, 0.4], 4) == pytest.approx(0.9)  # 0.8 + 0.4 / 4
+    with pytest.raises(ValueError, match="K=2 stages, got 3"):
+        bench_gloo.pipeline_lower_bound([1.0, 1.0, 1.0], 4)
+    rows = [{"framework": "torch", "schedule": s, "chunks": 8, "step": {"median": t}, "lower_bound_s": 1.0,
+             "stage_alone_s": [0.5, 0.5], "error": None} for s, t in (("gpipe", 1.05), ("1f1b", 1.08))]
+    note = diagnose._bound_notes({"gloo": rows})[0]
+    assert "at most 1.05x" in note and "more than 1.08x faster than torch" in note and "below the 1.1x goal" in note
+    rows[1]["step"]["median"] = 1.2
+    assert "below" not in diagnose._bound_notes({"gloo": rows})[0]
 
 
 def test_rerender_from_json(smoke, tmp_path):
