@@ -152,7 +152,9 @@ def test_the_callers_wait_is_bounded_when_a_stage_is_stuck_in_a_computation(bala
     """A stage stuck in one computation (as a backward that can never be scheduled would be)
     reaches the caller as an error within a bounded time, though its thread cannot be stopped."""
     hold = Hold()
-    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), hold), balance=balance, chunks=2, timeout=300.0)
+    # one thread per stage: a single stage of several threads runs on the caller's thread (below)
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), hold), balance=balance, chunks=2, timeout=300.0,
+                 threads_per_stage=1)
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     pipe.timeout = 0.3
     try:
@@ -164,3 +166,26 @@ def test_the_callers_wait_is_bounded_when_a_stage_is_stuck_in_a_computation(bala
     assert not stage_threads()
     pipe.timeout = 30.0
     assert torch.isfinite(pipe.train_step(x, y, F.mse_loss))
+
+
+class WhereRun(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[tuple[str, int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.threads.append((threading.current_thread().name, torch.get_num_threads()))
+        return x
+
+
+@pytest.mark.parametrize("balance,threads,on_caller", [([2], 2, True), ([2], 1, False), ([1, 1], 2, False)])
+def test_a_single_cpu_stage_of_several_threads_runs_on_the_callers_thread(balance, threads, on_caller) -> None:
+    """libgomp's teams: a multi-threaded stage beside the caller's own team slows every small
+    parallel region, so one local CPU stage of several threads runs where the caller runs."""
+    where = WhereRun()
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), where), balance=balance, chunks=2, threads_per_stage=threads)
+    before = torch.get_num_threads()
+    pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), F.mse_loss)
+    names = {name for name, _ in where.threads}
+    assert (names == {threading.current_thread().name}) is on_caller
+    assert {n for _, n in where.threads} == {threads} and torch.get_num_threads() == before

@@ -190,8 +190,25 @@ class Executor:
         raise self.endpoint.fail(exc, stage, action) from None
 
     def _run_threads(self, step: _Step, ranks: RankDevices) -> None:
-        """Start a thread per rank and wait until all have ended (also when interrupted)."""
+        """Start a thread per rank and wait until all have ended (also when interrupted).
+
+        One local CPU stage of several intra-op threads runs on the caller's thread instead:
+        libgomp gives every thread that starts a parallel region a team of its own, and a stage
+        team beside the caller's slows each small parallel region of the stage (AmoebaNet-D(18, 32),
+        K=1, M=4, two threads: a step took 2.5x as long after the caller's first multi-threaded
+        op). Such a step has no neighbour to wait for, so only a computation that never returns
+        could hold it, as it would hold plain PyTorch; with one thread (no team) the stage keeps
+        its worker, and a stuck computation is reported after ``timeout``.
+        """
         main_threads = torch.get_num_threads()
+        threads = self.endpoint.threads_per_rank
+        if (len(ranks) == 1 and ranks[0][1].type == "cpu" and self.endpoint.holds_all_stages
+                and threads is not None and threads > 1):
+            try:
+                self._rank_thread(step, *ranks[0])
+            finally:
+                torch.set_num_threads(main_threads)
+            return
         launched: list[int] = []
         try:
             for k, device in ranks:
