@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -106,14 +106,31 @@ def ceiling_functions(work: Workload, chunks: int, stage_times: list[list[float]
     return {"sequential": sequential, "parallel": parallel}
 
 
+def pipeline_lower_bound(stage_s: Sequence[float], chunks: int) -> float:
+    """The least step of any schedule over stages that take ``stage_s`` seconds each for all M
+    micro-batches (K=2): a stage cannot start before the other's first forward of one micro-batch,
+    nor end before the other's last backward of one, so the step is at least
+    max(S0 + S1/M, S1 + S0/M).
+
+    Raises:
+        ValueError: not two stages.
+    """
+    if len(stage_s) != 2:
+        raise ValueError(f"the bound is for K=2 stages, got {len(stage_s)} stage times")
+    s0, s1 = stage_s
+    return max(s0 + s1 / chunks, s1 + s0 / chunks)
+
+
 def ceiling_summary(sequential: list[float], parallel: list[float], chunks: int,
                     stage_times: list[list[float]] | None = None) -> dict[str, object]:
     """Scaling and ceiling step from the timed runs (medians); with ``stage_times``, each stage's
-    own seconds (``stage_s``) and their imbalance (the slowest over the mean)."""
+    own seconds (``stage_s``), their imbalance (the slowest over the mean) and the least step of
+    any schedule of those stages (``lower_bound_s``)."""
     seq, par = statistics.median(sequential), statistics.median(parallel)
     summary: dict[str, object] = {"M": chunks, "sequential_s": seq, "parallel_s": par,
                                   "parallel_scaling": seq / par, "ceiling_step_s": par * (chunks + K - 1) / chunks}
     if stage_times:
         stages = [statistics.median(t) for t in stage_times]
-        summary.update(stage_s=stages, imbalance=max(stages) / statistics.fmean(stages))
+        summary.update(stage_s=stages, imbalance=max(stages) / statistics.fmean(stages),
+                       lower_bound_s=pipeline_lower_bound(stages, chunks))
     return summary

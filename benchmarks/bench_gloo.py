@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from benchmarks.bench_ceiling import ceiling_functions
+from benchmarks.bench_ceiling import ceiling_functions, pipeline_lower_bound
 from benchmarks.bench_common import SIZES, make_workload, prepare_process
 from gpipe_lab.bench import time_rounds
 from gpipe_lab.pipeline.distributed import DistributedGPipe
@@ -106,21 +106,6 @@ def _stages_alone(workload: str, sizes_name: str, chunks: int, rank: int,
     if rank != 0:
         return lambda: None
     return ceiling_functions(make_workload(workload, SIZES[sizes_name]), chunks, stage_times)["sequential"]
-
-
-def pipeline_lower_bound(stage_s: Sequence[float], chunks: int) -> float:
-    """The least step of any schedule over stages that take ``stage_s`` seconds each for all M
-    micro-batches (K=2): a stage cannot start before the other's first forward of one micro-batch,
-    nor end before the other's last backward of one, so the step is at least
-    max(S0 + S1/M, S1 + S0/M).
-
-    Raises:
-        ValueError: not two stages.
-    """
-    if len(stage_s) != 2:
-        raise ValueError(f"the bound is for K=2 stages, got {len(stage_s)} stage times")
-    s0, s1 = stage_s
-    return max(s0 + s1 / chunks, s1 + s0 / chunks)
 
 
 def _run_group(group: Sequence[GlooCase], sizes_name: str, rank: int) -> list[dict]:

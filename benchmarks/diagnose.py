@@ -129,7 +129,7 @@ def _yardstick_notes(results: dict, missed: set[str]) -> list[str]:
         ceiling = row.get("ceiling")
         if gain in missed and ceiling:
             bound, goal = ceiling["gain"], _goal(results, gain)
-            where = ("the goal is above what a K=2 pipeline could gain on these cores at that moment"
+            where = ("the goal is above what any K=2 schedule of these stages could gain"
                      if bound < goal else f"the engine's share (hand-over, waits) is the remaining "
                      f"{1 - ceiling['fraction']:.0%} of the bound")
             stages = " s and ".join(f"{t:.4f}" for t in ceiling["stage_s"])
@@ -137,10 +137,11 @@ def _yardstick_notes(results: dict, missed: set[str]) -> list[str]:
                 f"{name} K=2 gain at M={m}: {row['gain']['K=2']:.2f}x ({row['gain']['K=2, no replay']:.2f}x "
                 f"without random replay). Its two stages alone take {stages} s (imbalance "
                 f"{ceiling['imbalance']:.2f}, the slowest over the mean; together {sum(ceiling['stage_s']):.4f} s "
-                f"against plain's {plain:.4f} s); at once on two threads they ran {ceiling['parallel_scaling']:.2f}x "
-                f"faster than one after the other (2.00 = two free cores), so fill-drain ((M+K-1)/M = "
-                f"{(m + K - 1) / m:.2f}) at that speed bounds the gain at {bound:.2f}x, and the engine reached "
-                f"{ceiling['fraction']:.2f} of that bound: {where}.")
+                f"against plain's {plain:.4f} s), so no schedule of them takes less than max(S0 + S1/M, "
+                f"S1 + S0/M) = {ceiling['lower_bound_s']:.4f} s: the gain is at most {bound:.2f}x, and the engine "
+                f"reached {ceiling['fraction']:.2f} of that bound; at once on two threads the stages ran "
+                f"{ceiling['parallel_scaling']:.2f}x faster than one after the other (2.00 = two free cores): "
+                f"{where}.")
     replay = [n for n in missed if "random replay's cost (draws nothing)" in n]
     if replay:
         costs = ", ".join(f"{r['workload']} K=1 {r['replay_cost']['K=1']:+.1%} / K=2 {r['replay_cost']['K=2']:+.1%}"

@@ -112,9 +112,10 @@ def _yardstick_section(results: dict) -> list[str]:
             "`random_replay` at its default over the step with it off, less one (the MLP and AmoebaNet "
             "draw nothing). *K=2 stages alone*: each stage's own F+B of the M micro-batches, no hand-over, "
             "one after the other on one thread; *2-thread scaling*: those two run at once on two threads "
-            "against one after the other (2.00 = two free cores); *gain ceiling*: plain / (their parallel "
-            "time · (M+K−1)/M), what a K=2 fill-drain pipeline with free hand-over could gain on these "
-            "cores at that moment (`bench_ceiling.py`, timed in the same rounds).", ""] + ([f"Replay cost where something is drawn: {replay_line(results['replay'])}.", ""]
+            "against one after the other (2.00 = two free cores); *gain ceiling*: plain / max(S0 + S1/M, "
+            "S1 + S0/M) with S0, S1 the stages alone: no schedule of these stages takes less than that "
+            "bound (`bench_ceiling.pipeline_lower_bound`), and two stages computing at once only slow "
+            "each other.", ""] + ([f"Replay cost where something is drawn: {replay_line(results['replay'])}.", ""]
                                      if results.get("replay") else [])
 
 
@@ -150,7 +151,7 @@ def _gloo_section(results: dict) -> list[str]:
                          "baseline s (same rounds)", "speed-up", "bubble", "step / lower bound", "error"], rows) + [
         "The baseline is the whole module on rank 0 (one thread), timed in the same alternating rounds. "
         "*Lower bound*: max(S0 + S1/M, S1 + S0/M), where S0, S1 are the stages' own F+B of the M "
-        "micro-batches timed alone on rank 0 in the same rounds (`bench_gloo.pipeline_lower_bound`): no "
+        "micro-batches timed alone on rank 0 in the same rounds (`bench_ceiling.pipeline_lower_bound`): no "
         "schedule of these stages can take less, and two stages computing at once on two cores only "
         "slow each other.", ""]
 

@@ -114,8 +114,9 @@ def test_yardstick_rows_are_ratios_of_one_run_and_targets_read_them(smoke):
         ceiling = r["ceiling"]  # the K=2 stages' own work, timed in the same rounds
         assert len(ceiling["stage_s"]) == 2 and min(ceiling["stage_s"]) > 0
         assert ceiling["imbalance"] == pytest.approx(max(ceiling["stage_s"]) / statistics.fmean(ceiling["stage_s"]))
-        assert ceiling["gain"] == pytest.approx(steps["plain"] / ceiling["ceiling_step_s"])
-        assert ceiling["fraction"] == pytest.approx(ceiling["ceiling_step_s"] / steps["K=2"])
+        assert ceiling["lower_bound_s"] == pytest.approx(bench_ceiling.pipeline_lower_bound(ceiling["stage_s"], 4))
+        assert ceiling["gain"] == pytest.approx(steps["plain"] / ceiling["lower_bound_s"])
+        assert ceiling["fraction"] == pytest.approx(ceiling["lower_bound_s"] / steps["K=2"])
     unmeasured = [t for t in res["targets"] if t["name"].startswith(("transformer M=4", "amoebanet M=4",
                                                                      "amoebanet K=2", "transformer dropout"))]
     assert len(unmeasured) == 6 and {t["status"] for t in unmeasured} == {"N/A"}
@@ -153,7 +154,7 @@ def test_missed_yardstick_targets_are_explained_from_their_own_numbers():
     row = {"workload": "amoebanet", "M": 4, "step_s": {"plain": 0.2}, "overhead": {"K=1": 1.1, "K=1, no replay": 1.04},
            "gain": {"K=2": 1.1, "K=2, no replay": 1.15}, "replay_cost": {"K=1": 0.05, "K=2": 0.04},
            "ceiling": {"stage_s": [0.12, 0.08], "imbalance": 1.2, "parallel_scaling": 1.6, "gain": 1.25,
-                       "fraction": 0.88}}
+                       "fraction": 0.88, "lower_bound_s": 0.16}}
     names = ["amoebanet M=4: engine K=1 / plain gradient accumulation (overhead)",
              "amoebanet M=4: plain gradient accumulation / engine K=2 (gain)",
              "amoebanet K=2 M=4: random replay's cost (draws nothing)"]
@@ -165,8 +166,8 @@ def test_missed_yardstick_targets_are_explained_from_their_own_numbers():
     overhead = next(n for n in notes if n.startswith("amoebanet K=1 overhead"))
     assert "1.100 with random replay" in overhead and "8 actions would cost 0.2%" in overhead  # 8 * 50 us / 0.2 s
     gain = next(n for n in notes if n.startswith("amoebanet K=2 gain"))
-    assert "bounds the gain at 1.25x" in gain and "imbalance 1.20" in gain
-    assert "the goal is above what a K=2 pipeline could gain" in gain  # 1.25 < 1.3
+    assert "= 0.1600 s: the gain is at most 1.25x" in gain and "imbalance 1.20" in gain
+    assert "the goal is above what any K=2 schedule of these stages could gain" in gain  # 1.25 < 1.3
     row["ceiling"]["gain"] = 1.4
     gain = next(n for n in diagnose.diagnose(results) if n.startswith("amoebanet K=2 gain"))
     assert "the remaining 12% of the bound" in gain
@@ -226,9 +227,9 @@ def test_gloo_cases_run():
 
 
 def test_the_lower_bound_of_any_schedule_and_what_it_says_of_torch():
-    assert bench_gloo.pipeline_lower_bound([0.8, 0.4], 4) == pytest.approx(0.9)  # 0.8 + 0.4 / 4
+    assert bench_ceiling.pipeline_lower_bound([0.8, 0.4], 4) == pytest.approx(0.9)  # 0.8 + 0.4 / 4
     with pytest.raises(ValueError, match="K=2 stages, got 3"):
-        bench_gloo.pipeline_lower_bound([1.0, 1.0, 1.0], 4)
+        bench_ceiling.pipeline_lower_bound([1.0, 1.0, 1.0], 4)
     rows = [{"framework": "torch", "schedule": s, "chunks": 8, "step": {"median": t}, "lower_bound_s": 1.0,
              "stage_alone_s": [0.5, 0.5], "error": None} for s, t in (("gpipe", 1.05), ("1f1b", 1.08))]
     note = diagnose._bound_notes({"gloo": rows})[0]
