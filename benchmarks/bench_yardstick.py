@@ -41,6 +41,9 @@ from gpipe_lab.pipeline.options import PipelineOptions
 CHUNKS = 4
 #: alternated rounds per contender (at least): each ratio is the median of its per-round ratios
 ROUNDS = 5
+#: more rounds where a step is short (about 0.1 s at --quick): one run's ratios then move by a few
+#: percent, not by the ±10% that 5 rounds gave the AmoebaNet analogue from one run to the next
+WORKLOAD_ROUNDS = {"transformer": 9, "amoebanet": 15}
 #: contender -> (K, random_replay)
 ENGINES = {"K=1": (1, "auto"), "K=1, no replay": (1, False), "K=2": (2, "auto"), "K=2, no replay": (2, False)}
 #: the drawing workload of the replay-cost row
@@ -86,20 +89,22 @@ def _engine_steps(name: str, sizes: Sizes, device: str, chunks: int, engines: di
     return fns
 
 
-def _timed(fns: dict[str, Callable[[], None]], works: dict[str, Workload], sizes: Sizes) -> dict[str, Timing]:
+def _timed(fns: dict[str, Callable[[], None]], works: dict[str, Workload], sizes: Sizes,
+           name: str) -> dict[str, Timing]:
     """Each contender's timed calls, in alternated rounds (gradients zeroed between calls)."""
     def zero() -> None:
         for work in works.values():
             work.module.zero_grad(set_to_none=True)
 
     smoke = sizes.name == "smoke"
-    times = time_rounds(fns, _rounds(sizes), sizes.warmup if smoke else 1, zero)
+    times = time_rounds(fns, _rounds(sizes, name), sizes.warmup if smoke else 1, zero)
     zero()
     return times
 
 
-def _rounds(sizes: Sizes) -> int:
-    return sizes.repeats if sizes.name == "smoke" else max(ROUNDS, sizes.repeats)
+def _rounds(sizes: Sizes, name: str = "") -> int:
+    """Alternated rounds per contender for workload ``name``."""
+    return sizes.repeats if sizes.name == "smoke" else max(WORKLOAD_ROUNDS.get(name, ROUNDS), sizes.repeats)
 
 
 def measure(name: str, sizes: Sizes, device: str, chunks: int = CHUNKS) -> dict[str, object]:
@@ -117,12 +122,12 @@ def measure(name: str, sizes: Sizes, device: str, chunks: int = CHUNKS) -> dict[
     ceiling_work = make_workload(name, sizes, partitions=2).to(torch.device(device))
     stage_times: list[list[float]] = [[] for _ in ceiling_work.balance]
     fns.update(ceiling_functions(ceiling_work, chunks, stage_times))
-    timed = _timed(fns, works, sizes)
+    timed = _timed(fns, works, sizes, name)
     ceiling = ceiling_summary(timed.pop("sequential").times, timed.pop("parallel").times, chunks,
-                              [t[-_rounds(sizes):] for t in stage_times])
+                              [t[-_rounds(sizes, name):] for t in stage_times])
     steps = {label: t.median for label, t in timed.items()}
     ceiling.update(gain=steps["plain"] / ceiling["lower_bound_s"], fraction=ceiling["lower_bound_s"] / steps["K=2"])
-    return {"workload": name, "batch": plain_work.batch, "M": chunks, "rounds": _rounds(sizes), "step_s": steps,
+    return {"workload": name, "batch": plain_work.batch, "M": chunks, "rounds": _rounds(sizes, name), "step_s": steps,
             "rounds_s": {label: list(t.times) for label, t in timed.items()},
             "overhead": {label: paired_ratio(timed[label], timed["plain"]) for label in ENGINES
                          if label.startswith("K=1")},
@@ -138,8 +143,8 @@ def replay_row(sizes: Sizes, device: str, chunks: int = CHUNKS, dropout: float =
     works: dict[str, Workload] = {}
     fns = _engine_steps("transformer", sizes, device, chunks,
                         {"K=2": ENGINES["K=2"], "K=2, no replay": ENGINES["K=2, no replay"]}, works)
-    timed = _timed(fns, works, sizes)
-    return {"workload": "transformer", "dropout": dropout, "M": chunks, "rounds": _rounds(sizes),
+    timed = _timed(fns, works, sizes, "transformer")
+    return {"workload": "transformer", "dropout": dropout, "M": chunks, "rounds": _rounds(sizes, "transformer"),
             "step_s": {label: t.median for label, t in timed.items()},
             "replay_cost": {"K=2": paired_ratio(timed["K=2"], timed["K=2, no replay"]) - 1}}
 
