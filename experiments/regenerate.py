@@ -1,7 +1,7 @@
 """Regenerate the files of ``results/`` by their commands, one after the other, at one clean commit.
 
     python -m experiments.regenerate --list              # the jobs, in order, with their commands
-    python -m experiments.regenerate                     # every job (about 3 h on two cores)
+    python -m experiments.regenerate                     # every job (about 4 h on two cores)
     python -m experiments.regenerate --only table1_capacity transfer
     python -m experiments.regenerate --resume            # skip jobs already done at this commit
 
@@ -33,7 +33,8 @@ from pathlib import Path
 from benchmarks.bench_common import ROOT, git_commit, load_average
 
 PY = [sys.executable, "-m"]
-SWEEP = ["gpipe_lab.train", "-m", "pipeline.partitions=1,2", "logger=csv"]
+#: every cell three times (``seed=0,1,2``): the collector reports mean [min, max] and the spread
+SWEEP = ["gpipe_lab.train", "-m", "pipeline.partitions=1,2", "seed=0,1,2", "logger=csv"]
 #: job name: its commands, in order (those of results/README.md's table)
 JOBS: dict[str, list[list[str]]] = {
     "table1_capacity": [PY + ["experiments.table1_capacity", "--out", "results"]],
