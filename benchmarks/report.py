@@ -152,8 +152,9 @@ def _gloo_section(results: dict) -> list[str]:
         "The baseline is the whole module on rank 0 (one thread), timed in the same alternating rounds. "
         "*Lower bound*: max(S0 + S1/M, S1 + S0/M), where S0, S1 are the stages' own F+B of the M "
         "micro-batches timed alone on rank 0 in the same rounds (`bench_ceiling.pipeline_lower_bound`): no "
-        "schedule of these stages can take less, and two stages computing at once on two cores only "
-        "slow each other.", ""]
+        "schedule doing that work (gpipe, 1f1b) can take less, and two stages computing at once on two cores "
+        "only slow each other; gpipe-bw does less (one weight-gradient GEMM per layer over all "
+        "micro-batches), so it can go under the bound.", ""]
 
 
 def _of_bound(row: dict) -> float | None:
