@@ -70,11 +70,6 @@ def shown(argv: list[str]) -> str:
     return " ".join(["python", *argv[1:]] if argv[0] == sys.executable else argv)
 
 
-def dirty() -> bool:
-    """Whether tracked files outside ``results/`` differ from the commit (``git_commit``'s rule)."""
-    return git_commit().endswith("+dirty")
-
-
 def run_job(name: str, commands: list[list[str]], root: Path = ROOT) -> dict[str, object]:
     """Run one job's commands in order (stopping at the first that fails); its record."""
     record: dict[str, object] = {"job": name, "commit": git_commit(), "commands": [shown(c) for c in commands],
@@ -104,16 +99,17 @@ def main(argv: list[str] | None = None, path: Path = ROOT / "results" / "regener
         for n in names:
             print(f"{n}: " + "; then ".join(shown(c) for c in JOBS[n]))
         return 0
-    if dirty():
-        print(f"regenerate: error: uncommitted changes outside results/ (commit {git_commit()}); commit or "
+    commit = git_commit()  # one git call for every record below; "+dirty": tracked files outside results/ changed
+    if commit.endswith("+dirty"):
+        print(f"regenerate: error: uncommitted changes outside results/ (commit {commit}); commit or "
               "stash them first, so that every file names the commit that made it", file=sys.stderr)
         return 2
     records = json.loads(path.read_text()) if path.exists() else []
-    done = {r["job"] for r in records if r["commit"] == git_commit() and r["exit_status"] == 0}
+    done = {r["job"] for r in records if r["commit"] == commit and r["exit_status"] == 0}
     failed = 0
     for n in names:
         if args.resume and n in done:
-            print(f"[regenerate {n}] done at {git_commit()}: skipped", flush=True)
+            print(f"[regenerate {n}] done at {commit}: skipped", flush=True)
             continue
         record = run_job(n, JOBS[n])
         records = [r for r in records if r["job"] != n] + [record]

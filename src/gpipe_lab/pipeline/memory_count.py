@@ -71,6 +71,3 @@ class SignatureMemo:
         """Keep what a counted forward of ``signature`` saved (up to ``MAX_SIGNATURES`` signatures)."""
         if len(self._bytes) < MAX_SIGNATURES:
             self._bytes[signature] = saved_bytes
-
-    def clear(self) -> None:
-        self._bytes.clear()
