@@ -11,12 +11,17 @@ Cost kinds:
   convolutions, attention; elementwise ops are not counted);
 - ``"activation_bytes"``: bytes autograd saves inside the layer on the sample
   (``saved_tensors_hooks``; parameters saved for backward are not activations);
-- ``"output_bytes"``: bytes of the layer's output (what a stage keeps or sends).
+- ``"output_bytes"``: bytes of the layer's output (what a stage keeps or sends);
+- ``"time"``: seconds of the layer's forward and backward on the sample, in training mode
+  (the median of ``repeat`` runs after one warm-up), on the device the module lives on.
+  Unlike the others it varies from run to run; a distributed pipeline takes rank 0's balance.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,7 +35,7 @@ from gpipe_lab.saved_bytes import SavedBytes, storage_keys
 __all__ = ["COST_KINDS", "MEASURED_KINDS", "layer_costs", "measure_layers", "parameter_costs",
            "untouched"]
 
-COST_KINDS = ("params", "flops", "activation_bytes", "output_bytes")
+COST_KINDS = ("params", "flops", "activation_bytes", "output_bytes", "time")
 MEASURED_KINDS = COST_KINDS[1:]
 
 
@@ -54,6 +59,49 @@ def _saved_bytes(layer: nn.Module, value: Any) -> tuple[Any, int]:
     return out, counter.total
 
 
+def _synchronize(value: Any) -> None:
+    for t in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(t, Tensor) and t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
+
+
+def _timed(layer: nn.Module, value: Any) -> tuple[Any, float]:
+    """Run ``layer`` forward and backward (the sum of its float outputs that need gradients) once;
+    its output detached as the next layer's input (floating tensors requiring grad) and the seconds."""
+    _synchronize(value)
+    start = time.perf_counter()
+    with torch.enable_grad():
+        out = layer(value)
+        outputs = out if isinstance(out, tuple) else (out,)
+        loss = sum(t.float().sum() for t in outputs if isinstance(t, Tensor) and t.requires_grad)
+        if isinstance(loss, Tensor):
+            loss.backward()
+    _synchronize(out)
+    seconds = time.perf_counter() - start
+    detached = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, Tensor) else t
+                     for t in outputs)
+    return (detached[0] if len(detached) == 1 else detached), seconds
+
+
+def time_layers(module: nn.Sequential, sample: Any, repeat: int = 3) -> list[float]:
+    """Seconds of each layer's forward and backward on ``sample``: the median of ``repeat`` passes
+    after one warm-up pass. Run it inside ``untouched(module, train=True)`` to leave no trace.
+
+    Raises:
+        ValueError: ``repeat`` is not an integer >= 1.
+    """
+    if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
+        raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}")
+    runs: list[list[float]] = [[] for _ in module]
+    for n in range(repeat + 1):
+        value = sample.detach() if isinstance(sample, Tensor) else sample
+        for i, layer in enumerate(module):
+            value, seconds = _timed(layer, value)
+            if n:  # the first pass warms caches and allocators up
+                runs[i].append(seconds)
+    return [statistics.median(r) for r in runs]
+
+
 def measure_layers(module: nn.Sequential, sample: Any, kind: str) -> list[float]:
     """Run ``sample`` through ``module`` layer by layer, measuring ``kind`` for each.
 
@@ -62,6 +110,8 @@ def measure_layers(module: nn.Sequential, sample: Any, kind: str) -> list[float]
     """
     if kind not in MEASURED_KINDS:
         raise ValueError(f"unknown measured cost {kind!r}; allowed: {list(MEASURED_KINDS)}")
+    if kind == "time":
+        return time_layers(module, sample)
     costs: list[float] = []
     value = sample
     for layer in module:
@@ -82,8 +132,9 @@ def layer_costs(module: nn.Sequential, cost: object = None, sample: Any = None) 
     """One cost per layer of ``module``.
 
     ``cost`` is ``None`` or ``"params"`` (parameter elements), a measured kind
-    (``"flops"``, ``"activation_bytes"``, ``"output_bytes"``: measured on
-    ``sample``, with the module left as it was, see ``untouched``), a sequence
+    (``"flops"``, ``"activation_bytes"``, ``"output_bytes"``, ``"time"``: measured on
+    ``sample``, with the module left as it was, see ``untouched``; ``"time"`` in training
+    mode), a sequence
     of numbers, or a callable ``layer -> number``. When every cost is zero,
     each layer costs 1 (a balance by layer count).
 
@@ -98,9 +149,8 @@ def layer_costs(module: nn.Sequential, cost: object = None, sample: Any = None) 
             raise ValueError(
                 f"unknown cost {cost!r} for a module without a sample batch; allowed: 'params', a list "
                 f"of per-layer numbers, a callable, or one of {list(MEASURED_KINDS)} with sample= "
-                "(gpipe_lab.models.preset_costs gives the presets' sample; for measured time use "
-                "gpipe_lab.pipeline.balance_by_time)")
-        with untouched(module):
+                "(gpipe_lab.models.preset_costs gives the presets' sample)")
+        with untouched(module, train=True if cost == "time" else None):
             costs = measure_layers(module, sample, cost)
     elif callable(cost):
         costs = [float(cost(layer)) for layer in module]

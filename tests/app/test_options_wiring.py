@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpipe_lab.lightning import GPipeStrategy
-from gpipe_lab.pipeline import DeferredBatchNorm, GPipe, PipelineCore, PipelineOptions
+from gpipe_lab.pipeline import DeferredBatchNorm, GPipe, PipelineCore, PipelineOptions, balance_by_cost
 from gpipe_lab.pipeline.distributed.launch import run_local
 from helpers.strategy import TinyData, TinyRegressor, trainer
 
@@ -148,3 +148,27 @@ def test_gpipe_train_passes_every_option(started: list[PipelineCore], tmp_path: 
     with pytest.raises(_Built):
         run(make_config(*base, *overrides, tmp_path=tmp_path))
     check_engine(started[0], wanted)
+
+
+def test_gpipe_train_times_layers_at_the_micro_batch_size_for_cost_time(started: list[PipelineCore], tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe_lab import train
+    from gpipe_lab.train import build_module, run
+    from helpers.app import make_config
+
+    sizes: list[int] = []
+    measured = train.preset_costs
+
+    def spy(model: nn.Sequential, kind: str, *args: object, batch_size: int = 1) -> list[float]:
+        sizes.append(batch_size)
+        return measured(model, kind, *args, batch_size=batch_size)
+
+    monkeypatch.setattr(train, "preset_costs", spy)
+    base = ["logger=none", "trainer=smoke", "trainer.max_steps=1", "data.batch_size=8", "pipeline.chunks=2",
+            "pipeline.cost=time", "pipeline.partitions=2"]
+    layers = len(build_module(make_config(*base), datamodule=None).layers)
+    with pytest.raises(_Built):
+        run(make_config(*base, tmp_path=tmp_path))
+    cost = started[0].options.cost
+    assert sizes == [4] and len(cost) == layers and all(c > 0 for c in cost)
+    assert started[0].options.balance == balance_by_cost(cost, 2)

@@ -217,6 +217,9 @@ def misc_worker(rank: int, world: int) -> dict:
         pipe = DistributedGPipe(mlp(), partitions=2, chunks=8, schedule=schedule, seed=5)
         loss = pipe.train_step(*batch(3), F.mse_loss)
         out["short-" + schedule] = (loss.item(), local_grads(pipe), pipe.gather_timeline().num_microbatches)
+    # costs that differ between ranks (as measured times do): every rank cuts where rank 0 does
+    cut = DistributedGPipe(mlp(), partitions=2, chunks=2, seed=5, cost=[1, 1, 1, 5] if rank == 0 else [5, 1, 1, 1])
+    out["disagreeing-costs"] = (cut.train_step(*batch(6), F.mse_loss).item(), local_grads(cut), cut.balance)
     x, y = batch(4)
     out["views"] = (pipe.chunks, pipe.checkpoint, pipe.balance, len(pipe.partitions), pipe.devices)
     try:
@@ -245,6 +248,8 @@ def test_shapes_meta_eval_and_interleaved(world2: list) -> None:
     for schedule in ("gpipe", "zb-h1"):
         check([_pick(r, "short-" + schedule) for r in results], *reference(mlp(), *batch(3)), 0)
         assert all(r.value["short-" + schedule][2] == 3 for r in results)  # the M actually used
+    check([_pick(r, "disagreeing-costs") for r in results], *reference(mlp(), *batch(6)), 0)
+    assert [r.value["disagreeing-costs"][2] for r in results] == [[3, 1], [3, 1]]
     for r in results:
         assert r.value["views"] == (8, "except_last", [2, 2], 1, [torch.device("cpu")])
         assert "use pipe.train_step" in r.value["backward"]

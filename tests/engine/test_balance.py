@@ -121,3 +121,51 @@ def test_errors_name_the_value() -> None:
         balance_by_size(model, torch.randn(4, 8), 2, param_scale=-1)
     with pytest.raises(ValueError, match="unknown cost 'flops' for a module without a sample"):
         layer_costs(model, "flops")
+
+
+class Tick(nn.Module):
+    """Advances a fake clock by ``cost`` per forward (``warmup`` more on its first), counts backwards."""
+
+    def __init__(self, clock: list[float], cost: float, warmup: float = 0.0) -> None:
+        super().__init__()
+        self.clock, self.cost, self.warmup = clock, cost, warmup
+        self.linear = nn.Linear(4, 4)
+        self.forwards = self.backwards = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.clock[0] += self.cost + (self.warmup if self.forwards == 0 else 0.0)
+        self.forwards += 1
+        y = self.linear(x)
+        y.register_hook(self._count)
+        return y
+
+    def _count(self, grad: Tensor) -> None:
+        self.backwards += 1
+
+
+def test_time_cost_is_the_median_after_a_warm_up_of_forward_and_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe_lab import measure
+
+    clock = [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    model = nn.Sequential(Tick(clock, 1.0, warmup=50.0), Tick(clock, 3.0), Tick(clock, 0.5, warmup=9.0))
+    assert measure.time_layers(model, torch.randn(2, 4), repeat=3) == [1.0, 3.0, 0.5]
+    assert [m.forwards for m in model] == [4, 4, 4] and [m.backwards for m in model] == [4, 4, 4]
+    assert balance_by_cost(layer_costs(model, "time", torch.randn(2, 4)), 2) == [1, 2]  # 1 | 3 + 0.5
+    with pytest.raises(ValueError, match="repeat must be an integer >= 1, got 0"):
+        measure.time_layers(model, torch.randn(2, 4), repeat=0)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_time_cost_profiles_in_training_mode_and_leaves_no_trace(mode: str) -> None:
+    model = bn_model().train(mode == "train")
+    model(torch.randn(6, 8)).sum().backward()
+    sample = torch.randn(16, 8)
+    before = snapshot(model)
+    with torch.no_grad():
+        costs = layer_costs(model, "time", sample)
+    assert len(costs) == len(model) and all(c > 0 for c in costs)
+    assert_same(before, model)
+    recorder = model[6]
+    assert recorder.forwards and all(training and grad for training, grad in recorder.forwards)
+    assert recorder.backwards == len(recorder.forwards)

@@ -123,3 +123,15 @@ def test_models_do_not_import_the_engine():
     import gpipe_lab
 
     subprocess.run([sys.executable, "-c", code, gpipe_lab.__path__[0]], check=True)
+
+
+def test_preset_time_costs_run_the_real_model_and_refuse_the_meta_device() -> None:
+    from gpipe_lab.models import build, preset_costs
+
+    model = build("transformer_tiny")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    costs = preset_costs(model, "time", batch_size=4)
+    assert len(costs) == len(model) and all(c > 0 for c in costs)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(ValueError, match="cost 'time' runs the model: build it with real weights"):
+        preset_costs(build("transformer_tiny", device="meta"), "time")

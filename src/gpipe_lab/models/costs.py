@@ -2,7 +2,7 @@
 
 ``preset_costs(model, kind)`` returns one float per element of the ``nn.Sequential``,
 per sample, measured by the lab's one ``gpipe_lab.measure.layer_costs`` (see there
-for the kinds: ``params``, ``flops``, ``activation_bytes``, ``output_bytes``).
+for the kinds: ``params``, ``flops``, ``activation_bytes``, ``output_bytes``, ``time``).
 What is model-specific lives here: the sample (default: the preset's input
 shape), per-sample scaling, and a meta replica rebuilt from ``model.spec`` when
 the model holds real weights, so the measurement never allocates.
@@ -52,6 +52,19 @@ def _meta_model(model: nn.Sequential) -> nn.Sequential:
     return replica
 
 
+def _time_costs(model: nn.Sequential, sample: Any, batch_size: int) -> list[float]:
+    """Seconds per sample of each layer's forward and backward on a batch of ``batch_size`` (at least
+    2: training-mode BatchNorm needs two values per channel), on the model's own weights and device."""
+    params = list(model.parameters())
+    if any(p.is_meta for p in params):
+        raise ValueError("cost 'time' runs the model: build it with real weights, not on the meta device")
+    if sample is None:
+        batch_size = max(int(batch_size), 2)
+        sample = example_input(model, batch_size, params[0].device if params else "cpu")
+    with untouched(model, train=True):
+        return [c / batch_size for c in measure_layers(model, sample, "time")]
+
+
 def preset_costs(model: nn.Sequential, kind: str = "params", example_input_: Any = None,
                 batch_size: int = 1) -> list[float]:
     """One cost per layer of ``model``, per sample (see the module docstring for the kinds).
@@ -59,12 +72,17 @@ def preset_costs(model: nn.Sequential, kind: str = "params", example_input_: Any
     ``example_input_`` overrides the preset's sample batch (it must live on the
     model's device; FLOPs and output bytes are then for that whole batch, and
     activation bytes are divided by ``batch_size``); the model is left as it was.
-    Raises ``ValueError`` for an unknown kind or when no input can be made.
+    ``"time"`` runs the model itself (real weights, its device, training mode) on a batch of
+    ``batch_size`` samples (give the micro-batch size: time per sample is not constant in it).
+    Raises ``ValueError`` for an unknown kind, when no input can be made, or for ``"time"`` on a
+    model on the meta device.
     """
     if kind not in COST_KINDS:
         raise ValueError(f"unknown cost kind {kind!r}; expected one of {COST_KINDS}")
     if kind == "params":
         return parameter_costs(model)
+    if kind == "time":
+        return _time_costs(model, example_input_, batch_size)
     if example_input_ is not None:
         with untouched(model):
             costs = measure_layers(model, example_input_, kind)

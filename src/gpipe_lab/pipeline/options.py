@@ -52,7 +52,8 @@ class PipelineOptions:
     #: normalize each micro-batch by its own statistics; running statistics per mini-batch.
     deferred_batch_norm: bool = False
     #: per-layer cost for the automatic balance: ``params``, ``flops``, ``activation_bytes``,
-    #: ``output_bytes`` (the last three measured on an example input), or a list of numbers.
+    #: ``output_bytes``, ``time`` (the last four measured on an example input; ``time``: forward +
+    #: backward seconds at the micro-batch size, which varies between runs), or a list of numbers.
     cost: Any = "params"
     #: base seed of the per-(step, stage, micro-batch) generators; ``None``: torch's initial seed.
     seed: int | None = None

@@ -9,12 +9,9 @@ CPU/CUDA RNG states (``gpipe_lab.measure.untouched``).
 
 from __future__ import annotations
 
-import time
-
-import torch
 from torch import Tensor, nn
 
-from gpipe_lab.measure import layer_costs, measure_layers, untouched
+from gpipe_lab.measure import layer_costs, measure_layers, time_layers, untouched
 from gpipe_lab.pipeline.partition import balance_by_cost
 
 __all__ = ["balance_by_size", "balance_by_time"]
@@ -41,14 +38,9 @@ def _check(module: nn.Sequential, sample: object, partitions: int) -> Sample:
     raise TypeError(f"sample must be a tensor or a tuple of tensors, got {type(sample).__name__}")
 
 
-def _synchronize(value: object) -> None:
-    for t in value if isinstance(value, tuple) else (value,):
-        if isinstance(t, Tensor) and t.device.type == "cuda":
-            torch.cuda.synchronize(t.device)
-
-
 def balance_by_time(module: nn.Sequential, sample: Sample, partitions: int, repeat: int = 3) -> list[int]:
-    """Layers per partition, balancing each layer's measured forward+backward time on ``sample``.
+    """Layers per partition, balancing each layer's measured forward+backward time on ``sample``
+    (``gpipe_lab.measure.time_layers``: the median of ``repeat`` passes after a warm-up).
 
     The module is left untouched (see the module docstring); existing ``.grad``
     values are preserved.
@@ -57,25 +49,9 @@ def balance_by_time(module: nn.Sequential, sample: Sample, partitions: int, repe
         TypeError: not an ``nn.Sequential``, or ``sample`` not a tensor or tuple of tensors.
         ValueError: ``partitions`` out of range, or ``repeat`` < 1.
     """
-    value0 = _check(module, sample, partitions)
-    if not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}")
-    times = [0.0] * len(module)
-    with untouched(module, train=True), torch.enable_grad():
-        for _ in range(repeat):
-            value: object = value0
-            for i, layer in enumerate(module):
-                start = time.perf_counter()
-                value = layer(value)
-                outputs = value if isinstance(value, tuple) else (value,)
-                loss = sum(t.float().sum() for t in outputs if isinstance(t, Tensor) and t.requires_grad)
-                if isinstance(loss, Tensor):
-                    loss.backward()
-                _synchronize(value)
-                times[i] += time.perf_counter() - start
-                detached = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, Tensor)
-                                 else t for t in outputs)
-                value = detached[0] if len(detached) == 1 else detached
+    value = _check(module, sample, partitions)
+    with untouched(module, train=True):
+        times = time_layers(module, value, repeat)
     return balance_by_cost(layer_costs(module, times), partitions)
 
 

@@ -29,6 +29,7 @@ from gpipe_lab.pipeline.distributed.failure import AbortChannel
 from gpipe_lab.pipeline.distributed.grad_sync import BUCKET_BYTES, GradientSync
 from gpipe_lab.pipeline.distributed.p2p_channel import P2PChannel
 from gpipe_lab.pipeline.distributed.resolve import (
+    agreed_balance,
     bind_device,
     resolve_device,
     resolve_stages,
@@ -80,7 +81,6 @@ class DistributedGPipe(PipelineCore):
         full = build_module(module)
         balance, num_stages = resolve_stages(full, opts, data_parallel_size)
         self.topo = topo = build_topology(num_stages, v, data_parallel_size)
-        self.balance = balance
         if device is None and opts.devices is not None:
             if len(opts.devices) != num_stages:
                 raise OptionError(f"devices: {opts.devices} has {len(opts.devices)} entries for {num_stages} "
@@ -90,6 +90,7 @@ class DistributedGPipe(PipelineCore):
         if self.device.type == "cpu" and opts.threads_per_stage is not None:
             torch.set_num_threads(opts.threads_per_stage)  # this process is one stage
         bind_device(self.device)  # the main thread's collectives run on this rank's GPU, not cuda:0
+        self.balance = balance = agreed_balance(balance, self.device)
         connect_links(topo, self.device)
         if self.device.type == "cpu" and opts.retain_cpu_memory:
             retain_freed_memory()

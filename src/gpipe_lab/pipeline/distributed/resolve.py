@@ -115,6 +115,18 @@ def shared_seed(seed: int | None, device: torch.device) -> int:
     return int(value.item())
 
 
+def agreed_balance(balance: list[int], device: torch.device) -> list[int]:
+    """Rank 0's balance on every rank (collective over the world group).
+
+    A balance from measured costs (``cost="time"``, a callable that times) may differ between
+    ranks; the stages must cut the module at the same layers. Every rank's list has K·v entries
+    (K and v come from the options, the same everywhere), so only the counts travel.
+    """
+    value = torch.tensor(balance, dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    dist.broadcast(value, src=0)
+    return [int(n) for n in value.tolist()]
+
+
 #: seconds the process group waits for a collective before NCCL's watchdog ends the rank
 PROCESS_GROUP_TIMEOUT = 120.0
 
