@@ -161,11 +161,12 @@ def test_time_cost_profiles_in_training_mode_and_leaves_no_trace(mode: str) -> N
     model = bn_model().train(mode == "train")
     model(torch.randn(6, 8)).sum().backward()
     sample = torch.randn(16, 8)
+    recorder = model[6]
+    recorder.forwards, recorder.backwards = [], 0
     before = snapshot(model)
     with torch.no_grad():
         costs = layer_costs(model, "time", sample)
     assert len(costs) == len(model) and all(c > 0 for c in costs)
     assert_same(before, model)
-    recorder = model[6]
     assert recorder.forwards and all(training and grad for training, grad in recorder.forwards)
     assert recorder.backwards == len(recorder.forwards)
