@@ -8,6 +8,9 @@ alternated rounds, ``GPipe.train_step`` with ``checkpoint="never"`` and one thre
 - K=1: the engine's pure overhead (the same work, the same thread count; 1.0 is free);
 - K=2: the pipeline's gain (plain / engine; above 1 the pipeline pays);
 
+- K=2 balanced by measured time (``pipeline.cost=time``: ``balance_by_time`` on one micro-batch, one
+  thread) where FLOPs miss what small layers cost;
+
 each with ``random_replay`` as users get it (``"auto"``, the default) and off; their ratio less one
 is random replay's cost. Every ratio is the median of the per-round ratios of its two contenders
 (``paired_ratio``: a slow moment of the machine hits both calls of a round alike) (the MLP and AmoebaNet draw nothing). ``replay_row`` measures that cost
@@ -35,7 +38,7 @@ import torch
 from benchmarks.bench_ceiling import ceiling_functions, ceiling_summary, split_batch
 from benchmarks.bench_common import SIZES, Sizes, make_workload, prepare_process, sync
 from gpipe_lab.bench import Timing, Workload, md_table, paired_ratio, time_rounds
-from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline import GPipe, balance_by_time
 from gpipe_lab.pipeline.options import PipelineOptions
 
 CHUNKS = 4
@@ -46,6 +49,8 @@ ROUNDS = 5
 WORKLOAD_ROUNDS = {"transformer": 9, "amoebanet": 15}
 #: contender -> (K, random_replay)
 ENGINES = {"K=1": (1, "auto"), "K=1, no replay": (1, False), "K=2": (2, "auto"), "K=2, no replay": (2, False)}
+#: the K=2 contender cut by measured forward+backward time instead of FLOPs (replay at its default)
+TIME_BALANCED = "K=2, time balance"
 #: the drawing workload of the replay-cost row
 DROPOUT = 0.1
 
@@ -72,12 +77,25 @@ def engine(work: Workload, chunks: int, device: str, random_replay: bool | str) 
     return GPipe(work.module, options=options)
 
 
+def time_balance(work: Workload, chunks: int) -> list[int]:
+    """The K=2 cut ``balance_by_time`` makes on one micro-batch of ``work`` with one intra-op thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return balance_by_time(work.module, split_batch(work.inputs, chunks)[0], 2)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _engine_steps(name: str, sizes: Sizes, device: str, chunks: int, engines: dict[str, tuple[int, bool | str]],
                   works: dict[str, Workload]) -> dict[str, Callable[[], None]]:
-    """A step function per engine contender; each contender's workload lands in ``works``."""
+    """A step function per engine contender (``TIME_BALANCED``: K=2 cut by ``time_balance``); each
+    contender's workload lands in ``works``."""
     fns: dict[str, Callable[[], None]] = {}
     for label, (k, replay) in engines.items():
         work = make_workload(name, sizes, partitions=k).to(torch.device(device))
+        if label == TIME_BALANCED:
+            work = dataclasses.replace(work, balance=time_balance(work, chunks))
         pipe = engine(work, chunks, device, replay)
         works[label] = work
 
@@ -118,7 +136,7 @@ def measure(name: str, sizes: Sizes, device: str, chunks: int = CHUNKS) -> dict[
     plain_work = make_workload(name, sizes, partitions=1).to(torch.device(device))
     works = {"plain": plain_work}
     fns: dict[str, Callable[[], None]] = {"plain": plain_step(plain_work, chunks, device)}
-    fns.update(_engine_steps(name, sizes, device, chunks, ENGINES, works))
+    fns.update(_engine_steps(name, sizes, device, chunks, {**ENGINES, TIME_BALANCED: ENGINES["K=2"]}, works))
     ceiling_work = make_workload(name, sizes, partitions=2).to(torch.device(device))
     stage_times: list[list[float]] = [[] for _ in ceiling_work.balance]
     fns.update(ceiling_functions(ceiling_work, chunks, stage_times))
@@ -131,7 +149,9 @@ def measure(name: str, sizes: Sizes, device: str, chunks: int = CHUNKS) -> dict[
             "rounds_s": {label: list(t.times) for label, t in timed.items()},
             "overhead": {label: paired_ratio(timed[label], timed["plain"]) for label in ENGINES
                          if label.startswith("K=1")},
-            "gain": {label: paired_ratio(timed["plain"], timed[label]) for label in ENGINES if label.startswith("K=2")},
+            "gain": {label: paired_ratio(timed["plain"], timed[label]) for label in [*ENGINES, TIME_BALANCED]
+                     if label.startswith("K=2")},
+            "balance": {"K=2": list(works["K=2"].balance), TIME_BALANCED: list(works[TIME_BALANCED].balance)},
             "replay_cost": {f"K={k}": paired_ratio(timed[f"K={k}"], timed[f"K={k}, no replay"]) - 1 for k in (1, 2)},
             "ceiling": ceiling}
 
@@ -170,12 +190,21 @@ def table(rows: Sequence[dict]) -> str:
     """The rows as a markdown table."""
     return md_table(
         ["workload", "batch", "M", "plain s", "K=1 / plain (overhead)", "same, no replay",
-         "plain / K=2 (gain)", "same, no replay", "replay cost at K=2", "K=2 stages alone s",
+         "plain / K=2 (gain)", "same, no replay", "same, time balance", "replay cost at K=2", "K=2 stages alone s",
          "2-thread scaling", "gain ceiling", "rounds"],
         [[r["workload"], r["batch"], r["M"], f"{r['step_s']['plain']:.4f}", f"{r['overhead']['K=1']:.2f}",
           f"{r['overhead']['K=1, no replay']:.2f}", f"{r['gain']['K=2']:.2f}x",
-          f"{r['gain']['K=2, no replay']:.2f}x", _cost(r), *_ceiling_cells(r.get("ceiling")), r["rounds"]]
+          f"{r['gain']['K=2, no replay']:.2f}x", _time_cell(r), _cost(r), *_ceiling_cells(r.get("ceiling")),
+          r["rounds"]]
          for r in rows])
+
+
+def _time_cell(row: dict) -> str:
+    """The time-balanced K=2 gain and both cuts (FLOPs cut first)."""
+    gain, balance = row["gain"].get(TIME_BALANCED), row.get("balance")
+    if gain is None or not balance:
+        return "-"
+    return f"{gain:.2f}x ({balance[TIME_BALANCED]}; FLOPs: {balance['K=2']})"
 
 
 def _ceiling_cells(ceiling: dict | None) -> list[str]:
