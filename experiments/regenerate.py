@@ -5,6 +5,10 @@
     python -m experiments.regenerate --only table1_capacity transfer
     python -m experiments.regenerate --resume            # skip jobs already done at this commit
 
+"Commit" here is the source commit (``gpipe_lab.provenance.commit_of``: the last commit that changed
+anything but ``results/`` and Markdown), so a regeneration may commit its files as it goes, stop, and
+go on later with ``--resume``: every file still names the one code that made it.
+
 Each job runs its commands (those ``results/README.md`` names) as processes of their own, from
 the repository root, one at a time, so that no two measurements share the machine. After each
 job ``results/regeneration.json`` records: the commit, the job's commands, when it started,
@@ -12,7 +16,7 @@ its wall seconds, the load average before it and after it, and its exit status. 
 fails is recorded and the run goes on with the next one (its exit status is 1 at the end).
 
 Raises (as a one-line error and exit status 2): uncommitted changes to tracked files outside
-``results/`` (every file would name a commit that did not make it), or a job name not in
+``results/`` and Markdown (every file would name a commit that did not make it), or a job name not in
 ``JOBS``.
 """
 

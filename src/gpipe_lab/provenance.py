@@ -16,15 +16,21 @@ def source_commit(root: Path = SOURCE_ROOT) -> str:
     return commit_of(root)
 
 
+#: what a result does not depend on: the results themselves and Markdown prose (README, docs)
+NOT_SOURCE = (":(exclude)results", ":(exclude)*.md")
+
+
 def commit_of(root: Path) -> str:
-    """HEAD of the git checkout at ``root`` (12 hex digits), ``+dirty`` when tracked files outside
-    ``results/`` differ from it, ``unknown`` outside a git checkout or without git. Never raises."""
+    """The source commit of the git checkout at ``root`` (12 hex digits): the last commit that changed
+    a file other than ``results/`` and Markdown (``NOT_SOURCE``), so that committing results or
+    prose between the jobs of one regeneration leaves them at one commit; ``+dirty`` when such
+    tracked files differ from it; ``unknown`` outside a git checkout or without git. Never raises."""
+    git = ["git", "-C", str(root)]
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, check=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)results"], capture_output=True, text=True, check=True,
-                               timeout=30).stdout.strip()
+        head = subprocess.run([*git, "log", "-1", "--format=%H", "--", ".", *NOT_SOURCE], capture_output=True,
+                              text=True, check=True, timeout=30).stdout.strip()[:12]
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".", *NOT_SOURCE],
+                               capture_output=True, text=True, check=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("+dirty" if dirty else "") if head else "unknown"

@@ -78,3 +78,35 @@ def test_jobs_record_the_commit_of_their_code_and_the_sweep_summary_shows_it(tmp
     assert source_commit(tmp_path) == "unknown"  # not a git checkout
     headers, rows = table_rows([{"K": 2, "M": 4, "commit": "abc123def456"}])
     assert rows[0][headers.index("commit")] == "abc123def456"
+
+
+def test_the_commit_of_results_is_the_last_one_that_changed_code(tmp_path):
+    import subprocess
+
+    from gpipe_lab.provenance import commit_of
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "code")
+    code = git("rev-parse", "--short=12", "HEAD")
+    assert commit_of(tmp_path) == code
+    (tmp_path / "results" / "table.md").write_text("| a |\n")
+    (tmp_path / "README.md").write_text("prose\n")
+    git("add", "-A")
+    git("commit", "-qm", "results and prose")
+    assert commit_of(tmp_path) == code  # a regeneration that spans these commits ran one code
+    (tmp_path / "README.md").write_text("more prose\n")
+    assert commit_of(tmp_path) == code
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert commit_of(tmp_path) == code + "+dirty"
+    git("commit", "-qam", "code again")
+    assert commit_of(tmp_path) == git("rev-parse", "--short=12", "HEAD")
+    assert commit_of(tmp_path / "missing") == "unknown"
