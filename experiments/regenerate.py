@@ -10,7 +10,7 @@ anything but ``results/`` and Markdown), so a regeneration may commit its files 
 go on later with ``--resume``: every file still names the one code that made it.
 
 Each job runs its commands (those ``results/README.md`` names) as processes of their own, from
-the repository root, one at a time, so that no two measurements share the machine. After each
+the repository root, one at a time (the ``hydra.sweep.dir`` folders they name emptied first), so that no two measurements share the machine. After each
 job ``results/regeneration.json`` records: the commit, the job's commands, when it started,
 its wall seconds, the load average before it and after it, and its exit status. A job that
 fails is recorded and the run goes on with the next one (its exit status is 1 at the end).
@@ -29,6 +29,7 @@ if not __package__:  # started as a file: rerun as the module
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -39,6 +40,10 @@ from benchmarks.bench_common import ROOT, git_commit, load_average
 PY = [sys.executable, "-m"]
 #: every cell three times (``seed=0,1,2``): the collector reports mean [min, max] and the spread
 SWEEP = ["gpipe_lab.train", "-m", "pipeline.partitions=1,2", "seed=0,1,2", "logger=csv"]
+#: the unpipelined model on one thread, with and without re-materialization (experiments.microbatch_cost)
+ONE_THREAD_K1 = ["gpipe_lab.train", "-m", "pipeline.partitions=1", "pipeline.threads_per_stage=1",
+                 "pipeline.checkpoint=never,except_last", "seed=0", "logger=csv"]
+MICROBATCH_COST = [("paper_table2_amoebanet", "logs/table2_mb_cost"), ("paper_table2_transformer", "logs/table2_mb_cost_tf")]
 #: job name: its commands, in order (those of results/README.md's table)
 JOBS: dict[str, list[list[str]]] = {
     "table1_capacity": [PY + ["experiments.table1_capacity", "--out", "results"]],
@@ -57,6 +62,10 @@ JOBS: dict[str, list[list[str]]] = {
                PY + SWEEP + ["experiment=paper_table2_transformer", "pipeline.chunks=1,4,32",
                              "hydra.sweep.dir=logs/table2_sweep_tf"],
                PY + ["experiments.table2_throughput", "--from-multirun", "logs/table2_sweep", "logs/table2_sweep_tf",
+                     "--out", "results/sweeps"],
+               *(PY + ONE_THREAD_K1 + [f"experiment={e}", "pipeline.chunks=1,4,32", f"hydra.sweep.dir={d}"]
+                 for e, d in MICROBATCH_COST),
+               PY + ["experiments.microbatch_cost", "--from-multirun", *(d for _, d in MICROBATCH_COST),
                      "--out", "results/sweeps"]],
     "sweeps_compiled": [PY + SWEEP + ["experiment=paper_table2_transformer", "pipeline.chunks=1,4",
                                       "pipeline.compile=true", "pipeline.timeout=3600",
@@ -79,6 +88,9 @@ def run_job(name: str, commands: list[list[str]], root: Path = ROOT) -> dict[str
     record: dict[str, object] = {"job": name, "commit": git_commit(), "commands": [shown(c) for c in commands],
                                  "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_before": load_average()}
     began, status = time.monotonic(), 0
+    for argv in commands:  # a sweep folder left from an earlier run would add its stale jobs to the tables
+        for folder in (a.split("=", 1)[1] for a in argv if a.startswith("hydra.sweep.dir=")):
+            shutil.rmtree(root / folder, ignore_errors=True)
     for argv in commands:
         print(f"[regenerate {name}] {shown(argv)}", flush=True)
         status = subprocess.run(argv, cwd=root, check=False).returncode

@@ -53,3 +53,22 @@ def test_jobs_run_in_order_are_recorded_and_resume_skips_what_is_done(monkeypatc
     monkeypatch.setattr(regenerate, "git_commit", lambda: "beef00")  # another commit: nothing is done
     assert regenerate.main(["--resume", "--only", "good"], path) == 0
     assert marks.read_text() == "good after good "
+
+
+def test_a_jobs_sweep_folders_are_emptied_before_it_runs(tmp_path: Path) -> None:
+    stale = tmp_path / "logs" / "sweep" / "7"
+    stale.mkdir(parents=True)
+    (stale / "summary.json").write_text("{}")
+    kept = tmp_path / "logs" / "other"
+    kept.mkdir()
+    command = [sys.executable, "-c", "import sys; sys.exit(0)", "hydra.sweep.dir=logs/sweep"]
+    record = regenerate.run_job("sweeps", [command], root=tmp_path)
+    assert record["exit_status"] == 0 and not (tmp_path / "logs" / "sweep").exists() and kept.exists()
+
+
+def test_the_sweeps_job_measures_what_micro_batching_costs() -> None:
+    commands = [regenerate.shown(c) for c in regenerate.JOBS["sweeps"]]
+    assert sum("pipeline.threads_per_stage=1" in c and "pipeline.checkpoint=never,except_last" in c
+               for c in commands) == 2
+    assert commands[-1] == ("python -m experiments.microbatch_cost --from-multirun logs/table2_mb_cost "
+                            "logs/table2_mb_cost_tf --out results/sweeps")
