@@ -80,7 +80,7 @@ def test_json_structure(smoke):
     assert all(math.isfinite(res["overhead"][k]) for k in ("overhead_without_replay_us", "replay_guard_share"))
     for t in res["targets"]:
         assert set(t) == TARGET_KEYS and t["status"] in ("PASS", "MISS", "N/A")
-    assert len(res["targets"]) == 39
+    assert len(res["targets"]) == 42
     for schedule in ("gpipe-bw", "zb-h1", "zb-h2"):
         assert any(t["name"].startswith(f"MLP M=8 {schedule} (distributed transport)") for t in res["targets"])
     mlp_local = {r["schedule"] for r in res["local"]["mlp"]["rows"]}
@@ -96,7 +96,8 @@ def test_yardstick_rows_are_ratios_of_one_run_and_targets_read_them(smoke):
     assert [r["workload"] for r in res["yardstick"]] == ["mlp"]  # smoke: the MLP only
     for r in res["yardstick"]:
         steps = r["step_s"]
-        assert set(steps) == {"plain", *bench_yardstick.ENGINES} and min(steps.values()) > 0
+        assert set(steps) == {"plain", *bench_yardstick.ENGINES, bench_yardstick.TIME_BALANCED}
+        assert min(steps.values()) > 0
         assert r["M"] == 4 and r["batch"] > 0
         rounds = r["rounds_s"]  # each ratio: the median of its contenders' per-round ratios
         assert {len(v) for v in rounds.values()} == {r["rounds"]} and steps["plain"] == statistics.median(rounds["plain"])
@@ -106,6 +107,11 @@ def test_yardstick_rows_are_ratios_of_one_run_and_targets_read_them(smoke):
 
         assert r["overhead"]["K=1"] == pytest.approx(paired("K=1", "plain"))
         assert r["gain"]["K=2, no replay"] == pytest.approx(paired("plain", "K=2, no replay"))
+        timed = r["gain"][bench_yardstick.TIME_BALANCED]
+        assert timed == pytest.approx(paired("plain", bench_yardstick.TIME_BALANCED))
+        assert sum(r["balance"][bench_yardstick.TIME_BALANCED]) == sum(r["balance"]["K=2"])
+        row = next(t for t in res["targets"] if t["name"].startswith(f"{r['workload']} M=4: the same gain, K=2 cut"))
+        assert row["value"] == round(timed, 4) and row["status"] in ("PASS", "MISS")
         row = next(t for t in res["targets"] if t["name"].startswith(f"{r['workload']} M=4: engine K=1"))
         assert row["value"] == round(r["overhead"]["K=1"], 4) and row["status"] in ("PASS", "MISS")
         assert r["replay_cost"]["K=2"] == pytest.approx(paired("K=2", "K=2, no replay") - 1)
@@ -119,7 +125,7 @@ def test_yardstick_rows_are_ratios_of_one_run_and_targets_read_them(smoke):
         assert ceiling["fraction"] == pytest.approx(ceiling["lower_bound_s"] / steps["K=2"])
     unmeasured = [t for t in res["targets"] if t["name"].startswith(("transformer M=4", "amoebanet M=4",
                                                                      "amoebanet K=2", "transformer dropout"))]
-    assert len(unmeasured) == 6 and {t["status"] for t in unmeasured} == {"N/A"}
+    assert len(unmeasured) == 8 and {t["status"] for t in unmeasured} == {"N/A"}
 
 
 def test_plain_gradient_accumulation_computes_the_engines_gradients():
