@@ -46,6 +46,14 @@ GRID: list[dict] = [
     {**_NARROW, "pre_norm": True, "lr": 0.2, "warmup": 0, "steps": 80},
     {**_NARROW, "pre_norm": True, "lr": 1.0, "warmup": 10, "steps": 80},
     {**_NARROW, "pre_norm": True, "lr": 0.5, "warmup": 10, "steps": 80},
+    {**_NARROW, "pre_norm": False, "lr": 0.1, "warmup": 0, "steps": 80},
+    {**_NARROW, "pre_norm": False, "lr": 0.3, "warmup": 0, "steps": 80},
+    {**_NARROW, "pre_norm": False, "lr": 0.2, "warmup": 0, "steps": 80},
+    {**_NARROW, "pre_norm": False, "lr": 0.15, "warmup": 0, "steps": 80},
+    {**_NARROW, "pre_norm": False, "lr": 0.18, "warmup": 0, "steps": 80},
+    {**_NARROW, "pre_norm": False, "lr": 0.2, "warmup": 3, "steps": 80},
+    {**_NARROW, "pre_norm": False, "lr": 0.18, "warmup": 0, "steps": 160},
+    {**_NARROW, "pre_norm": False, "lr": 0.2, "warmup": 3, "steps": 160},
 ]
 SEEDS = (0, 1, 2)
 BOTH = {"ffn_init_scaling": True, "logit_clip": 10.0}
