@@ -162,7 +162,7 @@ def test_training_scripts_train_what_their_configs_say(script: str, tmp_path: Pa
     if script == "trainability":
         assert len(calls) == 5 and calls[1]["ffn_init_scaling"] and calls[2]["logit_clip"] == 10.0
         assert [c["num_layers"] for c in calls] == [2, 2, 2, 2, 1]  # four variants, then the depth control
-        assert all(c["warmup"] == 10 for c in calls)  # experiment.warmup
+        assert all(c["warmup"] == 3 for c in calls)  # experiment.warmup
         assert "logit clip" in (tmp_path / "trainability.md").read_text()
     else:
         assert [c.get("tokens_per_batch") for c in calls] == [None, None, 64, 256, 1024]
