@@ -145,10 +145,13 @@ def layer_costs(module: nn.Sequential, cost: object = None, sample: Any = None) 
     if cost is None or cost == "params":
         costs = parameter_costs(module)
     elif isinstance(cost, str):
-        if cost not in MEASURED_KINDS or sample is None:
+        if cost not in MEASURED_KINDS:
             raise ValueError(
-                f"unknown cost {cost!r} for a module without a sample batch; allowed: 'params', a list "
-                f"of per-layer numbers, a callable, or one of {list(MEASURED_KINDS)} with sample= "
+                f"unknown cost {cost!r}; allowed: 'params', a list of per-layer numbers, a callable, "
+                f"or one of {list(MEASURED_KINDS)} with sample=")
+        if sample is None:
+            raise ValueError(
+                f"cost {cost!r} is measured on a sample batch: pass sample= "
                 "(gpipe_lab.models.preset_costs gives the presets' sample)")
         with untouched(module, train=True if cost == "time" else None):
             costs = measure_layers(module, sample, cost)

@@ -129,8 +129,11 @@ def engine_options(cfg: DictConfig, options: PipelineOptions, module: Any) -> Pi
     """The validated options as the engine takes them: measured per-layer costs, the run's seed."""
     changes: dict[str, Any] = {}
     if isinstance(options.cost, str) and options.cost != "params":
-        batch = cfg.data.get("batch_size") or 2 * options.chunks  # token-budget batching: no fixed size
-        changes["cost"] = preset_costs(module.layers, options.cost, batch_size=max(1, batch // options.chunks))
+        size = 1  # FLOPs and bytes per sample do not depend on the batch; time per sample does
+        if options.cost == "time":
+            batch = cfg.data.get("batch_size") or 2 * options.chunks  # token-budget batching: no fixed size
+            size = max(1, batch // options.chunks)
+        changes["cost"] = preset_costs(module.layers, options.cost, batch_size=size)
     if options.seed is None:
         changes["seed"] = int(cfg.seed)
     return options.replace(**changes)

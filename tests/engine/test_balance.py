@@ -119,8 +119,12 @@ def test_errors_name_the_value() -> None:
         balance_by_time(model, torch.randn(4, 8), 2, repeat=0)
     with pytest.raises(ValueError, match="param_scale must be >= 0, got -1"):
         balance_by_size(model, torch.randn(4, 8), 2, param_scale=-1)
-    with pytest.raises(ValueError, match="unknown cost 'flops' for a module without a sample"):
+    with pytest.raises(ValueError, match="cost 'flops' is measured on a sample batch: pass sample="):
         layer_costs(model, "flops")
+    with pytest.raises(ValueError, match="cost 'time' is measured on a sample batch: pass sample="):
+        layer_costs(model, "time")
+    with pytest.raises(ValueError, match=r"unknown cost 'speed'; allowed: 'params'.*'time'\] with sample="):
+        layer_costs(model, "speed", torch.randn(4, 8))
 
 
 class Tick(nn.Module):

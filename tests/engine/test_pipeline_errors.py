@@ -31,7 +31,7 @@ from helpers.models import mlp
     (dict(balance=[3, 3], partitions=3), ValueError, r"balance: \[3, 3\] has 2 entries but partitions=3"),
     (dict(partitions=2, timeout=0), ValueError, "timeout: must be a finite number of seconds > 0, got 0"),
     (dict(partitions=2, cost=[1.0, 2.0]), ValueError, "got 2 layer costs for a module of 6 layers"),
-    (dict(partitions=2, cost="flops"), ValueError, "unknown cost 'flops'"),
+    (dict(partitions=2, cost="flops"), ValueError, "cost 'flops' is measured on a sample batch"),
 ])
 def test_bad_construction(kwargs, error, fragment):
     kwargs.setdefault("module", mlp())

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_lab.measure import COST_KINDS, measure_layers, parameter_costs, untouched
+from gpipe_lab.measure import COST_KINDS, layer_costs, measure_layers, parameter_costs, untouched
 
 __all__ = ["preset_costs", "example_input", "COST_KINDS"]
 
@@ -61,8 +61,7 @@ def _time_costs(model: nn.Sequential, sample: Any, batch_size: int) -> list[floa
     if sample is None:
         batch_size = max(int(batch_size), 2)
         sample = example_input(model, batch_size, params[0].device if params else "cpu")
-    with untouched(model, train=True):
-        return [c / batch_size for c in measure_layers(model, sample, "time")]
+    return [c / batch_size for c in layer_costs(model, "time", sample)]
 
 
 def preset_costs(model: nn.Sequential, kind: str = "params", example_input_: Any = None,
