@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None, path: Path = ROOT / "results" / "regener
         for n in names:
             print(f"{n}: " + "; then ".join(shown(c) for c in JOBS[n]))
         return 0
-    commit = git_commit()  # one git call for every record below; "+dirty": tracked files outside results/ changed
+    commit = git_commit()  # one git call for every record below; "+dirty": source files changed (not results/, not *.md)
     if commit.endswith("+dirty"):
-        print(f"regenerate: error: uncommitted changes outside results/ (commit {commit}); commit or "
+        print(f"regenerate: error: uncommitted changes to source files (anything but results/ and *.md; commit {commit}); commit or "
               "stash them first, so that every file names the commit that made it", file=sys.stderr)
         return 2
     records = json.loads(path.read_text()) if path.exists() else []
