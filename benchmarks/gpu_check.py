@@ -44,6 +44,7 @@ if not __package__:  # started as a file (``python benchmarks/gpu_check.py``): r
 
 import torch
 
+from benchmarks.bench_common import load_average, machine_info
 from benchmarks.gpu_check_engine import Context
 from gpipe_lab.provenance import source_commit
 
@@ -151,9 +152,12 @@ def write_reports(report: dict[str, Any], out: Path) -> None:
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: the environment, then one heading per section."""
-    lines = ["# GPU check", "", f"- date: {report.get('date')}, commit `{report.get('commit')}`",
-             f"- command: `{report.get('command')}`", f"- device: {report['device']}",
-             f"- torch: {report['torch']}, Python {report.get('python')}, lightning {report.get('lightning')}",
+    meta = report["meta"]
+    lines = ["# GPU check", "", f"- date: {meta['date']}, commit `{meta['commit']}`",
+             f"- command: `{meta['command']}`", f"- device: {meta['device']}",
+             f"- host: {meta['cpu']}, {meta['cores']} CPU cores, load average {meta['load_average']} at the start, "
+             f"{meta.get('load_average_after', 'n/a (still running)')} at the end",
+             f"- torch: {meta['torch']}, Python {meta['python']}, lightning {meta['lightning']}",
              f"- dry run: {report['dry_run']} (a dry run's figures are CPU figures, not GPU ones)",
              f"- start-up (section server) seconds: {report.get('startup_seconds')}", ""]
     for name, result in report["sections"].items():
@@ -197,23 +201,24 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown section(s) {unknown}; known: {[s[0] for s in sections]}")
         sections = [s for s in sections if s[0] in args.only]
     # the device name is asked in a child: this process forks none, but keeps off CUDA all the same
-    report: dict[str, Any] = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-                              "commit": args.commit or source_commit(),
-                              "command": "python -m benchmarks.gpu_check "
-                              + shlex.join(sys.argv[1:] if argv is None else argv),
-                              "device": "cpu (dry run)" if args.dry_run else "cuda:0",
-                              "torch": torch.__version__, "python": platform.python_version(),
-                              "lightning": _version("lightning"),
-                              "dry_run": args.dry_run, "sections": {}}
+    host = machine_info("cpu")  # the host's CPU and load; cpu: this process never touches CUDA
+    meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "commit": args.commit or source_commit(),
+            "command": "python -m benchmarks.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "device": "cpu (dry run)" if args.dry_run else "cuda:0", "cpu": host["cpu"], "cores": host["cores"],
+            "torch": torch.__version__, "python": platform.python_version(), "lightning": _version("lightning"),
+            "load_average": host["load_average"]}
+    report: dict[str, Any] = {"meta": meta, "dry_run": args.dry_run, "sections": {}}
     start = time.perf_counter()
     processes = _processes()
     report["startup_seconds"] = round(time.perf_counter() - start, 2)
     for name, spec, cap in sections:
         cap = DRY_CAPS.get(name, cap) if args.dry_run else cap
         result = run_section(name, spec, cap, ctx, processes)
-        report["device"] = result.pop("device_name", report["device"])
+        meta["device"] = result.pop("device_name", meta["device"])
         report["sections"][name] = result
         write_reports(report, args.out)
+    meta["load_average_after"] = load_average()
+    write_reports(report, args.out)
     failed = [n for n, r in report["sections"].items() if r["status"] == "FAIL"]
     print("FAILED: " + ", ".join(failed) if failed else "all sections passed")
     return 1 if failed else 0

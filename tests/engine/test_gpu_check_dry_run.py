@@ -53,8 +53,11 @@ def test_dry_run_wires_every_section(tmp_path: Path) -> None:
     md = (tmp_path / "gpu_check.md").read_text()
     assert all(f"## {name}: PASS" in md for name in names)
     assert "CPU figures, not GPU ones" in md
-    assert report["commit"].split("+")[0] == source_commit().split("+")[0] and report["commit"] in md  # provenance
-    assert report["torch"] == torch.__version__ and "--dry-run --two-gpus" in report["command"]
+    meta = report["meta"]  # provenance, as every JSON of results/ carries it
+    assert meta["commit"].split("+")[0] == source_commit().split("+")[0] and meta["commit"] in md
+    assert meta["torch"] == torch.__version__ and "--dry-run --two-gpus" in meta["command"]
+    assert meta["cpu"] and meta["cores"] == os.cpu_count() and f"{meta['cpu']}, {meta['cores']} CPU cores" in md
+    assert len(meta["load_average"]) == len(meta["load_average_after"]) == 3 and meta["date"] in md
 
 
 # Sections for the runner's own test, run in the check's child processes (importable by this module's name).
