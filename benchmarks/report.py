@@ -239,7 +239,7 @@ def write_report(results: dict, out: Path, memory_m: int | None) -> None:
              f"- wall time of the run: {meta['duration_s']:.0f} s" + _sections(meta), "",
              "## Targets (K=2, this machine)", ""]
     lines += _table(["target", "value", "goal", "status"],
-                    [[t["name"], f"{_f(t['value'])} {t['unit']}".strip(), t["goal"], t["status"]]
+                    [[t["name"], f"{_f(t['value'], 4)} {t['unit']}".strip(), t["goal"], t["status"]]
                      for t in results["targets"]])
     if results.get("notes"):
         lines += ["## What limits the missed targets", ""] + [f"- {n}" for n in results["notes"]] + [""]

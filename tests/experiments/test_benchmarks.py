@@ -249,7 +249,11 @@ def test_rerender_from_json(smoke, tmp_path):
     assert run.main(["--from-json", str(out / "benchmarks.json"), "--out", str(tmp_path)]) == 0
     again = json.loads((tmp_path / "benchmarks.json").read_text())
     assert again["targets"] == res["targets"]
-    assert (tmp_path / "benchmarks.md").read_text().startswith("# GPipe Lab benchmarks")
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert md.startswith("# GPipe Lab benchmarks")
+    for t in res["targets"]:  # printed as stored (4 decimals), not rounded a second time
+        if t["value"] is not None:
+            assert f"| {t['name']} | {t['value']:.4f}" in md
 
 
 @pytest.mark.slow
