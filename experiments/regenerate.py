@@ -12,7 +12,7 @@ go on later with ``--resume``: every file still names the one code that made it.
 Each job runs its commands (those ``results/README.md`` names) as processes of their own, from
 the repository root, one at a time (the ``hydra.sweep.dir`` folders they name emptied first), so that no two measurements share the machine. After each
 job ``results/regeneration.json`` records: the commit, the job's commands, when it started,
-its wall seconds, the load average before it and after it, and its exit status. A job that
+the machine (CPU model, cores, torch), its wall seconds, the load average before it and after it, and its exit status. A job that
 fails is recorded and the run goes on with the next one (its exit status is 1 at the end).
 
 Raises (as a one-line error and exit status 2): uncommitted changes to tracked files outside
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.bench_common import ROOT, git_commit, load_average
+from benchmarks.bench_common import ROOT, git_commit, load_average, machine_info
 
 PY = [sys.executable, "-m"]
 #: every cell three times (``seed=0,1,2``): the collector reports mean [min, max] and the spread
@@ -85,8 +85,11 @@ def shown(argv: list[str]) -> str:
 
 def run_job(name: str, commands: list[list[str]], root: Path = ROOT) -> dict[str, object]:
     """Run one job's commands in order (stopping at the first that fails); its record."""
+    machine = machine_info("cpu")
     record: dict[str, object] = {"job": name, "commit": git_commit(), "commands": [shown(c) for c in commands],
-                                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_before": load_average()}
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": machine["cpu"],
+                                 "cores": machine["cores"], "torch": machine["torch"],
+                                 "load_before": load_average()}
     began, status = time.monotonic(), 0
     for argv in commands:  # a sweep folder left from an earlier run would add its stale jobs to the tables
         for folder in (a.split("=", 1)[1] for a in argv if a.startswith("hydra.sweep.dir=")):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from experiments import regenerate
 
@@ -46,6 +48,7 @@ def test_jobs_run_in_order_are_recorded_and_resume_skips_what_is_done(monkeypatc
     assert [records[n]["exit_status"] for n in ("good", "bad", "after")] == [0, 3, 0]
     assert all(r["commit"] == "c0ffee" and r["seconds"] >= 0 and len(r["load_before"]) in (0, 3)
                for r in records.values())
+    assert all(r["cpu"] and r["cores"] == os.cpu_count() and r["torch"] == torch.__version__ for r in records.values())
     assert records["bad"]["commands"][0] == "python -c import sys; sys.exit(3)"
     assert regenerate.main(["--resume"], path) == 1  # only the failed job runs again
     assert marks.read_text() == "good after "
