@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpipe_lab import GPipe
-from gpipe_lab.pipeline import executor
+from gpipe_lab.pipeline import step_state
 from gpipe_lab.pipeline.backward_call import stage_backward
 from gpipe_lab.pipeline.mailbox import Mailbox
 
@@ -23,8 +23,8 @@ def test_message_keys_are_derived_once_per_schedule(monkeypatch: pytest.MonkeyPa
     pipe = GPipe(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]), partitions=2, chunks=4, schedule="1f1b")
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     calls: list[int] = []
-    original = executor.incoming
-    monkeypatch.setattr(executor, "incoming", lambda a, s: calls.append(1) or original(a, s))
+    original = step_state.incoming
+    monkeypatch.setattr(step_state, "incoming", lambda a, s: calls.append(1) or original(a, s))
     pipe.train_step(x, y, F.mse_loss)
     assert len(calls) == 2 * 2 * 4  # every action of the schedule, once
     pipe.train_step(x, y, F.mse_loss)

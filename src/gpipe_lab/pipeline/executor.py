@@ -26,7 +26,6 @@ Both transports run a step here (``channel.Endpoint`` is all that differs):
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -35,107 +34,14 @@ from functools import partial
 import torch
 
 from gpipe_lab.pipeline.channel import Endpoint, RankDevices, StepFeed, Values, run_action
-from gpipe_lab.pipeline.checkpointing import autocast_as, autocast_state
+from gpipe_lab.pipeline.checkpointing import autocast_as
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
-from gpipe_lab.pipeline.mailbox import Mailbox, Stopped, Undelivered, WaitTimeout
-from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule, expected_messages, incoming, outgoing
+from gpipe_lab.pipeline.mailbox import Stopped, Undelivered, WaitTimeout
+from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule
 from gpipe_lab.pipeline.stage import StageRuntime
+from gpipe_lab.pipeline.step_state import ExecutionPlan, Stalled, StepState
 from gpipe_lab.pipeline.timeline import Event, Timeline
 from gpipe_lab.pipeline.workers import StageWorkers
-
-Failure = tuple[float, int, "Action | None", BaseException]  # (when, rank, action, exception)
-# per action of a rank: (action, the message it takes, the message it sends, its stage's last B/W)
-PlannedAction = tuple[Action, "MessageKey | None", "MessageKey | None", bool]
-
-
-class _Plan:
-    """What the executor derives from one schedule, once: per rank its planned actions, and the
-    rank that sends each message."""
-
-    def __init__(self, schedule: Schedule, num_stages: int) -> None:
-        K = len(schedule)
-        self.schedule = schedule  # held, so that the cache's key (its id) is not reused
-        self.ranks: list[list[PlannedAction]] = []
-        self.senders: dict[MessageKey, int] = {}
-        for actions in schedule:
-            last = {a.stage: i for i, a in enumerate(actions) if a.kind in "BW"}
-            self.ranks.append([(a, incoming(a, num_stages), outgoing(a, num_stages), last.get(a.stage) == i)
-                               for i, a in enumerate(actions)])
-            self.senders.update(expected_messages(actions, K, num_stages))
-
-
-class _Stalled(Exception):
-    """The caller's wait saw no rank progress for a whole timeout (``error`` says where each was)."""
-
-    def __init__(self, error: PipelineTimeoutError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-class _Step:
-    """The state of one step shared by its rank threads."""
-
-    def __init__(self, plan: _Plan, feed: StepFeed, sync_gradients: bool) -> None:
-        schedule = plan.schedule
-        K = len(schedule)
-        self.plan, self.schedule, self.feed, self.sync_gradients = plan, schedule, feed, sync_gradients
-        self.mailbox = Mailbox()
-        self.done: list[Action | None] = [None] * K
-        self.current: list[Action | None] = [actions[0] if actions else None for actions in schedule]
-        self.senders = plan.senders
-        self.failures: list[Failure] = []
-        self.progress = 0  # actions and waits ended, by every rank: the caller's sign of life
-        self.waiting = [False] * K  # rank k is in a mailbox wait (bounded on its own)
-        self.running = [threading.Event() for _ in range(K)]
-        self.starting = threading.Lock()  # a rank task begins, or the step is cancelled: not both
-        self.cancelled = False
-        self.finished = [threading.Event() for _ in range(K)]
-        self.autocast = autocast_state()  # autocast is per thread: the stage threads take the caller's
-        # torch keeps one weight-cast cache per process and clears it when any thread leaves its
-        # outermost autocast region: under autocast the rank threads leave together, so a rank
-        # that ends early does not make the others cast every weight again
-        self.leaving: threading.Barrier | None = None  # set by ``hosting``
-
-    def hosting(self, num_threads: int) -> None:
-        """The step runs ``num_threads`` rank threads in this process."""
-        if num_threads > 1 and any(on for _, on, _ in self.autocast[0]):
-            self.leaving = threading.Barrier(num_threads)
-
-    def fail(self, rank: int, exc: BaseException) -> None:
-        self.failures.append((time.monotonic(), rank, self.current[rank], exc))
-        self.mailbox.stop()
-        if self.leaving is not None:
-            self.leaving.abort()
-
-    def cancel(self) -> None:
-        """The caller was interrupted: running ranks stop at their next action or wait, and a
-        rank task that has not begun yet (or is still queued) returns without running."""
-        self.mailbox.stop()
-        with self.starting:
-            self.cancelled = True
-        if self.leaving is not None:
-            self.leaving.abort()
-
-    def begin(self, rank: int) -> bool:
-        """Rank ``rank``'s task starts: False when the step was cancelled before it did."""
-        with self.starting:
-            if self.cancelled:
-                return False
-            self.running[rank].set()
-            return True
-
-    def leave_together(self, timeout: float) -> None:
-        """Wait (bounded) for every rank thread to end its walk before leaving autocast."""
-        if self.leaving is not None:
-            try:
-                self.leaving.wait(timeout)
-            except threading.BrokenBarrierError:
-                pass  # a rank failed, or the wait ran out: nothing to keep open for
-
-    def first_failure(self) -> Failure:
-        """The earliest failure that is not a wait that gave up (those follow from it)."""
-        real = [f for f in self.failures if not isinstance(f[3], TimeoutError)]
-        return min(real or self.failures, key=lambda f: f[0])
 
 
 class Executor:
@@ -145,14 +51,14 @@ class Executor:
         self.endpoint = endpoint
         self.runtimes = dict(runtimes)
         self.num_stages = next(iter(self.runtimes.values())).num_stages
-        self._plans: dict[int, _Plan] = {}
+        self._plans: dict[int, ExecutionPlan] = {}
         self.workers = StageWorkers()  # long-lived: thread-local caches (cuDNN's) survive steps
 
-    def _plan(self, schedule: Schedule) -> _Plan:
+    def _plan(self, schedule: Schedule) -> ExecutionPlan:
         """The plan of ``schedule``, made on its first step (the core caches its schedules)."""
         plan = self._plans.get(id(schedule))
         if plan is None or plan.schedule is not schedule:
-            plan = self._plans[id(schedule)] = _Plan(schedule, self.num_stages)
+            plan = self._plans[id(schedule)] = ExecutionPlan(schedule, self.num_stages)
         return plan
 
     def run(self, schedule: Schedule, prepared: object, feed: StepFeed, sync_gradients: bool) -> None:
@@ -166,14 +72,14 @@ class Executor:
                 ends by itself at its next action (compute cannot be interrupted).
             KeyboardInterrupt: the caller was interrupted (every rank thread stopped first).
         """
-        step = _Step(self._plan(schedule), feed, sync_gradients)
+        step = StepState(self._plan(schedule), feed, sync_gradients)
         ranks = [(k, self._device(schedule, k)) for k in self.endpoint.ranks]
         step.hosting(len(ranks))
         self.endpoint.peak_live = {s: 0 for s in self.runtimes}
         self.endpoint.open(prepared, step.mailbox, ranks)
         try:
             self._run_threads(step, ranks)
-        except _Stalled as stalled:  # reported with the ranks' own failures, if any came first
+        except Stalled as stalled:  # reported with the ranks' own failures, if any came first
             step.failures.append((time.monotonic(), ranks[0][0], None, stalled.error))
         except BaseException as exc:  # the caller was interrupted: the threads have stopped
             self._abort(ranks)
@@ -189,7 +95,7 @@ class Executor:
         stage = self._stage_of(schedule, k) if action is None else action.stage
         raise self.endpoint.fail(exc, stage, action) from None
 
-    def _run_threads(self, step: _Step, ranks: RankDevices) -> None:
+    def _run_threads(self, step: StepState, ranks: RankDevices) -> None:
         """Start a thread per rank and wait until all have ended (also when interrupted).
 
         One local CPU stage of several intra-op threads runs on the caller's thread instead:
@@ -227,7 +133,7 @@ class Executor:
         finally:
             torch.set_num_threads(main_threads)
 
-    def _wait_for(self, step: _Step, k: int) -> None:
+    def _wait_for(self, step: StepState, k: int) -> None:
         """Wait for rank ``k``'s thread to end while some rank progresses.
 
         Raises:
@@ -239,11 +145,11 @@ class Executor:
         while not step.finished[k].wait(self.endpoint.timeout):
             waiting = any(w and not step.finished[r].is_set() for r, w in enumerate(step.waiting))
             if step.progress == seen and not waiting:  # a waiting rank times out by itself
-                raise _Stalled(PipelineTimeoutError(self.endpoint.timeout, list(step.done),
+                raise Stalled(PipelineTimeoutError(self.endpoint.timeout, list(step.done),
                                                     list(step.current), "no stage progressed"))
             seen = step.progress
 
-    def _rank_thread(self, step: _Step, k: int, device: torch.device) -> None:
+    def _rank_thread(self, step: StepState, k: int, device: torch.device) -> None:
         if not step.begin(k):
             step.finished[k].set()
             return
@@ -266,7 +172,7 @@ class Executor:
         finally:
             step.finished[k].set()
 
-    def _walk(self, step: _Step, k: int) -> None:
+    def _walk(self, step: StepState, k: int) -> None:
         planned = step.plan.ranks[k]
         runtimes, endpoint, feed, mailbox = self.runtimes, self.endpoint, step.feed, step.mailbox
         peak = endpoint.peak_live
@@ -290,7 +196,7 @@ class Executor:
             current[k] = planned[i + 1][0] if i < last else None
             step.progress += 1
 
-    def _receive(self, step: _Step, k: int, key: MessageKey, action: Action) -> tuple[Values, bool]:
+    def _receive(self, step: StepState, k: int, key: MessageKey, action: Action) -> tuple[Values, bool]:
         """Wait (bounded) for ``key``; the time blocked is a ``wait`` event of the stage."""
         start = time.perf_counter()
         step.waiting[k] = True
