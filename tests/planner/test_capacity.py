@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gpipe_lab.models import amoebanet_d_params, build
-from gpipe_lab.planner import capacity
+from gpipe_lab.planner import capacity, layer_memory
 from gpipe_lab.planner.capacity import GiB, best_plan, layer_records, plan_memory
 from gpipe_lab.planner.cli import main
 
@@ -35,9 +35,9 @@ def test_transformer_l_paper_configs_have_the_paper_parameter_count(layers, expe
 
 
 def test_replicated_records_equal_measuring_every_layer():
-    full = capacity._records_of(build("amoebanet_d", "meta", num_layers=15, num_filters=16, image_size=32))
+    full = layer_memory._records_of(build("amoebanet_d", "meta", num_layers=15, num_filters=16, image_size=32))
     assert list(layer_records("amoebanet_d", num_layers=15, num_filters=16, image_size=32)) == full
-    full_t = capacity._records_of(build("transformer_l", "meta", num_layers=3, seq_len=16))
+    full_t = layer_memory._records_of(build("transformer_l", "meta", num_layers=3, seq_len=16))
     assert list(layer_records("transformer_l", num_layers=3, seq_len=16)) == full_t
 
 
