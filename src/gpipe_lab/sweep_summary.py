@@ -77,6 +77,8 @@ def log_wandb_table(rows: list[dict[str, Any]], sweep_dir: Path, logger: DictCon
     """One wandb run in the sweep's group holding the table (``logger``: the ``logger`` group)."""
     import wandb
 
+    from gpipe_lab.lightning.wandb_run import finish_and_flush
+
     headers, data = table_rows(rows)
     group = logger.get("group") or sweep_dir.name
     run = wandb.init(dir=str(sweep_dir), project=logger.get("project"), entity=logger.get("entity"),
@@ -85,7 +87,7 @@ def log_wandb_table(rows: list[dict[str, Any]], sweep_dir: Path, logger: DictCon
     try:
         run.log({"sweep/summary": wandb.Table(columns=headers, data=data)})
     finally:
-        run.finish()
+        finish_and_flush(run)
 
 
 class SweepSummary(Callback):

@@ -175,10 +175,10 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metr
                 trainer.validate(module, datamodule=datamodule, verbose=False)  # the final model's metric
                 metrics.write_summary(trainer)
         finally:
-            if cfg.logger.get("name") == "wandb":
-                import wandb  # import cost: only a wandb-logged run, once a trainer exists, loads it
+            if cfg.logger.get("name") == "wandb":  # import cost: only a wandb-logged run loads wandb
+                from gpipe_lab.lightning.wandb_run import finish_and_flush
 
-                wandb.finish()
+                finish_and_flush()
     except SystemExit:  # Lightning's answer to Ctrl-C: exit(1) once the interrupted state is saved
         if trainer.interrupted and trainer.is_global_zero:
             close_progress_bars(trainer)
