@@ -89,7 +89,7 @@ def run_job(name: str, commands: list[list[str]], root: Path = ROOT) -> dict[str
     record: dict[str, object] = {"job": name, "commit": git_commit(), "commands": [shown(c) for c in commands],
                                  "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": machine["cpu"],
                                  "cores": machine["cores"], "torch": machine["torch"],
-                                 "load_before": load_average()}
+                                 "load_before": machine["load_average"]}
     began, status = time.monotonic(), 0
     for argv in commands:  # a sweep folder left from an earlier run would add its stale jobs to the tables
         for folder in (a.split("=", 1)[1] for a in argv if a.startswith("hydra.sweep.dir=")):

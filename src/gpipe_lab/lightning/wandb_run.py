@@ -134,4 +134,3 @@ def finish_and_flush(run: Any | None = None) -> None:
     else:
         wandb.finish()
     wandb.teardown()
-
