@@ -22,6 +22,15 @@ from torch import Tensor, nn
 
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.nonfinite import gradient_flag, nonfinite_flag
+from helpers.user_models import (
+    Attention,
+    ScaleInPlace,
+    TorchAttention,
+    attention_model,
+    inplace_model,
+    sparse_model,
+    vit,
+)
 
 SCHEDULES = ["gpipe", "1f1b", "gpipe-bw", "zb-h1", "zb-h2", "interleaved-1f1b"]
 CHECKPOINTS = ["never", "always", "except_last"]
@@ -55,47 +64,6 @@ def set_grads(module: nn.Module, start: str) -> None:
 
 
 # ---------------------------------------------------------------- 1: a ViT front, split backward
-class Patches(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(6, 8)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.proj(x)
-
-
-class ClassToken(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.token = nn.Parameter(torch.randn(1, 1, 8))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.cat([self.token.expand(x.shape[0], -1, -1), x], dim=1)
-
-
-class Position(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Parameter(torch.randn(1, 5, 8))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.embedding
-
-
-class ClassHead(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.out = nn.Linear(8, 3)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.out(x[:, 0])
-
-
-def vit() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(Patches(), ClassToken(), Position(), nn.Linear(8, 8), nn.Tanh(), ClassHead())
-
-
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("start", ["none", "zeros", "accumulated"])
 @pytest.mark.parametrize(("rows", "chunks", "balance"), [(4, 4, [3, 3]), (3, 8, [3, 3]), (4, 4, [2, 4])])
@@ -123,35 +91,6 @@ def test_vit_gradients_equal_unpipelined_whatever_grad_holds_at_the_start(
 
 
 # ---------------------------------------------------------------- 2: mode transitions
-class Attention(nn.Module):
-    """Multi-head self-attention drawing its dropout inside the fused kernel (in training only)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv = nn.Linear(8, 24)
-
-    def forward(self, x: Tensor) -> Tensor:
-        n, t, _ = x.shape
-        q, k, v = self.qkv(x).view(n, t, 3, 2, 4).unbind(2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             dropout_p=0.3 if self.training else 0.0)
-        return out.transpose(1, 2).reshape(n, t, 8)
-
-
-class TorchAttention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.attention = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.attention(x, x, x, need_weights=False)[0]
-
-
-def attention_model(kind: type[nn.Module]) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 8), kind(), nn.Linear(8, 8), kind(), nn.Linear(8, 2))
-
-
 @pytest.mark.parametrize("kind", [Attention, TorchAttention])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
 def test_an_evaluation_pass_before_training_leaves_attention_dropout_replayable(
@@ -200,18 +139,6 @@ def test_a_framework_setting_only_the_layers_eval_is_a_mode_of_its_own() -> None
 
 
 # ---------------------------------------------------------------- 3: an in-place first layer
-class ScaleInPlace(nn.Module):
-    """An in-place write whose replay on written values would differ (unlike ReLU's)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x.mul_(2).add_(1)
-
-
-def inplace_model(first: nn.Module) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 4), first, nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
-
-
 @pytest.mark.parametrize("first", [nn.ReLU(inplace=True), ScaleInPlace()], ids=["relu", "scale"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
@@ -302,12 +229,6 @@ def test_an_in_place_first_layer_on_an_input_from_the_caller_s_graph() -> None:
 
 
 # ---------------------------------------------------------------- 5: sparse gradients
-def sparse_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 4), nn.Tanh(),
-                         nn.Linear(4, 2))
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
 def test_sparse_gradients_pass_the_nonfinite_check_and_clip_as_torch_does(schedule: str) -> None:
     reference, piped = sparse_model(), sparse_model()
