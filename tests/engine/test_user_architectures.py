@@ -267,6 +267,51 @@ def test_targets_of_another_batch_size_are_refused(schedule: str) -> None:
     pipe.train_step(torch.randn(8, 4), torch.randn(8, 2), F.mse_loss)  # and the pipe still runs
 
 
+# ---------------------------------------------------------------- minor: RNN checkpoint modes
+class Recurrent(nn.Module):
+    def __init__(self, kind: type[nn.RNNBase]) -> None:
+        super().__init__()
+        self.rnn = kind(8, 8, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.rnn(x)[0]
+
+
+def tagger(kind: type[nn.RNNBase]) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), Recurrent(kind), nn.Linear(8, 8), Recurrent(kind), nn.Linear(8, 3))
+
+
+def token_loss(out: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(out.reshape(-1, 3), target.reshape(-1), ignore_index=-1, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU])
+def test_rnn_checkpoint_modes_agree_to_rounding(kind: type[nn.RNNBase]) -> None:
+    """The README's rule: CPU RNN kernels differ under no_grad (a checkpointed micro-batch's first
+    forward), so the modes agree to ~1e-9, not bitwise; each equals plain PyTorch to 1e-5."""
+    x = torch.randn(6, 7, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (6, 7), generator=torch.Generator().manual_seed(2))
+    y[0, :2] = -1  # ignored tokens
+    reference = tagger(kind)
+    mean_loss = token_loss(reference(x), y)  # the pipe weights each micro-batch by its rows
+    grads = {}
+    for checkpoint in CHECKPOINTS:
+        net = tagger(kind)
+        pipe = GPipe(net, balance=[2, 3], chunks=3, checkpoint=checkpoint)
+        normalizer = (y != -1).sum()
+        loss = pipe.train_step(x, y, lambda o, t: token_loss(o, t) * (t != -1).sum(),
+                               loss_normalizer=lambda t: normalizer)
+        torch.testing.assert_close(loss, mean_loss, atol=1e-5, rtol=1e-5)
+        grads[checkpoint] = [p.grad for p in net.parameters()]
+    mean_loss.backward()
+    for checkpoint, found in grads.items():
+        for p, g in zip(reference.parameters(), found):
+            torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-5, msg=checkpoint)
+    for a, b in zip(grads["always"], grads["never"]):
+        torch.testing.assert_close(a, b, atol=1e-8, rtol=1e-6)
+
+
 # ---------------------------------------------------------------- minor: a failing stage stops the others
 def test_a_failing_stage_stops_its_neighbours_before_their_next_micro_batch() -> None:
     """Stage 1 raises at micro-batch 0 while stage 0 is inside micro-batch 1's forward. Stage 0 is let
