@@ -36,7 +36,7 @@ class _PipelineOutput(torch.autograd.Function):
         half = core.forward_half(inputs, was_tensor)
         shape.append(half.output_was_tensor)  # how to unwrap the outputs, for the caller
         ctx.core, ctx.half = core, half
-        ctx.inputs = tuple(t.detach() for t in inputs)  # where each input's gradient goes
+        ctx.devices = [t.device for t in inputs]
         result = as_tuple(half.outputs, "pipeline output")
         return result[0] if len(result) == 1 else result
 
@@ -52,7 +52,7 @@ class _PipelineOutput(torch.autograd.Function):
         output_grads = [tuple(None if g is None else g[i] for g in per_output)
                         for i in range(half.plan.num_microbatches)]
         core.backward_half(half, output_grads)
-        return (None, None, None, None, *input_gradients(ctx.inputs, half.leaves))
+        return (None, None, None, None, *input_gradients(ctx.devices, half.leaves))
 
 
 class _RefuseBackward(torch.autograd.Function):

@@ -70,13 +70,13 @@ def input_leaves(inputs: tuple[Tensor, ...], num_microbatches: int,
             for mb in split(inputs, num_microbatches, "inputs")]
 
 
-def input_gradients(inputs: tuple[Tensor, ...], leaves: list[tuple[Tensor, ...]]) -> list[Tensor | None]:
+def input_gradients(devices: list[torch.device], leaves: list[tuple[Tensor, ...]]) -> list[Tensor | None]:
     """The gradient of each input from its micro-batch leaves' (``None`` if one of them got none),
-    on the input's device."""
+    on ``devices[j]``, input j's device."""
     grads: list[Tensor | None] = []
-    for j, t in enumerate(inputs):
+    for j, device in enumerate(devices):
         pieces = [mb[j].grad for mb in leaves]
-        grads.append(None if any(p is None for p in pieces) else torch.cat(pieces).to(t.device))  # type: ignore[arg-type]
+        grads.append(None if any(p is None for p in pieces) else torch.cat(pieces).to(device))  # type: ignore[arg-type]
     return grads
 
 

@@ -223,8 +223,8 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
         with torch.enable_grad():
             loss, outputs = self._execute(feed, plan, "train", return_outputs)
             if graph:
-                pairs = [(t, g) for t, g in zip(values, input_gradients(values, feed.inputs))  # type: ignore[arg-type]
-                         if t.requires_grad and g is not None]
+                grads = input_gradients([t.device for t in values], feed.inputs)  # type: ignore[arg-type]
+                pairs = [(t, g) for t, g in zip(values, grads) if t.requires_grad and g is not None]
                 if pairs:
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         total = self._judge(loss)
