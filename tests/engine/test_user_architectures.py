@@ -355,3 +355,31 @@ def test_a_failing_stage_stops_its_neighbours_before_their_next_micro_batch() ->
     with pytest.raises(ValueError, match="boom"):
         pipe.train_step(torch.randn(4, 2), torch.randn(4, 2), F.mse_loss)
     assert forwards == [0, 1]  # micro-batches 2 and 3 never started on stage 0
+
+
+# ---------------------------------------------------------------- 2, through the Lightning strategy
+def test_lightning_sanity_check_then_training_with_attention_dropout() -> None:
+    """Lightning's sanity check (eval() of the module holding the layers, a validation forward, then
+    train()) before the first training step: the step used to raise UnreplayableRandomError."""
+    from gpipe_lab.lightning import GPipeStrategy
+    from helpers.strategy import TinyData, TinyRegressor, trainer
+
+    class AttentionRegressor(TinyRegressor):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.Sequential(nn.Linear(8, 8), nn.Unflatten(1, (2, 4)), Mixer(), nn.Flatten(),
+                                        nn.Linear(8, 1))
+
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(4, 2, dropout=0.3, batch_first=True)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.attention(x, x, x, need_weights=False)[0]
+
+    module = AttentionRegressor()
+    strategy = GPipeStrategy(partitions=2, chunks=2, balance=[2, 3], checkpoint="always")
+    trainer(strategy, max_steps=3, num_sanity_val_steps=1, limit_val_batches=1).fit(module, TinyData())
+    assert len(module.losses) == 3 and all(torch.isfinite(torch.tensor(module.losses)))
