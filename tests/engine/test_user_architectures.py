@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpipe_lab.pipeline import GPipe
+from gpipe_lab.measure import layer_costs
+from gpipe_lab.pipeline import GPipe, balance_by_cost
 from gpipe_lab.pipeline.nonfinite import gradient_flag, nonfinite_flag
 from helpers.user_models import (
     Attention,
@@ -158,6 +159,35 @@ def test_an_in_place_first_layer_of_a_stage_trains_as_unpipelined(
     assert_same(reference, piped)
     torch.testing.assert_close(x_pipe.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
     assert pipe.stages[1].input_writes.writes
+
+
+def vgg() -> nn.Sequential:
+    """A torchvision-style CNN as a Sequential: every activation an in-place ReLU."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3, padding=1),
+                         nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.Conv2d(4, 8, 3, padding=1),
+                         nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(8 * 4 * 4, 3))
+
+
+INPLACE_CUTS = [i for i, layer in enumerate(vgg()) if isinstance(layer, nn.ReLU)]
+
+
+@pytest.mark.parametrize("cut", INPLACE_CUTS + ["activation_bytes", "output_bytes"])
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_a_cnn_cut_before_each_in_place_relu_trains_as_unpipelined(cut: int | str, schedule: str) -> None:
+    """A cut before each in-place ReLU, and the cuts balance_by_cost makes by activation or output
+    bytes (which tend to land there)."""
+    x, y = torch.randn(6, 3, 8, 8), torch.randn(6, 3)
+    reference, piped = vgg(), vgg()
+    if isinstance(cut, str):
+        balance = balance_by_cost(layer_costs(piped, cut, sample=x[:2]), 2)
+    else:
+        balance = [cut, len(piped) - cut]
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    pipe = GPipe(piped, balance=balance, chunks=3, schedule=schedule, checkpoint="except_last")
+    torch.testing.assert_close(pipe.train_step(x, y, F.mse_loss), expected, atol=1e-5, rtol=1e-5)
+    assert_same(reference, piped)
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
