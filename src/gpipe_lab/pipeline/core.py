@@ -195,13 +195,17 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
         ``loss_normalizer(targets)`` (e.g. the number of non-pad tokens), exactly.
         A batch smaller than ``chunks`` runs as that many micro-batches of one sample.
 
+        Inputs that require grad (the output of a trainable front end of the caller's) get their
+        gradient as from a plain backward: one backward of the caller's graph after the step's.
+
         ``step`` numbers this step for the per-(step, stage, micro-batch) random generators
         (a trainer resuming at batch n passes n); default: ``step_count``, the steps run so far.
 
         Returns the full-batch loss (and the last stage's outputs if asked).
 
         Raises:
-            ValueError: an empty batch, missing inputs/targets, a zero normalizer.
+            ValueError: an empty batch, missing inputs/targets, targets whose batch size is not the
+                inputs', a zero normalizer.
             NonFiniteError: a NaN/inf loss or gradient under ``nonfinite="raise"``.
             Exception: whatever a layer raised, with its stage and micro-batch in the message.
         """
