@@ -11,7 +11,8 @@
 A run resumed from a checkpoint (``ckpt_path``) continues the wandb run of the checkpoint's run
 directory under the same id, rewound (``resume_from="<id>?_step=<n>"``) to its last history row
 before the checkpoint's step: rows a killed run logged past its checkpoint are dropped, so no
-step has two values once synced (``gpipe_lab.wandb_reader.synced_history`` reads it so offline).
+step has two values once synced (``gpipe_lab.wandb_reader.synced_history`` reads it so offline);
+its config's ``resumed_from_step`` is the checkpoint's training step.
 
 The run is created here (``wandb.init``) and handed to Lightning's ``WandbLogger`` as its
 ``experiment``, on global rank 0 only; other ranks get a logger that never starts a run.
@@ -63,6 +64,13 @@ def run_config(resolved: dict[str, Any], options: PipelineOptions) -> dict[str, 
     return {**resolved, **flat}
 
 
+def checkpoint_step(ckpt_path: str) -> int:
+    """The training step a Lightning checkpoint was saved at (its ``global_step``)."""
+    import torch
+
+    return int(torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)["global_step"])
+
+
 def resume_arguments(ckpt_path: str | None) -> dict[str, Any]:
     """``wandb.init``'s arguments that continue the wandb run of ``ckpt_path``'s run directory
     (``<run>/checkpoints/<file>``), rewound to before the checkpoint's step; none without one."""
@@ -72,12 +80,10 @@ def resume_arguments(ckpt_path: str | None) -> dict[str, Any]:
                   key=lambda p: p.parent.name.split("run-", 1)[1])
     if not runs:
         return {}
-    import torch
-
     from gpipe_lab.wandb_reader import read_run
 
     run_id = runs[-1].stem.removeprefix("run-")
-    step = int(torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)["global_step"])
+    step = checkpoint_step(ckpt_path)
     rows = [row for row in read_run(runs[-1], cut_end=True).history if "_step" in row]
     after = next((i for i, row in enumerate(rows) if row.get("trainer/global_step", -1) >= step), len(rows))
     if after == 0:  # nothing logged before the checkpoint's step in this file: cannot rewind to it
@@ -104,6 +110,8 @@ def build_wandb_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptio
                       group=sweep_group(cfg, output_dir), tags=list(cfg.logger.tags or []), mode=cfg.logger.mode,
                       name=name, config=run_config(resolved, options), job_type="train")
         resume = resume_arguments(ckpt_path)
+        if resume:  # the training step the continued run starts from (wandb's branch point counts rows)
+            common["config"]["resumed_from_step"] = checkpoint_step(str(ckpt_path))
         try:
             experiment = wandb.init(**common, **resume)
         except wandb.Error as exc:
