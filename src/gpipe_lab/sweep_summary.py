@@ -2,7 +2,8 @@
 
 After each job (so a sweep whose later jobs fail keeps the table of those that finished) and at
 the end of the sweep, writes next to the job folders ``summary.json`` (a list of rows), ``summary.csv`` and
-``sweep_summary.md`` (one line per job: throughput, bubble, memory, final metric), and, when
+``sweep_summary.md`` (one line per job: a column per key the sweep varies, then throughput, bubble,
+memory, final metric), and, when
 the logger is wandb, one more wandb run in the sweep's group (``job_type=sweep-summary``)
 holding the same table as ``sweep/summary``. The sweep ends by printing where the table is.
 """
@@ -43,10 +44,22 @@ def collect_summaries(sweep_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+#: Swept keys whose values ``COLUMNS`` shows already.
+SHOWN_KEYS = ("pipeline.partitions", "pipeline.chunks", "pipeline.schedule", "pipeline.checkpoint",
+              "pipeline.transport")
+
+
+def swept_columns(rows: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """A column per key the sweep varies (each job's ``swept`` values in its summary), in sweep order."""
+    keys = dict.fromkeys(k for row in rows for k in (row.get("swept") or {}) if k not in SHOWN_KEYS)
+    return [(key, lambda r, key=key: (r.get("swept") or {}).get(key)) for key in keys]
+
+
 def table_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
-    """``COLUMNS``' headers and one list of values per job."""
-    headers = [name for name, _ in COLUMNS]
-    data = [[key(row) if callable(key) else row.get(key) for _, key in COLUMNS] for row in rows]
+    """The headers (``COLUMNS`` with the swept keys after the run name) and one list of values per job."""
+    columns = [*COLUMNS[:2], *swept_columns(rows), *COLUMNS[2:]]
+    headers = [name for name, _ in columns]
+    data = [[key(row) if callable(key) else row.get(key) for _, key in columns] for row in rows]
     return headers, data
 
 

@@ -38,7 +38,7 @@ from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
 from gpipe_lab.lightning.resume import ResumableCheckpoint
-from gpipe_lab.lightning.wandb_run import build_wandb_logger, run_name
+from gpipe_lab.lightning.wandb_run import build_wandb_logger, job_run_name
 from gpipe_lab.models import build, preset_costs
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
 from gpipe_lab.pipeline.options import PipelineOptions
@@ -60,6 +60,7 @@ from gpipe_lab.run_console import (
 )
 from gpipe_lab.run_start import fetch_data, load_weights
 from gpipe_lab.suggest import suggest_overrides
+from gpipe_lab.sweep_check import job_sweep_values
 
 __all__ = ["CONFIG_DIR", "build_datamodule", "build_logger", "build_module", "cli", "engine_options",
            "main", "model_overrides", "run"]
@@ -217,7 +218,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         options, plan = choose_plan(cfg, options, planner, model_sizes(cfg, datamodule))
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
              "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
-             "init_from": init_from, "run_name": run_name(options), "commit": source_commit()}
+             "init_from": init_from, "run_name": job_run_name(options), "swept": job_sweep_values(),
+             "commit": source_commit()}
     if plan is not None:
         extra.update(plan.summary())
     metrics = PipelineMetrics(output_dir, extra_summary=extra, derived=plan.compare if plan is not None else None)

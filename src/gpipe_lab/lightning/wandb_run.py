@@ -4,7 +4,8 @@
   the jobs of one sweep land together (``None`` for a single run);
 - name: what the pipeline runs, e.g. ``K2-M8-gpipe-bw`` (schedule ``gpipe-bw``), with the
   settings that differ from their defaults appended (``-ckpt_never``, ``-distributed``, ``-v2``,
-  ``-compile``);
+  ``-compile``), and in a sweep the job's values of the other keys the sweep varies
+  (``K2-M4-gpipe-optimizer.lr=0.01``);
 - config: the resolved Hydra config plus flat ``K``, ``M``, ``schedule``, ``checkpoint``,
   ``transport`` and ``compile`` keys.
 
@@ -21,6 +22,7 @@ The run is created here (``wandb.init``) and handed to Lightning's ``WandbLogger
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +43,14 @@ def sweep_group(cfg: DictConfig, output_dir: Path) -> str | None:
     return None
 
 
-def run_name(options: PipelineOptions) -> str:
-    """``K<K>-M<M>-<schedule>`` and the non-default settings, e.g. ``K2-M8-gpipe-bw-ckpt_never``."""
+#: The pipeline keys whose value the name already shows (``K2``, ``M4``, the schedule, ...).
+NAMED_KEYS = ("pipeline.partitions", "pipeline.chunks", "pipeline.schedule", "pipeline.checkpoint",
+              "pipeline.transport", "pipeline.virtual_stages", "pipeline.compile")
+
+
+def run_name(options: PipelineOptions, swept: Mapping[str, str] | None = None) -> str:
+    """``K<K>-M<M>-<schedule>`` and the non-default settings, e.g. ``K2-M8-gpipe-bw-ckpt_never``,
+    then ``key=value`` for each key of ``swept`` (what a sweep varies) the name does not show yet."""
     defaults = PipelineOptions()
     parts = [f"K{options.num_stages}", f"M{options.chunks}", options.schedule]
     if options.checkpoint != defaults.checkpoint:
@@ -53,7 +61,15 @@ def run_name(options: PipelineOptions) -> str:
         parts.append(f"v{options.virtual_stages}")
     if getattr(options, "compile", False):
         parts.append("compile")
+    parts += [f"{key}={value}" for key, value in (swept or {}).items() if key not in NAMED_KEYS]
     return "-".join(parts)
+
+
+def job_run_name(options: PipelineOptions) -> str:
+    """``run_name`` of this Hydra job: with the values of what its sweep varies."""
+    from gpipe_lab.sweep_check import job_sweep_values
+
+    return run_name(options, job_sweep_values())
 
 
 def run_config(resolved: dict[str, Any], options: PipelineOptions) -> dict[str, Any]:
@@ -101,7 +117,7 @@ def build_wandb_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptio
     from lightning.pytorch.utilities import rank_zero_only
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    name = run_name(options)
+    name = job_run_name(options)
     experiment = None
     if rank_zero_only.rank == 0:
         import wandb
