@@ -120,14 +120,23 @@ def tell_interrupted(metrics: PipelineMetrics, output_dir: Path) -> None:
 
 
 def summary_line(summary: dict[str, Any], output_dir: Path) -> str:
-    """The run's last line: K, M, loss, metric and throughput (rounded), and where the summary is."""
+    """The run's one line of its own at the end: what ran (K, M, loss, metric and throughput,
+    rounded; the run's name), where its summary is, its timeline pictures and its wandb folder."""
     def short(value: Any) -> Any:
         return f"{value:.4g}" if isinstance(value, float) else value
 
     metric = summary.get("validation_metric")
     validation = f" {metric}={short(summary.get('validation_value'))}" if metric is not None else ""
-    return (f"summary: K={summary.get('K')} M={summary.get('M')} train_loss={short(summary.get('final_train_loss'))}"
-            f"{validation} samples/s={short(summary.get('samples_per_s'))} -> {output_dir / 'summary.json'}")
+    line = (f"summary: K={summary.get('K')} M={summary.get('M')} train_loss={short(summary.get('final_train_loss'))}"
+            f"{validation} samples/s={short(summary.get('samples_per_s'))} run={summary.get('run_name')} "
+            f"-> {output_dir / 'summary.json'}")
+    pictures = [str(p) for p in (output_dir / "timeline_first.png", output_dir / "timeline_last.png") if p.is_file()]
+    if pictures:
+        line += f"; timelines {' '.join(pictures)}"
+    wandb_runs = sorted((output_dir / "wandb").glob("*run-*-*"), key=lambda p: p.name.split("run-", 1)[1])
+    if wandb_runs:
+        line += f"; wandb {wandb_runs[-1]}"
+    return line
 
 
 def print_lightning_logs_once() -> None:
@@ -148,10 +157,13 @@ def print_lightning_logs_once() -> None:
 
 
 class NoAdvertising(logging.Filter):
-    """Drops Lightning's tip advertising a cloud logger, printed on every run."""
+    """Drops Lightning's tip advertising a cloud logger and its echo of ``limit_val_batches=1.0``
+    (the default, "100% of the batches will be used"), printed on every run and sweep job."""
+
+    NOISE = ("litlogger", "was configured so 100% of the batches")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "litlogger" not in str(record.msg)
+        return not any(noise in str(record.msg) for noise in self.NOISE)
 
 
 #: What Hydra and ``continue_run`` put in a run directory before anything trains.

@@ -90,13 +90,14 @@ def log_wandb_table(rows: list[dict[str, Any]], sweep_dir: Path, logger: DictCon
     """One wandb run in the sweep's group holding the table (``logger``: the ``logger`` group)."""
     import wandb
 
-    from gpipe_lab.lightning.wandb_run import finish_and_flush
+    from gpipe_lab.lightning.wandb_run import console_settings, finish_and_flush
 
     headers, data = table_rows(rows)
     group = logger.get("group") or sweep_dir.name
+    mode = logger.get("mode", "offline")
     run = wandb.init(dir=str(sweep_dir), project=logger.get("project"), entity=logger.get("entity"),
-                     group=group, name=f"{group}-summary", job_type="sweep-summary",
-                     mode=logger.get("mode", "offline"), tags=list(logger.get("tags") or []))
+                     group=group, name=f"{group}-summary", job_type="sweep-summary", mode=mode,
+                     tags=list(logger.get("tags") or []), settings=console_settings(mode))
     try:
         run.log({"sweep/summary": wandb.Table(columns=headers, data=data)})
     finally:

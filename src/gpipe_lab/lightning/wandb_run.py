@@ -21,6 +21,7 @@ The run is created here (``wandb.init``) and handed to Lightning's ``WandbLogger
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -109,6 +110,18 @@ def resume_arguments(ckpt_path: str | None) -> dict[str, Any]:
     return {"id": run_id, "resume_from": f"{run_id}?_step={int(rows[after - 1]['_step'])}"}
 
 
+def console_settings(mode: str) -> Any:
+    """``wandb.Settings`` for wandb's console output: none for an offline or disabled run
+    (``gpipe-train``'s last line names the run's wandb folder), only the run's address online
+    (``quiet``: without wandb's 35-line history and summary block); ``WANDB_SILENT`` or
+    ``WANDB_QUIET``, when set, decide instead."""
+    import wandb
+
+    if "WANDB_SILENT" in os.environ or "WANDB_QUIET" in os.environ:
+        return wandb.Settings()
+    return wandb.Settings(quiet=True) if mode == "online" else wandb.Settings(silent=True)
+
+
 def build_wandb_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions,
                        resolved: dict[str, Any], ckpt_path: str | None = None) -> Any:
     """A ``WandbLogger`` writing to ``output_dir/wandb``, continuing ``ckpt_path``'s wandb run
@@ -124,7 +137,8 @@ def build_wandb_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptio
 
         common = dict(dir=str(output_dir), project=cfg.logger.project, entity=cfg.logger.entity,
                       group=sweep_group(cfg, output_dir), tags=list(cfg.logger.tags or []), mode=cfg.logger.mode,
-                      name=name, config=run_config(resolved, options), job_type="train")
+                      name=name, config=run_config(resolved, options), job_type="train",
+                      settings=console_settings(cfg.logger.mode))
         resume = resume_arguments(ckpt_path)
         if resume:  # the training step the continued run starts from (wandb's branch point counts rows)
             common["config"]["resumed_from_step"] = checkpoint_step(str(ckpt_path))
