@@ -42,27 +42,56 @@ def stage_summary(options: PipelineOptions, layers: Any) -> str:
 
 
 class CompileNotice(pl.Callback):
-    """``pipeline.compile``: the first step builds every stage's kernels (minutes on a CPU), which
-    the progress bar's estimate cannot know: say so before it, and how long it took after."""
+    """``pipeline.compile``: the first training step builds every stage's kernels (minutes on a
+    CPU), and so does the first validation or test batch (evaluation runs without gradients: other
+    kernels), which the progress bar's estimate cannot know: say so before each, and how long it
+    took after."""
+
+    #: what each phase's first batch compiles
+    PHASES = {"train": "the first step", "validation": "the first validation batch (no gradients: other kernels)",
+              "test": "the first test batch (no gradients: other kernels)"}
 
     def __init__(self) -> None:
-        self.started: float | None = None
-        self.told = False
+        self.started: dict[str, float] = {}
+        self.told: set[str] = set()
+
+    def _start(self, trainer: pl.Trainer, phase: str) -> None:
+        if phase in self.told or not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        self.told.add(phase)
+        self.started[phase] = time.monotonic()
+        what = self.PHASES[phase]
+        print(f"pipeline.compile: torch.compile is building each stage's kernels during {what}; this can take "
+              "minutes on a CPU, and the progress bar's estimate means nothing until then", flush=True)
+
+    def _end(self, phase: str) -> None:
+        started = self.started.pop(phase, None)
+        if started is not None:
+            print(f"pipeline.compile: {self.PHASES[phase].split(' (')[0]}, compilation included, took "
+                  f"{time.monotonic() - started:.1f} s", flush=True)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if not self.told and trainer.is_global_zero:
-            self.told = True
-            self.started = time.monotonic()
-            print("pipeline.compile: torch.compile is building each stage's kernels during the first step; "
-                  "this can take minutes on a CPU, and the progress bar's estimate means nothing until then",
-                  flush=True)
+        self._start(trainer, "train")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.started is not None:
-            print(f"pipeline.compile: the first step, compilation included, took "
-                  f"{time.monotonic() - self.started:.1f} s", flush=True)
-            self.started = None
+        self._end("train")
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self._start(trainer, "validation")
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._end("validation")
+
+    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:
+        self._start(trainer, "test")
+
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._end("test")
 
 
 class ProgressBar(TQDMProgressBar):
