@@ -21,6 +21,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from gpipe_lab.config_checks import validate_model_data, validate_trainer_values, validate_transfer
 from gpipe_lab.config_schema import ConfigError, check_positive  # also registers the generated nodes
+from gpipe_lab.evaluation import validate_mode
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
 from gpipe_lab.pipeline.partition import check_layer_count
@@ -247,10 +248,11 @@ def validate(cfg: DictConfig, num_layers: int | None = None) -> PipelineOptions:
             raise ConfigError(f"{group}: missing config group")
     known_root = {"model", "data", "pipeline", "trainer", "optimizer", "logger", "paths", "task_name",
                   "tags", "seed", "ckpt_path", "init_from", "callbacks", "dry_run", "experiment", "hydra",
-                  "notes", "fresh_classifier", *EXTENSION_KEYS}
+                  "notes", "fresh_classifier", "mode", *EXTENSION_KEYS}
     _check_keys(cfg, sorted(known_root), "", "the root config")
     if not isinstance(cfg.get("seed"), int):
         raise ConfigError(f"seed: must be an integer, got {cfg.get('seed')!r}")
+    validate_mode(cfg)
     validate_model(cfg)
     validate_data(cfg)
     validate_model_data(cfg)

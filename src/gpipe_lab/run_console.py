@@ -154,10 +154,11 @@ def summary_line(summary: dict[str, Any], output_dir: Path) -> str:
     def short(value: Any) -> Any:
         return f"{value:.4g}" if isinstance(value, float) else value
 
-    metric = summary.get("validation_metric")
-    validation = f" {metric}={short(summary.get('validation_value'))}" if metric is not None else ""
-    line = (f"summary: K={summary.get('K')} M={summary.get('M')} train_loss={short(summary.get('final_train_loss'))}"
-            f"{validation} samples/s={short(summary.get('samples_per_s'))} run={summary.get('run_name')} "
+    figures = {"train_loss": summary.get("final_train_loss"), summary.get("validation_metric"):
+               summary.get("validation_value"), summary.get("test_metric"): summary.get("test_value"),
+               "samples/s": summary.get("samples_per_s")}
+    shown = " ".join(f"{k}={short(v)}" for k, v in figures.items() if k is not None and v is not None)
+    line = (f"summary: K={summary.get('K')} M={summary.get('M')} {shown} run={summary.get('run_name')} "
             f"-> {output_dir / 'summary.json'}")
     pictures = [str(p) for p in (output_dir / "timeline_first.png", output_dir / "timeline_last.png") if p.is_file()]
     if pictures:

@@ -34,6 +34,7 @@ from gpipe_lab.config import ConfigError, trainer_devices, validate_callbacks, v
 from gpipe_lab.continuation import continue_run
 from gpipe_lab.data import build_datamodule as build_named_datamodule
 from gpipe_lab.data.checks import DataNotFoundError
+from gpipe_lab.evaluation import check_test_set, evaluate_checkpoint, final_test
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
@@ -121,8 +122,9 @@ def build_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions | N
     if name == "csv":
         return CSVLogger(save_dir=str(output_dir), name="csv")
     if name == "wandb":
+        continued = resolve_checkpoint(cfg, output_dir) if cfg.get("mode", "train") == "train" else None
         return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg),
-                                  ckpt_path=resolve_checkpoint(cfg, output_dir))
+                                  ckpt_path=continued)  # an evaluated checkpoint's wandb run is left as it is
     return False
 
 
@@ -168,13 +170,19 @@ def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output
 def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metrics: PipelineMetrics,
         ckpt_path: str | None) -> None:
     """Train (resuming ``ckpt_path``), then validate the final model when the last validation was
-    earlier; the wandb run is closed whatever happens."""
+    earlier and test it (``gpipe_lab.evaluation``); or with ``mode=validate|test`` evaluate
+    ``ckpt_path`` only. The wandb run is closed whatever happens."""
     try:
         try:
+            if cfg.get("mode", "train") != "train":
+                assert ckpt_path is not None  # validate_mode
+                evaluate_checkpoint(cfg.mode, trainer, module, datamodule, metrics, ckpt_path)
+                return
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
             if metrics.last_validated_step != trainer.global_step and trainer.limit_val_batches:
                 trainer.validate(module, datamodule=datamodule, verbose=False)  # the final model's metric
                 metrics.write_summary(trainer)
+            final_test(trainer, module, datamodule, metrics)
         finally:
             if cfg.logger.get("name") == "wandb":  # import cost: only a wandb-logged run loads wandb
                 from gpipe_lab.lightning.wandb_run import finish_and_flush
@@ -211,13 +219,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg)
     fetch_data(cfg, datamodule)
+    check_test_set(cfg, datamodule)
     module = build_module(cfg, datamodule)
     init_from = load_weights(cfg, module, ckpt_path)
     planner, plan = validate_planner(cfg), None
     if planner.auto:
         options, plan = choose_plan(cfg, options, planner, model_sizes(cfg, datamodule))
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
-             "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
+             "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "mode": cfg.get("mode", "train"),
+             "resumed_from" if cfg.get("mode", "train") == "train" else "evaluated": ckpt_path,
              "init_from": init_from, "run_name": job_run_name(options), "swept": job_sweep_values(),
              "commit": source_commit()}
     if plan is not None:

@@ -23,7 +23,7 @@ def test_a_smoke_run_ends_in_one_line_naming_its_summary_pictures_and_wandb_run(
     assert "limit_val_batches" not in console, console
     (run_dir,) = tmp_path.glob("train/runs/*")
     last = done.out.strip().splitlines()[-1]
-    match = re.fullmatch(r"summary: K=2 M=4 train_loss=\S+ val/acc=\S+ samples/s=\S+ run=K2-M4-gpipe "
+    match = re.fullmatch(r"summary: K=2 M=4 train_loss=\S+ val/acc=\S+ test/acc=\S+ samples/s=\S+ run=K2-M4-gpipe "
                          r"-> (\S+); timelines (\S+) (\S+); wandb (\S+)", last)
     assert match, last
     assert [Path(p) for p in match.groups()] == [
