@@ -67,8 +67,9 @@ def continue_run(cfg: DictConfig) -> DictConfig:
     link = output_dir / "resumed_run"
     if not link.exists():
         link.symlink_to(old_run, target_is_directory=True)
-    wandb_note = f" (wandb id {run_id})" if run_id is not None and new_cfg.logger.get("name") == "wandb" else ""
+    continued = new_cfg.get("mode", "train") == "train"  # mode=validate|test evaluates it in a run of its own
+    wandb_note = f" (wandb id {run_id})" if continued and run_id is not None and new_cfg.logger.get("name") == "wandb" else ""
     given_note = f"; its overrides: {' '.join(carried)}" if carried else ""
     given_note += f"; this command's: {' '.join(current)}" if current else ""
-    print(f"continuing run {old_run}{wandb_note}{given_note}")
+    print(f"{'continuing run' if continued else f'evaluating {ckpt} of run'} {old_run}{wandb_note}{given_note}")
     return new_cfg

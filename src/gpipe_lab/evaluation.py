@@ -60,8 +60,9 @@ def check_weights(ckpt_path: str, module: torch.nn.Module) -> None:
     state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     bad = differing_weights(state, module)
     if bad:
-        raise ConfigError(f"ckpt_path={ckpt_path}: {len(bad)} weight(s) of the checkpoint do not fit this run's "
-                          f"model ({'; '.join(bad[:4])}{' ...' if len(bad) > 4 else ''})")
+        more = " ..." if len(bad) > 4 else ""
+        raise ConfigError(f"ckpt_path={ckpt_path}: cannot evaluate it, this run's model differs in {len(bad)} "
+                          f"weight(s): {'; '.join(bad[:4])}{more}")
 
 
 def summarize_test(results: dict[str, float]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ COLUMNS: list[tuple[str, Any]] = [
     ("peak activation bytes", lambda r: max(r.get("stage_peak_activation_bytes") or [0]) or None),
     ("parameter bytes", lambda r: sum(r.get("stage_parameter_bytes") or [0]) or None),
     ("train loss", "final_train_loss"), ("metric", "validation_metric"), ("value", "validation_value"),
+    ("test metric", "test_metric"), ("test value", "test_value"),
     ("commit", "commit"),
 ]
 

@@ -75,6 +75,7 @@ def test_mode_evaluates_a_checkpoint_without_training(trained, tmp_path, capsys,
     assert not (run_dir / "checkpoints").exists() and summary["final_train_loss"] is None  # nothing trained
     last = done.out.strip().splitlines()[-1]
     assert last.startswith("summary: K=2 M=4 ") and ("test/acc=" in last) == (mode == "test"), last
+    assert f"evaluating {trained / 'checkpoints' / 'last.ckpt'} of run {trained}" in done.out, done.out
 
 
 def test_mode_test_without_a_checkpoint_or_a_test_set_is_one_line(trained, tmp_path, capsys, monkeypatch) -> None:
