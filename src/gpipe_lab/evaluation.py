@@ -46,6 +46,11 @@ def validate_mode(cfg: DictConfig) -> str:
     return str(mode)
 
 
+def evaluates(cfg: DictConfig) -> bool:
+    """Whether the run evaluates ``ckpt_path`` (``mode=validate|test``) instead of training."""
+    return cfg.get("mode", "train") != "train"
+
+
 def check_test_set(cfg: DictConfig, datamodule: Any) -> None:
     """Raises: ConfigError: ``mode=test`` and the data has no test split (naming how to give one)."""
     if cfg.get("mode", "train") == "test" and not getattr(datamodule, "has_test_set", False):

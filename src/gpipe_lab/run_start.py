@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from gpipe_lab.config import ConfigError
 from gpipe_lab.data.checks import DataNotFoundError
-from gpipe_lab.evaluation import check_weights
+from gpipe_lab.evaluation import check_weights, evaluates
 from gpipe_lab.lightning.resume import load_initial_weights
 from gpipe_lab.lightning.resume_checks import check_resume
 
@@ -51,9 +51,10 @@ def load_weights(cfg: DictConfig, module: Any, ckpt_path: str | None) -> str | N
     module, or load ``init_from``'s weights into it; returns the ``init_from`` checkpoint.
 
     Raises:
-        ConfigError: the checkpoint cannot continue this run (``check_resume``).
+        ConfigError: the checkpoint cannot continue this run (``check_resume``), or its weights do
+            not fit the model it is evaluated with (``check_weights``).
     """
-    if ckpt_path is not None and cfg.get("mode", "train") != "train":
+    if ckpt_path is not None and evaluates(cfg):
         check_weights(ckpt_path, module)  # evaluated, not continued: its step and optimizer do not matter
     elif ckpt_path is not None:
         check_resume(ckpt_path, cfg, module)

@@ -6,9 +6,11 @@
     gpipe-train ckpt_path=/path/to/run/checkpoints/last.ckpt pipeline.partitions=4   # resume, another K
     gpipe-train ckpt_path=last                    # resume the newest run's last.ckpt
     gpipe-train experiment=transfer_synthetic init_from=/path/to/last.ckpt   # fine-tune
+    gpipe-train mode=test ckpt_path=/path/to/last.ckpt   # evaluate a checkpoint on the test set (gpipe_lab.evaluation)
     gpipe-train pipeline.plan=auto pipeline.memory_per_device=8MiB   # the planner chooses K, M, ... (plan_run)
 
-Every run writes ``summary.json``, ``timeline_{first,last}.png``, ``checkpoints/last.ckpt``
+Every run writes ``summary.json`` (with the test metrics when the data has a test split),
+``timeline_{first,last}.png``, ``checkpoints/last.ckpt``
 (every ``callbacks.checkpoint_every_n_steps`` steps, at the end and on Ctrl-C) and (by
 default) an offline wandb run under its output directory. ``gpipe_lab.preflight`` checks the
 whole config first (the dry run and each job of a sweep make the same checks).
@@ -34,7 +36,7 @@ from gpipe_lab.config import ConfigError, trainer_devices, validate_callbacks, v
 from gpipe_lab.continuation import continue_run
 from gpipe_lab.data import build_datamodule as build_named_datamodule
 from gpipe_lab.data.checks import DataNotFoundError
-from gpipe_lab.evaluation import check_test_set, evaluate_checkpoint, final_test
+from gpipe_lab.evaluation import check_test_set, evaluate_checkpoint, evaluates, final_test
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
@@ -122,7 +124,7 @@ def build_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions | N
     if name == "csv":
         return CSVLogger(save_dir=str(output_dir), name="csv")
     if name == "wandb":
-        continued = resolve_checkpoint(cfg, output_dir) if cfg.get("mode", "train") == "train" else None
+        continued = None if evaluates(cfg) else resolve_checkpoint(cfg, output_dir)
         return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg),
                                   ckpt_path=continued)  # an evaluated checkpoint's wandb run is left as it is
     return False
@@ -174,7 +176,7 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metr
     ``ckpt_path`` only. The wandb run is closed whatever happens."""
     try:
         try:
-            if cfg.get("mode", "train") != "train":
+            if evaluates(cfg):
                 assert ckpt_path is not None  # validate_mode
                 evaluate_checkpoint(cfg.mode, trainer, module, datamodule, metrics, ckpt_path)
                 return
@@ -227,7 +229,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         options, plan = choose_plan(cfg, options, planner, model_sizes(cfg, datamodule))
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
              "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "mode": cfg.get("mode", "train"),
-             "resumed_from" if cfg.get("mode", "train") == "train" else "evaluated": ckpt_path,
+             "evaluated" if evaluates(cfg) else "resumed_from": ckpt_path,
              "init_from": init_from, "run_name": job_run_name(options), "swept": job_sweep_values(),
              "commit": source_commit()}
     if plan is not None:
