@@ -122,6 +122,9 @@ def validate_data(cfg: DictConfig) -> None:
     _check_keys(cfg.data, ["name", *allowed], "data", f"datamodule {name!r}")
     for key in ("batch_size", "num_train", "num_val", "tokens_per_batch"):
         check_positive(cfg.data.get(key), f"data.{key}")
+    num_test = cfg.data.get("num_test")
+    if num_test is not None and (not isinstance(num_test, int) or isinstance(num_test, bool) or num_test < 0):
+        raise ConfigError(f"data.num_test: must be an integer >= 0 (0: no test split), got {num_test!r}")
     batch, num_train = cfg.data.get("batch_size"), cfg.data.get("num_train")
     drops_last = "drop_last" in allowed and cfg.data.get("drop_last", True)
     if drops_last and isinstance(batch, int) and isinstance(num_train, int) and batch > num_train:

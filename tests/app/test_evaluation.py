@@ -85,6 +85,8 @@ def test_mode_test_without_a_checkpoint_or_a_test_set_is_one_line(trained, tmp_p
     assert gpipe_train(*SMALL, "mode=test").code == ("config error: mode=test: give the checkpoint to evaluate, "
                                                     "ckpt_path=<run dir>/checkpoints/last.ckpt (or ckpt_path=last, "
                                                     "the newest run's)")
+    assert gpipe_train(*SMALL, "data.num_test=-1").code == ("config error: data.num_test: must be an integer >= 0 "
+                                                            "(0: no test split), got -1")
     assert gpipe_train(*SMALL, "mode=fit").code == "config error: mode: must be one of ['train', 'validate', 'test'], got 'fit'"
 
 
