@@ -88,9 +88,12 @@ def final_test(trainer: Any, module: Any, datamodule: Any, metrics: Any) -> None
 
 def evaluate_checkpoint(mode: str, trainer: Any, module: Any, datamodule: Any, metrics: Any, ckpt_path: str) -> None:
     """``mode=validate`` / ``mode=test``: evaluate ``ckpt_path`` without training; the summary holds
-    the metrics (the validation ones as a trained run's do)."""
+    the metrics (the validation ones as a trained run's do) and, as ``steps``, the checkpoint's step."""
+    from gpipe_lab.lightning.wandb_run import checkpoint_step
+
     evaluate = trainer.validate if mode == "validate" else trainer.test
     results = evaluate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)[0]
     metrics.write_summary(trainer)
-    if mode == "test":
-        metrics.add_to_summary(trainer, summarize_test(results))
+    # the evaluated model's training steps (this run trains none)
+    metrics.add_to_summary(trainer, {"steps": checkpoint_step(ckpt_path),
+                                     **(summarize_test(results) if mode == "test" else {})})

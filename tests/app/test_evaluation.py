@@ -73,6 +73,7 @@ def test_mode_evaluates_a_checkpoint_without_training(trained, tmp_path, capsys,
     keys = ["val_loss", "validation_value"] if mode == "validate" else ["test/loss", "test/acc", "test_value"]
     assert {k: summary[k] for k in keys} == {k: final[k] for k in keys}  # the final model's, exactly
     assert not (run_dir / "checkpoints").exists() and summary["final_train_loss"] is None  # nothing trained
+    assert summary["steps"] == final["steps"] == 2 and summary["fit_seconds"] is None
     last = done.out.strip().splitlines()[-1]
     assert last.startswith("summary: K=2 M=4 ") and ("test/acc=" in last) == (mode == "test"), last
     assert f"evaluating {trained / 'checkpoints' / 'last.ckpt'} of run {trained}" in done.out, done.out

@@ -232,7 +232,7 @@ class PipelineMetrics(pl.Callback):
             "validation_metric": val_key,
             "validation_value": metrics.get(val_key) if val_key else None,
             "val_loss": metrics.get("val/loss"),
-            "fit_seconds": time.perf_counter() - self._fit_start,
+            "fit_seconds": time.perf_counter() - self._fit_start if self._fit_start else None,  # None: no fit
         }
         if strategy is not None:
             k, m = strategy.num_stages, strategy.chunks
