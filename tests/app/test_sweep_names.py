@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from gpipe_lab.lightning.wandb_run import run_name
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.sweep_check import job_sweep_values
@@ -24,6 +26,7 @@ def test_a_single_run_varies_nothing() -> None:
     assert job_sweep_values() == {}
 
 
+@pytest.mark.slow  # two wandb-logged sweep jobs: 18 s on 2 shared cores
 def test_a_sweep_over_the_learning_rate_names_its_runs_and_columns_by_it(tmp_path, capsys, monkeypatch) -> None:
     gpipe_train = cli_here(tmp_path, capsys, monkeypatch)
     small = [o for o in SMALL if o != "logger=none"]
