@@ -6,7 +6,7 @@ its dry run (``dry_run=true``) and each job of a sweep (``gpipe_lab.sweep_check`
   nothing is allocated, so Table 1's giants cost no memory);
 - the checkpoint to resume (``ckpt_path``, ``last`` included) or to start from (``init_from``)
   exists;
-- ``trainer=gpu`` finds a GPU;
+- ``trainer=gpu`` finds a GPU, and ``pipeline.devices`` names devices this machine has;
 - under torchrun, its world size is a multiple of K.
 """
 
@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gpipe_lab.config import ConfigError, validate, validate_layer_count
 from gpipe_lab.models import build
+from gpipe_lab.pipeline.devices import resolve_devices
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import PipelineOptions
 
@@ -56,7 +57,8 @@ def resolve_checkpoint(cfg: DictConfig, output_dir: Path | None = None) -> str |
     ``checkpoints/last.ckpt``, else the newest ``*/checkpoints/last.ckpt`` of earlier runs.
 
     Raises:
-        ConfigError: ``last`` with no run to resume, or a path that is not a file.
+        ConfigError: ``last`` with no run to resume, a run directory (its ``checkpoints/last.ckpt``
+            named), or a path that is not a file.
     """
     given = cfg.get("ckpt_path")
     if given is None:
@@ -69,6 +71,10 @@ def resolve_checkpoint(cfg: DictConfig, output_dir: Path | None = None) -> str |
             raise ConfigError(f"ckpt_path=last: no run under {runs_dir_of(cfg)} has a checkpoints/last.ckpt yet; "
                               f"train one first (gpipe-train), or give ckpt_path=<run dir>/checkpoints/last.ckpt")
         return str(found[0])
+    for last in (Path(str(given)) / "checkpoints" / "last.ckpt", Path(str(given)) / "last.ckpt"):
+        if last.is_file():
+            raise ConfigError(f"ckpt_path={given}: a run directory, not a checkpoint; resume its newest one with "
+                              f"ckpt_path={last}")
     if not Path(str(given)).is_file():
         raise ConfigError(f"ckpt_path={given}: no such file; give a run's checkpoint, e.g. "
                           f"ckpt_path={runs_dir_of(cfg)}/<time>/checkpoints/last.ckpt, or ckpt_path=last "
@@ -90,6 +96,16 @@ def check_accelerator(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.accelerator={accelerator}: no CUDA GPU is visible on this machine "
                           f"(torch.cuda.is_available() is False); use trainer=cpu (the default), or run where "
                           f"nvidia-smi lists GPUs")
+
+
+def check_devices(options: PipelineOptions) -> None:
+    """Raises: ConfigError: ``pipeline.devices`` names a device this machine does not have (or too few)."""
+    if options.devices is None:
+        return
+    try:
+        resolve_devices(options.devices, options.num_stages)
+    except ValueError as exc:
+        raise ConfigError(f"pipeline.devices={options.devices}: {exc}") from None
 
 
 def check_launcher_world_size(options: PipelineOptions) -> None:
@@ -116,5 +132,6 @@ def preflight(cfg: DictConfig, output_dir: Path | None = None) -> PipelineOption
     resolve_checkpoint(cfg, output_dir)
     check_init_from(cfg)
     check_accelerator(cfg)
+    check_devices(options)
     check_launcher_world_size(options)
     return options
