@@ -24,6 +24,7 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
@@ -60,6 +61,7 @@ from gpipe_lab.run_console import (
 )
 from gpipe_lab.run_start import fetch_data, load_weights
 from gpipe_lab.suggest import suggest_overrides
+from gpipe_lab.torchrun_dir import publish_run_dir, rank_overrides
 
 __all__ = ["CONFIG_DIR", "build_datamodule", "build_logger", "build_module", "cli", "engine_options",
            "main", "model_overrides", "run"]
@@ -236,6 +238,7 @@ def main(cfg: DictConfig) -> float | None:
     Raises:
         SystemExit: one line for a config error or a missing dataset (no traceback).
     """
+    publish_run_dir(HydraConfig.get().runtime.output_dir)  # torchrun: the other ranks write here too
     try:
         summary = run(cfg)
     except ConfigError as exc:
@@ -274,6 +277,7 @@ def cli() -> None:
     hints = suggest_overrides(CONFIG_DIR, sys.argv[1:])
     if hints:
         raise SystemExit("\n".join(hints))
+    sys.argv += rank_overrides(sys.argv[1:])  # torchrun: ranks other than 0 run in rank 0's folder
     main()
 
 
