@@ -38,7 +38,7 @@ from gpipe_lab.data.checks import DataNotFoundError
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
-from gpipe_lab.lightning.resume import ResumableCheckpoint
+from gpipe_lab.lightning.resume import BestCheckpoint, ResumableCheckpoint
 from gpipe_lab.lightning.wandb_run import build_wandb_logger, run_name
 from gpipe_lab.models import build, preset_costs
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
@@ -98,12 +98,16 @@ def build_module(cfg: DictConfig, datamodule: Any) -> Any:
 
 
 def build_callbacks(cfg: DictConfig, output_dir: Path, trainer_kwargs: dict[str, Any]) -> list[Any]:
-    """The checkpoint callback (``callbacks`` group) and the progress bar, as the trainer config asks."""
+    """The checkpoint callbacks (``callbacks`` group: last and best) and the progress bar, as the trainer
+    config asks."""
     callbacks: list[Any] = []
     if trainer_kwargs.get("enable_checkpointing", True):
         c = validate_callbacks(cfg)
         callbacks.append(ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=c.checkpoint_every_n_steps,
                                              save_top_k=c.keep_checkpoints, handle_sigint=c.graceful_ctrl_c))
+        if c.model_checkpoint.monitor is not None:
+            callbacks.append(BestCheckpoint(output_dir / "checkpoints", c.model_checkpoint.monitor,
+                                            c.model_checkpoint.mode))
     if trainer_kwargs.get("enable_progress_bar", True):
         callbacks.append(ProgressBar(refresh_rate=1))
     return callbacks

@@ -60,7 +60,7 @@ def _child(module: str, args: list[str], cwd: str, env: dict[str, str], out: str
     if "lightning.fabric" in sys.modules:  # its rank was read from RANK when the server imported it
         from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
 
-        rank_zero_only.rank = _get_rank()
+        rank_zero_only.rank = _get_rank() or 0
     target = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # a fifo: blocks until the reader opens
     os.dup2(target, 1)
     os.close(target)
