@@ -59,7 +59,7 @@ from gpipe_lab.run_console import (
     summary_line,
     tell_interrupted,
 )
-from gpipe_lab.run_start import fetch_data, load_weights
+from gpipe_lab.run_start import fetch_data, load_weights, saved_config_path
 from gpipe_lab.suggest import suggest_overrides
 from gpipe_lab.torchrun_dir import publish_run_dir, rank_overrides
 
@@ -212,6 +212,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("dry_run"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return {}
+    if saved_config_path() is not None:
+        print(f"config: {saved_config_path()} (composed; the command's overrides in overrides.yaml beside it)")
     ckpt_path = resolve_checkpoint(cfg, output_dir)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg)

@@ -18,7 +18,7 @@ from helpers.app import SMALL, gpipe_train
 @pytest.mark.timeout(420)
 def test_a_torchrun_launch_makes_one_run_folder_and_one_wandb_run(tmp_path):
     small = [o for o in SMALL if o != "logger=none"]
-    gpipe_train(["pipeline.transport=distributed", "trainer=distributed", "logger=wandb", *small,
+    done = gpipe_train(["pipeline.transport=distributed", "trainer=distributed", "logger=wandb", *small,
                  "trainer.max_steps=1"], tmp_path, timeout=360, torchrun=2)
     runs = sorted((tmp_path / "train" / "runs").iterdir())
     assert len(runs) == 1, runs
@@ -28,3 +28,4 @@ def test_a_torchrun_launch_makes_one_run_folder_and_one_wandb_run(tmp_path):
     assert json.loads((run / "summary.json").read_text())["transport"] == "distributed"
     wandb_runs = list(tmp_path.rglob("offline-run-*"))
     assert [p.parent for p in wandb_runs] == [run / "wandb"], wandb_runs
+    assert done.stdout.count("config: ") == 1  # the composed config: rank 0 saved and names it
