@@ -9,7 +9,9 @@
   checkpoint is resumed to step 2 locally and distributed, at K=2 and at another K. Where
   the README promises bitwise equality (the same transport, K and M) the resumed run's
   weights are bitwise the uninterrupted run's; elsewhere the resumed step's loss and the
-  weights agree to float rounding (``docs/reliability.md``, Determinism).
+  weights agree to float rounding (``docs/reliability.md``, Determinism). Test ids read
+  ``<K>-<the checkpoint's transport>-<the resuming transport>``. Each run's checkpoint also exports
+  (``gpipe-export``) as the weights of the unpipelined model.
 """
 
 from __future__ import annotations
@@ -120,3 +122,19 @@ def test_every_checkpoint_resumes_on_either_transport_at_any_k(uninterrupted, so
         assert last_loss(resumed) == pytest.approx(last_loss(reference[transport]), rel=1e-5)
         for name, value in expected.items():
             torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["local", "distributed"])
+def test_every_transports_checkpoint_exports_as_the_unpipelined_model(uninterrupted, transport):
+    """``gpipe-export``'s file loads strictly into the model as gpipe-train builds it, unpipelined
+    (that it computes what the pipeline computes: ``tests/app/test_export.py``)."""
+    from gpipe_lab.export import export
+    from gpipe_lab.train import build_datamodule, build_module
+
+    model, tmp, reference = uninterrupted
+    out = tmp / f"{transport}.pt"
+    export(reference[transport] / "checkpoints" / "last.ckpt", out)
+    cfg = OmegaConf.load(reference[transport] / ".hydra" / "config.yaml")
+    layers = build_module(cfg, build_datamodule(cfg)).layers
+    layers.load_state_dict(torch.load(out, weights_only=True))  # strict: every weight, under its name and shape
