@@ -26,8 +26,8 @@ from gpipe_lab.config import ConfigError
 PREFIX = "layers."
 
 
-def layer_names(ckpt: Path) -> list[str] | None:
-    """The layer names of the model the checkpoint's run built (built on ``meta``), if its config is saved."""
+def saved_layers(ckpt: Path) -> torch.nn.Sequential | None:
+    """The layers of the model the checkpoint's run built (on ``meta``), if its config is saved."""
     from gpipe_lab.lightning.resume_checks import saved_config
     from gpipe_lab.models import build
     from gpipe_lab.preflight import model_overrides
@@ -35,7 +35,7 @@ def layer_names(ckpt: Path) -> list[str] | None:
     saved = saved_config(ckpt)
     if saved is None or saved.get("model") is None:
         return None
-    return list(build(saved.model.name, device="meta", **model_overrides(saved))._modules)
+    return build(saved.model.name, device="meta", **model_overrides(saved))
 
 
 def unpipelined_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
@@ -46,19 +46,18 @@ def unpipelined_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
             indices and no saved config to name them.
     """
     from gpipe_lab.lightning.resume_checks import read_checkpoint
-    from gpipe_lab.pipeline.distributed.state import by_name
+    from gpipe_lab.pipeline.distributed.state import named_after
 
     saved = read_checkpoint(ckpt, key="checkpoint")["state_dict"]
     state = {k[len(PREFIX):]: v.detach().clone().contiguous() for k, v in saved.items() if k.startswith(PREFIX)}
     if not state:
         raise ConfigError(f"checkpoint={ckpt}: no weights under {PREFIX!r}: not the checkpoint of a gpipe-train model")
-    heads = {k.split(".", 1)[0] for k in state}
-    if all(h.isdigit() for h in heads):  # named by index: rename after the model, unless it names them so too
-        names = layer_names(Path(ckpt))
-        if names is None:
+    if all(k.split(".", 1)[0].isdigit() for k in state):  # numbered: rename after the model (if it names them)
+        layers = saved_layers(Path(ckpt))
+        if layers is None:
             raise ConfigError(f"checkpoint={ckpt}: its layers are numbered and no .hydra/config.yaml of its run "
                               f"says which model they belong to; keep the checkpoint in its run directory")
-        state = by_name(state, names)
+        state = named_after(state, layers)
     return state
 
 

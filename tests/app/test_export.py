@@ -13,7 +13,7 @@ import torch
 
 from gpipe_lab.models import build
 from gpipe_lab.pipeline import GPipe
-from helpers.app import gpipe_train
+from helpers.app import gpipe_train, numbered_copy
 from helpers.forked import run_module
 
 MODEL = ("amoebanet_d_tiny", {"num_filters": 8, "image_size": 8, "num_classes": 10})
@@ -55,12 +55,8 @@ def test_an_export_loads_into_the_unpipelined_model_and_computes_as_the_pipeline
 
     # a checkpoint naming its layers by index (the distributed transport's, before it kept the names)
     # is renamed after the model of its run's saved config
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    names = {name: str(i) for i, name in enumerate(build(MODEL[0], **MODEL[1])._modules)}
-    state["state_dict"] = {(f"layers.{names[k.split('.')[1]]}.{k.split('.', 2)[2]}" if k.startswith("layers.") else k): v
-                           for k, v in state["state_dict"].items()}
     indexed = run_dir / "checkpoints" / "indexed.ckpt"
-    torch.save(state, indexed)
+    numbered_copy(ckpt, indexed)
     export(indexed, tmp_path / "from_indexed.pt")
     exported, renamed = (torch.load(tmp_path / f, weights_only=True) for f in ("model.pt", "from_indexed.pt"))
     assert list(renamed) == list(exported) and all(torch.equal(renamed[k], exported[k]) for k in exported)

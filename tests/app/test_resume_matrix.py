@@ -27,7 +27,7 @@ from gpipe_lab.lightning.resume_checks import differing_keys
 from gpipe_lab.models import build
 from gpipe_lab.pipeline.distributed.state import by_index, by_name
 from gpipe_lab.preflight import model_overrides
-from helpers.app import CONF, gpipe_train, make_config
+from helpers.app import CONF, gpipe_train, make_config, numbered_copy
 
 PRESETS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 
@@ -89,6 +89,16 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def last_loss(run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["final_train_loss"]
+
+
+def test_a_checkpoint_numbering_its_layers_still_resumes_bitwise(tmp_path):
+    """A distributed checkpoint written before the transport kept the layer names (``layers.0.``)."""
+    reference = train(tmp_path, "reference", "amoebanet_d_tiny", "local", K)
+    numbered = reference / "checkpoints" / "numbered.ckpt"  # in its run directory: its saved config beside it
+    numbered_copy(reference / "checkpoints" / "epoch=0-step=1.ckpt", numbered)
+    resumed = train(tmp_path, "resumed", "amoebanet_d_tiny", "local", K, f"ckpt_path={numbered}")
+    expected, got = weights(reference), weights(resumed)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items())
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

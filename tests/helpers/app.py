@@ -91,3 +91,18 @@ def cli_here(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.
         out = capsys.readouterr()
         return Done(code, out.out, out.err)
     return call
+
+
+def numbered_copy(ckpt: Path, out: Path) -> None:
+    """A copy of the checkpoint ``ckpt`` whose ``layers.<name>.`` weights are ``layers.<index>.``: what the
+    distributed transport wrote before it kept the layer names."""
+    import torch
+
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    names: dict[str, int] = {}
+    for key in state["state_dict"]:
+        if key.startswith("layers."):
+            names.setdefault(key.split(".")[1], len(names))
+    state["state_dict"] = {(f"layers.{names[k.split('.')[1]]}.{k.split('.', 2)[2]}" if k.startswith("layers.") else k): v
+                           for k, v in state["state_dict"].items()}
+    torch.save(state, out)

@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gpipe_lab.config import ConfigError
+from gpipe_lab.pipeline.distributed.state import named_after
 
 #: The config keys that decide the weights' names and shapes.
 MODEL_SECTIONS = ("model",)
@@ -74,8 +75,11 @@ def differing_keys(saved: DictConfig, cfg: DictConfig) -> list[str]:
 
 
 def differing_weights(state: dict[str, Any], module: torch.nn.Module) -> list[str]:
-    """``name: checkpoint shape vs model shape`` for weights missing on either side or of another shape."""
+    """``name: checkpoint shape vs model shape`` for weights missing on either side or of another shape
+    (a checkpoint numbering the layers compared under their names, as the module loads it)."""
     saved = state.get("state_dict", {})
+    if hasattr(module, "layers_prefix"):
+        saved = named_after(saved, module.configure_layers(), module.layers_prefix())
     own = module.state_dict()
     out = []
     for k in sorted(set(saved) | set(own)):

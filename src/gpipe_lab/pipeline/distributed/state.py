@@ -84,3 +84,16 @@ def by_index(state: dict[str, torch.Tensor], names: list[str]) -> dict[str, torc
         elif head.isdigit() and int(head) < len(names):
             out[key] = value
     return out
+
+
+def named_after(state: dict[str, torch.Tensor], layers: nn.Sequential, prefix: str = "") -> dict[str, torch.Tensor]:
+    """``state`` with the ``{prefix}{i}.`` keys of a state dict that numbers the layers of ``layers``
+    (a checkpoint of this transport written before it kept their names) renamed after them; any
+    other state (named already, or not fitting ``layers``) is returned as it is."""
+    names = list(layers._modules)
+    inner = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    heads = {k.split(".", 1)[0] for k in inner}
+    if not inner or not all(h.isdigit() and int(h) < len(names) for h in heads):
+        return state
+    return {**{k: v for k, v in state.items() if not k.startswith(prefix)},
+            **{prefix + k: v for k, v in by_name(inner, names).items()}}
