@@ -27,21 +27,38 @@ def one_line(done: Done) -> str:
     return done.code
 
 
-def test_a_file_that_is_no_checkpoint_is_one_line(gpipe_train, tmp_path):
-    notes = tmp_path / "notes.txt"
-    notes.write_text("not a checkpoint\n")
-    line = one_line(gpipe_train(f"ckpt_path={notes}", *SMALL))
-    assert line.startswith(f"config error: ckpt_path={notes}: not a checkpoint torch can read (UnpicklingError")
+@pytest.mark.parametrize("kind", ["text", "truncated", "empty"])
+def test_a_file_that_is_no_whole_checkpoint_is_one_line_before_anything_starts(gpipe_train, tmp_path, kind):
+    whole = tmp_path / "whole.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1000)}, "global_step": 1}, whole)
+    content = {"text": b"not a checkpoint\n", "truncated": whole.read_bytes()[:2000], "empty": b""}[kind]
+    bad = tmp_path / f"{kind}.ckpt"
+    bad.write_bytes(content)
+    small = [o for o in SMALL if o != "logger=none"]
+    line = one_line(gpipe_train(f"ckpt_path={bad}", "logger=wandb", *small))
+    assert line == (f"config error: ckpt_path={bad}: not a checkpoint torch can read (neither a zip archive nor a "
+                    f"pickle: damaged, truncated or another kind of file); give a run's checkpoints/last.ckpt")
+    assert not list(tmp_path.rglob("wandb")) and not list(tmp_path.rglob("*.yaml"))
+
+
+def test_a_zip_archive_torch_cannot_read_is_one_line(gpipe_train, tmp_path):
+    import zipfile
+
+    bad = tmp_path / "other.zip"
+    with zipfile.ZipFile(bad, "w") as archive:
+        archive.writestr("notes.txt", "a zip file, not a checkpoint")
+    line = one_line(gpipe_train(f"ckpt_path={bad}", *SMALL))
+    assert line.startswith(f"config error: ckpt_path={bad}: not a checkpoint torch can read (RuntimeError: ")
     assert "checkpoints/last.ckpt" in line
 
 
-def test_a_truncated_checkpoint_is_one_line(gpipe_train, tmp_path):
-    whole = tmp_path / "whole.ckpt"
-    torch.save({"state_dict": {"w": torch.zeros(1000)}, "global_step": 1}, whole)
-    cut = tmp_path / "cut.ckpt"
-    cut.write_bytes(whole.read_bytes()[:2000])
-    line = one_line(gpipe_train(f"ckpt_path={cut}", *SMALL))
-    assert f"ckpt_path={cut}: not a checkpoint torch can read (RuntimeError: PytorchStreamReader failed" in line
+def test_a_sweep_with_a_damaged_checkpoint_is_refused_before_any_job_trains(gpipe_train, tmp_path):
+    damaged = tmp_path / "damaged.ckpt"
+    damaged.write_bytes(b"not a checkpoint")
+    done = gpipe_train("-m", f"ckpt_path=null,{damaged}", *SMALL, "trainer.max_steps=1")
+    assert isinstance(done.code, str) and "config error in 1 of 2 sweep jobs" in done.code, done.code
+    assert "not a checkpoint torch can read" in done.code
+    assert not list(tmp_path.rglob("summary.json"))  # nothing trained
 
 
 def test_a_plain_state_dict_is_no_checkpoint_to_resume(gpipe_train, tmp_path):
