@@ -91,6 +91,7 @@ def last_loss(run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["final_train_loss"]
 
 
+@pytest.mark.slow  # two runs: about 12 s on two busy cores
 def test_a_checkpoint_numbering_its_layers_still_resumes_bitwise(tmp_path):
     """A distributed checkpoint written before the transport kept the layer names (``layers.0.``)."""
     reference = train(tmp_path, "reference", "amoebanet_d_tiny", "local", K)
