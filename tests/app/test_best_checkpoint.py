@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from gpipe_lab.config import ConfigError, validate
-from helpers.app import gpipe_train, make_config
+from helpers.app import SMALL, gpipe_train, make_config
 
 #: 2 steps an epoch, validated at each epoch's end: 3 validations in 6 steps
-RUN = ["trainer=smoke", "logger=csv", "trainer.max_steps=6", "trainer.limit_val_batches=1",
-       "trainer.enable_checkpointing=true", "data.num_train=16", "data.num_val=8", "data.batch_size=8",
-       "model.num_filters=8", "data.image_size=8", "model.image_size=8", "optimizer.lr=0.05"]
+RUN = [*(o for o in SMALL if o != "logger=none"), "logger=csv", "trainer.max_steps=6", "trainer.limit_val_batches=1",
+       "trainer.enable_checkpointing=true", "optimizer.lr=0.05"]
 
 
 def validations(run_dir: Path, key: str) -> list[tuple[int, float]]:

@@ -13,13 +13,11 @@ import torch
 
 from gpipe_lab.models import build
 from gpipe_lab.pipeline import GPipe
-from helpers.app import gpipe_train, numbered_copy
+from helpers.app import SMALL, gpipe_train, numbered_copy
 from helpers.forked import run_module
 
 MODEL = ("amoebanet_d_tiny", {"num_filters": 8, "image_size": 8, "num_classes": 10})
-RUN = ["trainer=smoke", "logger=none", "trainer.max_steps=2", "trainer.limit_val_batches=0",
-       "trainer.enable_checkpointing=true", "data.num_train=16", "data.num_val=8", "data.batch_size=8",
-       "model.num_filters=8", "data.image_size=8", "model.image_size=8"]
+RUN = [*SMALL, "trainer.max_steps=2", "trainer.limit_val_batches=0", "trainer.enable_checkpointing=true"]
 
 
 def export(ckpt: Path, out: Path) -> str:

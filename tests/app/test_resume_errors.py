@@ -12,19 +12,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from helpers.app import SMALL, Done, cli_here
+from helpers.app import SMALL, Done, cli_here, one_line
 
 
 @pytest.fixture
 def gpipe_train(tmp_path, capsys, monkeypatch) -> Callable[..., Done]:
     """``gpipe-train ARGS`` in this process (``helpers.app.cli_here``)."""
     return cli_here(tmp_path, capsys, monkeypatch)
-
-
-def one_line(done: Done) -> str:
-    assert isinstance(done.code, str), (done.code, done.err[-3000:])
-    assert "\n" not in done.code and "Traceback" not in done.err, done.code
-    return done.code
 
 
 @pytest.mark.parametrize("kind", ["text", "truncated", "empty"])

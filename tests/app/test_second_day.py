@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from helpers.app import SMALL, Done, cli_here, user_app
+from helpers.app import SMALL, Done, cli_here, one_line, user_app
 
 app = user_app
 
@@ -21,13 +21,6 @@ app = user_app
 def gpipe_train(tmp_path, capsys, monkeypatch) -> Callable[..., Done]:
     """``gpipe-train ARGS`` in this process (``helpers.app.cli_here``)."""
     return cli_here(tmp_path, capsys, monkeypatch)
-
-
-def one_line(done: Done) -> str:
-    """A refused command's message: it exits with one line (Python prints it, status 1)."""
-    assert isinstance(done.code, str), (done.code, done.err[-3000:])
-    assert "\n" not in done.code and "Traceback" not in done.err, done.code
-    return done.code
 
 
 def test_a_dry_run_checks_k_against_the_models_layers_and_leaves_no_run_folder(tmp_path):

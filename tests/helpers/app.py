@@ -73,6 +73,13 @@ class Done:
     err: str
 
 
+def one_line(done: Done) -> str:
+    """A refused command's message: it exits with one line (Python prints it, status 1)."""
+    assert isinstance(done.code, str), (done.code, done.err[-3000:])
+    assert "\n" not in done.code and "Traceback" not in done.err, done.code
+    return done.code
+
+
 def cli_here(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Done]:
     """``gpipe-train ARGS`` in this process (the console script's ``cli``, the user's ``sys.argv``,
     cwd ``tmp_path``): the same command line without paying a new process's imports."""
