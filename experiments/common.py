@@ -26,6 +26,7 @@ import torch
 from benchmarks.bench_common import git_commit, load_average, machine_info
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.multirun import MultirunError
 from gpipe_lab.bench.launch import fresh_out
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +83,20 @@ def parser(description: str, experiments: Sequence[str] = (), multirun: bool = F
         p.add_argument("--from-multirun", nargs="+", type=Path, metavar="DIR",
                        help="build the table from gpipe-train -m runs under DIR (their summary.json) instead")
     return p
+
+
+def run_main(main: Callable[[], object]) -> None:
+    """A script's ``if __name__ == "__main__"``: ``main()``'s return value is the exit status, and a
+    ``--from-multirun`` folder without the jobs it reads ends the script in one line, not a traceback.
+
+    Raises:
+        SystemExit: always (the status, or that line).
+    """
+    try:
+        status = main()
+    except MultirunError as exc:
+        raise SystemExit(f"--from-multirun: {exc}") from None
+    raise SystemExit(status)
 
 
 def throughput_rows_from_command_line(description: str, experiments: Sequence[str],

@@ -26,7 +26,7 @@ if not __package__:  # started as a file: rerun as the module
 import argparse
 from pathlib import Path
 
-from experiments.common import provenance, write
+from experiments.common import provenance, run_main, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.table2_multirun import EXPERIMENTS, NAMES
 from gpipe_lab.bench import md_table
@@ -107,4 +107,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

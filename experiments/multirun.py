@@ -18,6 +18,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 
+class MultirunError(ValueError):
+    """``--from-multirun`` folders holding no job a script reads: missing, empty, or of other experiments."""
+
+
 @dataclass
 class Run:
     """One finished gpipe-train job."""
@@ -44,14 +48,14 @@ def load_runs(dirs: Sequence[str | Path], experiments: Sequence[str] | None = No
     With ``experiments``, only jobs of those ``experiment=`` configs are kept.
 
     Raises:
-        FileNotFoundError: a folder of ``dirs`` does not exist.
-        ValueError: no finished job (of ``experiments``) under ``dirs``; the message names
-            the folders and what was looked for.
+        MultirunError: a folder of ``dirs`` does not exist, or no finished job (of ``experiments``)
+            is under ``dirs``; the message names the folders and what was looked for.
     """
     runs: list[Run] = []
     for folder in map(Path, dirs):
         if not folder.is_dir():
-            raise FileNotFoundError(f"multirun folder {folder} does not exist")
+            raise MultirunError(f"multirun folder {folder} does not exist; give the folder gpipe-train -m printed "
+                                "(logs/train/multiruns/<time>)")
         for path in sorted(folder.rglob("summary.json"), key=lambda p: [(len(s), s) for s in p.parts]):
             hydra_dir = path.parent / ".hydra"
             if not (hydra_dir / "config.yaml").exists():
@@ -63,7 +67,7 @@ def load_runs(dirs: Sequence[str | Path], experiments: Sequence[str] | None = No
                 runs.append(run)
     if not runs:
         wanted = f" of experiment={'|'.join(experiments)}" if experiments else ""
-        raise ValueError(f"no finished gpipe-train job{wanted} under {', '.join(map(str, dirs))}: expected "
+        raise MultirunError(f"no finished gpipe-train job{wanted} under {', '.join(map(str, dirs))}: expected "
                          "<dir>/<job>/summary.json with <job>/.hydra/config.yaml (the output of gpipe-train -m)")
     return runs
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.common import configs, log_wandb, parser, provenance, save_figure, write
+from experiments.common import configs, log_wandb, parser, provenance, run_main, save_figure, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.nmt_lib import RunResult, train_translation
 from gpipe_lab.bench import Progress
@@ -223,4 +223,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.common import configs, log_wandb, parser, provenance, save_figure, write
+from experiments.common import configs, log_wandb, parser, provenance, run_main, save_figure, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.throughput_lib import (
     SIMULATOR_TEXT,
@@ -201,4 +201,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -32,7 +32,14 @@ if not __package__:  # started as a file (``python experiments/table2_throughput
 import argparse
 from pathlib import Path
 
-from experiments.common import log_wandb, provenance, save_figure, throughput_rows_from_command_line, write
+from experiments.common import (
+    log_wandb,
+    provenance,
+    run_main,
+    save_figure,
+    throughput_rows_from_command_line,
+    write,
+)
 from experiments.multirun import JOB_HEADER, f2, jobs_table
 from experiments.table2_multirun import EXPERIMENTS, NAMES, PAPER, multirun_table, paper, pipelining_gains
 from experiments.throughput_grid import run_grids
@@ -213,4 +220,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

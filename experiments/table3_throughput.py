@@ -25,7 +25,14 @@ if not __package__:  # started as a file (``python experiments/table3_throughput
 import argparse
 from pathlib import Path
 
-from experiments.common import log_wandb, provenance, save_figure, throughput_rows_from_command_line, write
+from experiments.common import (
+    log_wandb,
+    provenance,
+    run_main,
+    save_figure,
+    throughput_rows_from_command_line,
+    write,
+)
 from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
 from experiments.throughput_grid import run_grids
 from experiments.throughput_lib import (
@@ -160,4 +167,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -29,7 +29,7 @@ import json
 import statistics
 from pathlib import Path
 
-from experiments.common import RESULTS, configs, log_wandb, parser, provenance, save_figure, write
+from experiments.common import RESULTS, configs, log_wandb, parser, provenance, run_main, save_figure, write
 from experiments.nmt_lib import spikes, train_translation
 from experiments.trainability_collect import EXPERIMENT, PAPER_FIX, collected, plot_collected
 from experiments.trainability_lib import CELL_HEADER, RULE, cells, depth_verdict, facts, mean_range
@@ -187,4 +187,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

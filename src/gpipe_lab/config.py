@@ -36,10 +36,17 @@ EXTENSION_KEYS = ("transfer",)
 
 
 @dataclass
+class ModelCheckpointConfig:
+    monitor: str | None = None
+    mode: str | None = None
+
+
+@dataclass
 class CallbacksConfig:
     checkpoint_every_n_steps: int | None = 50
     keep_checkpoints: int = 0
     graceful_ctrl_c: bool = True
+    model_checkpoint: ModelCheckpointConfig = field(default_factory=ModelCheckpointConfig)
 
 
 @dataclass
@@ -163,10 +170,33 @@ def validate_callbacks(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"callbacks.checkpoint_every_n_steps: must be >= 0 or null, got {every!r}")
     if c.keep_checkpoints < -1:
         raise ConfigError(f"callbacks.keep_checkpoints: must be >= -1 (-1: all), got {c.keep_checkpoints!r}")
+    validate_monitor(cfg, c.model_checkpoint)
     if cfg.get("ckpt_path") is not None and cfg.get("init_from") is not None:
         raise ConfigError("init_from: give either ckpt_path (resume a run) or init_from (new run from its "
                           "weights), not both")
     return c
+
+
+def validate_monitor(cfg: DictConfig, best: DictConfig) -> None:
+    """``callbacks.model_checkpoint``: ``monitor`` is a metric the model's validation logs, ``mode`` max or min.
+
+    Raises:
+        ConfigError: naming the key, the value and the allowed ones.
+    """
+    if best.mode not in (None, "max", "min"):
+        raise ConfigError(f"callbacks.model_checkpoint.mode: {best.mode!r} is not max, min or null (null: min for a "
+                          f"loss, else max)")
+    if best.monitor is None:
+        return
+    from hydra.utils import get_class
+
+    try:
+        logged = get_class(str(cfg.model.task._target_)).VALIDATION_METRICS
+    except Exception:  # noqa: BLE001 - a task of the user's: its metrics are not known here
+        return
+    if best.monitor not in logged:
+        raise ConfigError(f"callbacks.model_checkpoint.monitor: {best.monitor!r} is not logged by "
+                          f"{cfg.model.name}'s validation; allowed: {', '.join(logged)} (or null: no best checkpoint)")
 
 
 def validate_optimizer(cfg: DictConfig) -> None:

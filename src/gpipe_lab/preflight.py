@@ -5,14 +5,15 @@ its dry run (``dry_run=true``) and each job of a sweep (``gpipe_lab.sweep_check`
 - the pipeline against the model's layer count (the model is built on the ``meta`` device:
   nothing is allocated, so Table 1's giants cost no memory);
 - the checkpoint to resume (``ckpt_path``, ``last`` included) or to start from (``init_from``)
-  exists;
-- ``trainer=gpu`` finds a GPU;
+  exists, and the one to resume is a whole checkpoint file (a sweep refuses a damaged one first);
+- ``trainer=gpu`` finds a GPU, and ``pipeline.devices`` names devices this machine has;
 - under torchrun, its world size is a multiple of K.
 """
 
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gpipe_lab.config import ConfigError, validate, validate_layer_count
 from gpipe_lab.models import build
+from gpipe_lab.pipeline.devices import resolve_devices
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import PipelineOptions
 
@@ -56,7 +58,8 @@ def resolve_checkpoint(cfg: DictConfig, output_dir: Path | None = None) -> str |
     ``checkpoints/last.ckpt``, else the newest ``*/checkpoints/last.ckpt`` of earlier runs.
 
     Raises:
-        ConfigError: ``last`` with no run to resume, or a path that is not a file.
+        ConfigError: ``last`` with no run to resume, a run directory (its ``checkpoints/last.ckpt``
+            named), a path that is not a file, or a file that is no whole checkpoint.
     """
     given = cfg.get("ckpt_path")
     if given is None:
@@ -68,12 +71,28 @@ def resolve_checkpoint(cfg: DictConfig, output_dir: Path | None = None) -> str |
         if not found:
             raise ConfigError(f"ckpt_path=last: no run under {runs_dir_of(cfg)} has a checkpoints/last.ckpt yet; "
                               f"train one first (gpipe-train), or give ckpt_path=<run dir>/checkpoints/last.ckpt")
-        return str(found[0])
+        given = found[0]
+    for last in (Path(str(given)) / "checkpoints" / "last.ckpt", Path(str(given)) / "last.ckpt"):
+        if last.is_file():
+            raise ConfigError(f"ckpt_path={given}: a run directory, not a checkpoint; resume its newest one with "
+                              f"ckpt_path={last}")
     if not Path(str(given)).is_file():
         raise ConfigError(f"ckpt_path={given}: no such file; give a run's checkpoint, e.g. "
                           f"ckpt_path={runs_dir_of(cfg)}/<time>/checkpoints/last.ckpt, or ckpt_path=last "
                           f"(the newest run's); {QUOTING}")
+    if not looks_like_a_checkpoint(Path(str(given))):
+        raise ConfigError(f"ckpt_path={given}: not a checkpoint torch can read (neither a zip archive nor a "
+                          f"pickle: damaged, truncated or another kind of file); give a run's checkpoints/last.ckpt")
     return str(given)
+
+
+def looks_like_a_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a whole ``torch.save`` file: a zip archive whose directory at its end is
+    there (the format since torch 1.6), or a legacy pickle. Reads its first bytes and its end only."""
+    if zipfile.is_zipfile(path):
+        return True
+    with open(path, "rb") as f:
+        return f.read(1) == b"\x80"  # pickle's PROTO opcode
 
 
 def check_init_from(cfg: DictConfig) -> None:
@@ -90,6 +109,16 @@ def check_accelerator(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.accelerator={accelerator}: no CUDA GPU is visible on this machine "
                           f"(torch.cuda.is_available() is False); use trainer=cpu (the default), or run where "
                           f"nvidia-smi lists GPUs")
+
+
+def check_devices(options: PipelineOptions) -> None:
+    """Raises: ConfigError: ``pipeline.devices`` names a device this machine does not have (or too few)."""
+    if options.devices is None:
+        return
+    try:
+        resolve_devices(options.devices, options.num_stages)
+    except ValueError as exc:
+        raise ConfigError(f"pipeline.devices={options.devices}: {exc}") from None
 
 
 def check_launcher_world_size(options: PipelineOptions) -> None:
@@ -116,5 +145,6 @@ def preflight(cfg: DictConfig, output_dir: Path | None = None) -> PipelineOption
     resolve_checkpoint(cfg, output_dir)
     check_init_from(cfg)
     check_accelerator(cfg)
+    check_devices(options)
     check_launcher_world_size(options)
     return options

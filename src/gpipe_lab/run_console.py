@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.utilities import rank_zero_only
 
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.resume import ResumableCheckpoint, resume_command
@@ -231,6 +232,9 @@ def discard_run_dir(failed: bool = False) -> None:
         return
     if hydra_cfg.mode != RunMode.RUN or not hydra_cfg.runtime.output_dir:
         return
+    if rank_zero_only.rank != 0:  # a process in rank 0's folder (torchrun: gpipe_lab.torchrun_dir; Lightning's launch)
+        return
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    if run_dir.is_dir() and (set(os.listdir(run_dir)) <= BEFORE_TRAINING or failed and not holds_results(run_dir)):
+    before = {n for n in os.listdir(run_dir) if not n.endswith(".log")} if run_dir.is_dir() else set()
+    if run_dir.is_dir() and (before <= BEFORE_TRAINING or failed and not holds_results(run_dir)):
         shutil.rmtree(run_dir, ignore_errors=True)

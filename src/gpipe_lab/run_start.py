@@ -1,9 +1,11 @@
 """What a ``gpipe-train`` run starts from, checked and fetched before its trainer is built:
 the dataset (``data.download``), the checkpoint to resume (``ckpt_path``) and the weights to
-start from (``init_from``, or an experiment's ``transfer.checkpoint``)."""
+start from (``init_from``, or an experiment's ``transfer.checkpoint``); and where Hydra saved the
+composed config it runs (``saved_config_path``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -64,3 +66,16 @@ def load_weights(cfg: DictConfig, module: Any, ckpt_path: str | None) -> str | N
         print(f"init_from {init_from}: loaded every weight but {len(fresh)} new one(s) "
               f"{fresh[:4]}{' ...' if len(fresh) > 4 else ''}")
     return init_from
+
+
+def saved_config_path() -> Path | None:
+    """Where Hydra saved this run's composed config (``<run dir>/.hydra/config.yaml``); ``None``
+    outside a Hydra run or where it saves none (the processes Lightning or torchrun add)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    subdir, run_dir = hydra_cfg.get("output_subdir"), hydra_cfg.runtime.get("output_dir")
+    path = Path(run_dir) / subdir / "config.yaml" if subdir and run_dir else None
+    return path if path is not None and path.is_file() else None

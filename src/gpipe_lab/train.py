@@ -26,6 +26,7 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
@@ -40,7 +41,7 @@ from gpipe_lab.evaluation import check_test_set, evaluate_checkpoint, evaluates,
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
-from gpipe_lab.lightning.resume import ResumableCheckpoint
+from gpipe_lab.lightning.resume import BestCheckpoint, ResumableCheckpoint
 from gpipe_lab.lightning.wandb_run import build_wandb_logger, job_run_name
 from gpipe_lab.models import build, preset_costs
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
@@ -61,9 +62,10 @@ from gpipe_lab.run_console import (
     summary_line,
     tell_interrupted,
 )
-from gpipe_lab.run_start import fetch_data, load_weights
+from gpipe_lab.run_start import fetch_data, load_weights, saved_config_path
 from gpipe_lab.suggest import suggest_overrides
 from gpipe_lab.sweep_check import job_sweep_values
+from gpipe_lab.torchrun_dir import publish_run_dir, rank_overrides
 
 __all__ = ["CONFIG_DIR", "build_datamodule", "build_logger", "build_module", "cli", "engine_options",
            "main", "model_overrides", "run"]
@@ -100,12 +102,16 @@ def build_module(cfg: DictConfig, datamodule: Any) -> Any:
 
 
 def build_callbacks(cfg: DictConfig, output_dir: Path, trainer_kwargs: dict[str, Any]) -> list[Any]:
-    """The checkpoint callback (``callbacks`` group) and the progress bar, as the trainer config asks."""
+    """The checkpoint callbacks (``callbacks`` group: last and best) and the progress bar, as the trainer
+    config asks."""
     callbacks: list[Any] = []
     if trainer_kwargs.get("enable_checkpointing", True):
         c = validate_callbacks(cfg)
         callbacks.append(ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=c.checkpoint_every_n_steps,
                                              save_top_k=c.keep_checkpoints, handle_sigint=c.graceful_ctrl_c))
+        if c.model_checkpoint.monitor is not None:
+            callbacks.append(BestCheckpoint(output_dir / "checkpoints", c.model_checkpoint.monitor,
+                                            c.model_checkpoint.mode))
     if trainer_kwargs.get("enable_progress_bar", True):
         callbacks.append(ProgressBar(refresh_rate=1))
     return callbacks
@@ -217,6 +223,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("dry_run"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return {}
+    if saved_config_path() is not None:
+        print(f"config: {saved_config_path()} (composed; the command's overrides in overrides.yaml beside it)")
     ckpt_path = resolve_checkpoint(cfg, output_dir)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg)
@@ -250,6 +258,7 @@ def main(cfg: DictConfig) -> float | None:
     Raises:
         SystemExit: one line for a config error or a missing dataset (no traceback).
     """
+    publish_run_dir(HydraConfig.get().runtime.output_dir)  # torchrun: the other ranks write here too
     try:
         summary = run(cfg)
     except ConfigError as exc:
@@ -288,6 +297,7 @@ def cli() -> None:
     hints = suggest_overrides(CONFIG_DIR, sys.argv[1:])
     if hints:
         raise SystemExit("\n".join(hints))
+    sys.argv += rank_overrides(sys.argv[1:])  # torchrun: ranks other than 0 run in rank 0's folder
     main()
 
 

@@ -64,7 +64,7 @@ def test_bad_names_overrides_and_multirun_dirs_are_named(tmp_path: Path, scripts
     args = common.parser("x", ["paper_overheads"]).parse_args(["bogus"])
     with pytest.raises(ValueError, match="override 'bogus' is not key=value"):
         common.configs(args, ["paper_overheads"])
-    with pytest.raises(FileNotFoundError, match="nowhere"):
+    with pytest.raises(multirun.MultirunError, match="nowhere"):
         multirun.load_runs([tmp_path / "nowhere"])
     with pytest.raises(ValueError, match=f"no finished gpipe-train job of experiment=paper_x under {tmp_path}"):
         multirun.load_runs([tmp_path], ["paper_x"])

@@ -73,6 +73,13 @@ class Done:
     err: str
 
 
+def one_line(done: Done) -> str:
+    """A refused command's message: it exits with one line (Python prints it, status 1)."""
+    assert isinstance(done.code, str), (done.code, done.err[-3000:])
+    assert "\n" not in done.code and "Traceback" not in done.err, done.code
+    return done.code
+
+
 def cli_here(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Done]:
     """``gpipe-train ARGS`` in this process (the console script's ``cli``, the user's ``sys.argv``,
     cwd ``tmp_path``): the same command line without paying a new process's imports."""
@@ -91,3 +98,18 @@ def cli_here(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.
         out = capsys.readouterr()
         return Done(code, out.out, out.err)
     return call
+
+
+def numbered_copy(ckpt: Path, out: Path) -> None:
+    """A copy of the checkpoint ``ckpt`` whose ``layers.<name>.`` weights are ``layers.<index>.``: what the
+    distributed transport wrote before it kept the layer names."""
+    import torch
+
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    names: dict[str, int] = {}
+    for key in state["state_dict"]:
+        if key.startswith("layers."):
+            names.setdefault(key.split(".")[1], len(names))
+    state["state_dict"] = {(f"layers.{names[k.split('.')[1]]}.{k.split('.', 2)[2]}" if k.startswith("layers.") else k): v
+                           for k, v in state["state_dict"].items()}
+    torch.save(state, out)

@@ -7,7 +7,7 @@ multiprocessing forkserver that imported them once per test worker, then set up 
 first on ``sys.path``, ``sys.argv``, fresh stdin, stdout and stderr (captured to files), and
 ``atexit`` handlers run at the end. What a test observes (exit code, output, files) is what
 the real command gives; only what torch reads from the environment at import time
-(``OMP_NUM_THREADS``, ...) is the server's.
+(``OMP_NUM_THREADS``, ...) is the server's (Lightning's rank, read from ``RANK`` at import, is set again).
 
     done = run_module("gpipe_lab.train", ["trainer=smoke"], cwd=tmp_path, timeout=240)
     done.returncode, done.stdout, done.stderr
@@ -57,6 +57,10 @@ def _child(module: str, args: list[str], cwd: str, env: dict[str, str], out: str
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    if "lightning.fabric" in sys.modules:  # its rank was read from RANK when the server imported it
+        from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+
+        rank_zero_only.rank = _get_rank() or 0
     target = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # a fifo: blocks until the reader opens
     os.dup2(target, 1)
     os.close(target)

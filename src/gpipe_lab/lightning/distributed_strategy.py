@@ -122,23 +122,15 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
         return self.engine.gather_timeline(), rows
 
     # ------------------------------------------------------------------ checkpoints
-    def _layers_prefix(self) -> str:
-        module = self._module()
-        layers = module.configure_layers()
-        for name, child in module.named_modules():
-            if child is layers:
-                return f"{name}." if name else ""
-        return "layers."
-
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Every stage's weights under the original names (a collective)."""
         full = self.engine.full_state_dict() or {}
-        prefix = self._layers_prefix()
+        prefix = self._module().layers_prefix()
         own = {k: v for k, v in self._module().state_dict().items() if not k.startswith(prefix)}
         return {**own, **{prefix + k: v for k, v in full.items()}}
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        prefix = self._layers_prefix()
+        prefix = self._module().layers_prefix()
         state = checkpoint["state_dict"]
         self.engine.load_full_state_dict(
             {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})

@@ -53,6 +53,9 @@ class _OptimizerMixin:
 class ImageClassifier(_OptimizerMixin, PipelineModule):
     """Cross-entropy classification of images; logs loss and top-1 accuracy."""
 
+    #: what validation logs (a best checkpoint's ``callbacks.model_checkpoint.monitor`` is one of them)
+    VALIDATION_METRICS = ("val/loss", "val/acc")
+
     def __init__(self, layers: nn.Sequential, optimizer: OptimizerSpec = None,
                  label_smoothing: float = 0.0) -> None:
         super().__init__()
@@ -83,6 +86,8 @@ class Translator(_OptimizerMixin, PipelineModule):
     decoding on the first ``bleu_batches`` validation batches; a test, the same over every
     test batch (``test/bleu``).
     """
+
+    VALIDATION_METRICS = ("val/loss", "val/token_acc", "val/bleu")
 
     def __init__(self, layers: nn.Sequential, optimizer: OptimizerSpec = None,
                  label_smoothing: float = 0.0, bleu_batches: int = 2, max_decode_len: int = 32) -> None:

@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from gpipe_lab.pipeline.distributed.state import named_after
 from gpipe_lab.pipeline.materialize import reset_layer
 
 LossFn = Callable[[Any, Any], Tensor]
@@ -89,6 +90,20 @@ class PipelineModule(pl.LightningModule):
             raise AttributeError(f"{type(self).__name__} needs a `layers` nn.Sequential attribute "
                                  "or a configure_layers() hook returning one")
         return layers
+
+    def layers_prefix(self) -> str:
+        """The state-dict prefix of the layer sequence's weights (``"layers."`` by default)."""
+        layers = self.configure_layers()
+        for name, child in self.named_modules():
+            if child is layers:
+                return f"{name}." if name else ""
+        return "layers."
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint numbering the layers (the distributed transport's, before it kept their
+        names) is renamed after them, so that it loads as any other."""
+        super().on_load_checkpoint(checkpoint)
+        checkpoint["state_dict"] = named_after(checkpoint["state_dict"], self.configure_layers(), self.layers_prefix())
 
     def init_layer(self, index: int, layer: nn.Module) -> None:
         """Initialize layer ``index``, built on ``meta``, once allocated on its stage's device.

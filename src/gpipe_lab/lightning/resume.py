@@ -25,6 +25,9 @@ losses as an uninterrupted run, bitwise on CPU with the same K and M.
 Never saved at an epoch end or on another exception: Lightning 2.6 resumes an epoch-end
 checkpoint with other batches, and an exception can leave a step half done.
 
+``BestCheckpoint`` keeps ``<dir>/best.ckpt`` beside them: the checkpoint of the best validation
+value of a monitored metric (``callbacks.model_checkpoint.monitor``), for its weights.
+
 ``resolve_ckpt_path`` gives ``ckpt_path=last`` a meaning; ``load_initial_weights`` (from
 ``gpipe_lab.lightning.init_from``) is ``init_from``.
 """
@@ -46,7 +49,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from gpipe_lab.lightning.init_from import load_initial_weights
 from gpipe_lab.lightning.rng_states import RNG_KEY, rng_states, set_rng_states
 
-__all__ = ["ResumableCheckpoint", "load_initial_weights", "resolve_ckpt_path", "resume_command"]
+__all__ = ["BestCheckpoint", "ResumableCheckpoint", "load_initial_weights", "resolve_ckpt_path", "resume_command"]
 
 
 class ResumableCheckpoint(ModelCheckpoint):
@@ -221,6 +224,47 @@ class ResumableCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             os.replace(partial, filepath)
         trainer.strategy.barrier("ResumableCheckpoint.replace")
+
+
+class BestCheckpoint(pl.Callback):
+    """``<dirpath>/best.ckpt``: rewritten at the end of a validation (in ``fit``) whose ``monitor``
+    value beats every earlier one of the run (a resumed run included: the best value is saved in
+    the checkpoints). It is for the weights (``init_from``, export, evaluation): a validation may
+    end an epoch, where Lightning would not resume exactly, so runs resume from ``last.ckpt``.
+
+    Args:
+        dirpath: the checkpoint directory.
+        monitor: a metric the validation logs, e.g. ``val/acc``, ``val/bleu``, ``val/loss``.
+        mode: ``max`` or ``min``; ``None``: ``min`` for a loss, else ``max``.
+    """
+
+    def __init__(self, dirpath: str | Path, monitor: str, mode: str | None = None) -> None:
+        self.path = Path(dirpath) / "best.ckpt"
+        self.monitor = monitor
+        self.mode = mode or ("min" if monitor.endswith("loss") else "max")
+        self.best: float | None = None
+
+    @property
+    def state_key(self) -> str:
+        return f"BestCheckpoint[{self.monitor}]"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.best = state_dict.get("best")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        value = None if value is None else float(value)
+        better = value is not None and (self.best is None or (value > self.best if self.mode == "max"
+                                                               else value < self.best))
+        if trainer.strategy.broadcast(better, src=0):  # rank 0 decides: saving is a collective
+            self.best = value
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            ResumableCheckpoint._write(trainer, str(self.path))
 
 
 def resume_command(last: Path) -> str:

@@ -7,11 +7,13 @@
 - another optimizer than the one the checkpoint's state belongs to: both are named, with the
   ``init_from`` alternative (weights only);
 - another model: the keys of the saved config (``<run dir>/.hydra/config.yaml``) that differ
-  from the run's are named; without a saved config, the weights that differ in name or shape.
+  from the run's are named; without a saved config, the weights that differ in name or shape;
+- a file that is no checkpoint (another kind of file, a truncated or damaged one).
 """
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gpipe_lab.config import ConfigError
+from gpipe_lab.pipeline.distributed.state import named_after
 
 #: The config keys that decide the weights' names and shapes.
 MODEL_SECTIONS = ("model",)
@@ -31,6 +34,24 @@ def saved_config(ckpt_path: str | Path) -> DictConfig | None:
     return OmegaConf.load(path) if path.is_file() else None  # type: ignore[return-value]
 
 
+def read_checkpoint(path: str | Path, key: str = "ckpt_path") -> dict[str, Any]:
+    """The Lightning checkpoint at ``path`` (on the CPU).
+
+    Raises:
+        ConfigError: the file is not one (``key`` and the path named, with torch's reason).
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, ImportError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"{key}={path}: not a checkpoint torch can read ({type(exc).__name__}: {reason}); the "
+                          f"file is damaged, truncated or of another kind: give a run's checkpoints/last.ckpt") from None
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise ConfigError(f"{key}={path}: not a gpipe-train checkpoint (no state_dict, optimizer and step in it); "
+                          f"give a run's checkpoints/last.ckpt (init_from= takes plain weights)")
+    return state
+
+
 def optimizer_of_state(state: dict[str, Any]) -> str | None:
     """``sgd`` or ``adam``-family, from the keys of a saved optimizer state (None if unknown)."""
     groups = (state.get("optimizer_states") or [{}])[0].get("param_groups") or [{}]
@@ -40,8 +61,12 @@ def optimizer_of_state(state: dict[str, Any]) -> str | None:
 
 
 def differing_keys(saved: DictConfig, cfg: DictConfig) -> list[str]:
-    """``key: checkpoint X, this run Y`` for the model keys (and shape-deciding data keys) that differ."""
-    old = {f"model.{k}": v for k, v in OmegaConf.to_container(saved.model, resolve=False).items()}
+    """``key: checkpoint X, this run Y`` for the model keys (and shape-deciding data keys) that differ.
+
+    Both sides are compared resolved: Hydra saves the config with its interpolations
+    (``label_smoothing: ${model.label_smoothing}``), the run holds their values.
+    """
+    old = {f"model.{k}": v for k, v in OmegaConf.to_container(saved.model, resolve=True).items()}
     new = {f"model.{k}": v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items()}
     for key in MODEL_DATA_KEYS:
         old[f"data.{key}"], new[f"data.{key}"] = saved.data.get(key), cfg.data.get(key)
@@ -50,8 +75,11 @@ def differing_keys(saved: DictConfig, cfg: DictConfig) -> list[str]:
 
 
 def differing_weights(state: dict[str, Any], module: torch.nn.Module) -> list[str]:
-    """``name: checkpoint shape vs model shape`` for weights missing on either side or of another shape."""
+    """``name: checkpoint shape vs model shape`` for weights missing on either side or of another shape
+    (a checkpoint numbering the layers compared under their names, as the module loads it)."""
     saved = state.get("state_dict", {})
+    if hasattr(module, "layers_prefix"):
+        saved = named_after(saved, module.configure_layers(), module.layers_prefix())
     own = module.state_dict()
     out = []
     for k in sorted(set(saved) | set(own)):
@@ -68,7 +96,7 @@ def check_resume(ckpt_path: str, cfg: DictConfig, module: torch.nn.Module) -> No
     Raises:
         ConfigError: the checkpoint cannot continue this run (the message says why and what to run).
     """
-    state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    state = read_checkpoint(ckpt_path)
     saved = saved_config(ckpt_path)
     if saved is not None and saved.get("model") is not None:
         diff = differing_keys(saved, cfg)

@@ -36,7 +36,7 @@ from gpipe_lab.pipeline.distributed.resolve import (
     shared_seed,
     to_cpu,
 )
-from gpipe_lab.pipeline.distributed.state import gather_full_state_dict, local_state_dict
+from gpipe_lab.pipeline.distributed.state import by_index, by_name, gather_full_state_dict, local_state_dict
 from gpipe_lab.pipeline.distributed.topology import build_topology, connect_links
 from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.forwarding import forwarded
@@ -99,6 +99,7 @@ class DistributedGPipe(PipelineCore):
         if opts.deferred_batch_norm:
             DeferredBatchNorm.convert(full)
         convert_dropout(full)
+        self._layer_names = list(full._modules)  # the original names: checkpoints keep them
         chunk_ids = [topo.stage_index + c * num_stages for c in range(v)]
         self._chunks = local_chunks(full, balance, chunk_ids, self.device, self.seed, init_fn)
         self.local = nn.ModuleDict({str(j): part for j, (_, part) in self._chunks.items()})
@@ -198,10 +199,14 @@ class DistributedGPipe(PipelineCore):
                 for j, r in self.runtimes.items()]
 
     def full_state_dict(self) -> dict[str, Tensor] | None:
-        """The unpipelined module's state dict on global rank 0 (``None`` elsewhere); collective."""
-        return gather_full_state_dict(self._chunks, self.pp_group, self.topo.pp_ranks, self.dp_rank)
+        """The unpipelined module's state dict on global rank 0 (``None`` elsewhere), under its own
+        layer names; collective."""
+        full = gather_full_state_dict(self._chunks, self.pp_group, self.topo.pp_ranks, self.dp_rank)
+        return None if full is None else by_name(full, self._layer_names)
 
     def load_full_state_dict(self, state_dict: dict[str, Tensor]) -> None:
-        """Load this rank's chunks from a full (unpipelined) state dict; other keys are ignored."""
+        """Load this rank's chunks from a full (unpipelined) state dict, keyed by the module's layer
+        names (or by layer index); other keys are ignored."""
+        indexed = by_index(state_dict, self._layer_names)
         for first, part in self._chunks.values():
-            part.load_state_dict(local_state_dict(state_dict, first, len(part)))
+            part.load_state_dict(local_state_dict(indexed, first, len(part)))

@@ -5,6 +5,10 @@ entries ``"{i}.{rest}"`` with local ``i``; the original module names them
 ``"{first + i}.{rest}"``. ``gather_full_state_dict`` collects every chunk of
 replica 0 on its first rank (global rank 0), which writes the checkpoint;
 ``local_state_dict`` picks one rank's keys back out of such a dict.
+
+``by_name`` and ``by_index`` translate between the layer indices the chunks use and the
+original ``nn.Sequential``'s own layer names (``stem``, ``cell0``, ...), so a checkpoint
+of this transport names its weights as the unpipelined module (and the local transport) does.
 """
 
 from __future__ import annotations
@@ -56,3 +60,40 @@ def local_state_dict(full: dict[str, torch.Tensor], first: int, num_layers: int)
         if i.isdigit() and first <= int(i) < first + num_layers:
             out[f"{int(i) - first}.{rest}"] = value
     return out
+
+
+def by_name(state: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """``"{i}.{rest}"`` keys renamed ``"{names[i]}.{rest}"``, in the same order."""
+    out = {}
+    for key, value in state.items():
+        i, _, rest = key.partition(".")
+        out[f"{names[int(i)]}.{rest}"] = value
+    return out
+
+
+def by_index(state: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """``by_name`` undone: ``"{names[i]}.{rest}"`` keys renamed ``"{i}.{rest}"``. A key whose head is
+    no layer name but an index (a checkpoint written before layers kept their names) keeps it;
+    any other key is left out."""
+    index = {name: str(i) for i, name in enumerate(names)}
+    out = {}
+    for key, value in state.items():
+        head, _, rest = key.partition(".")
+        if head in index:
+            out[f"{index[head]}.{rest}"] = value
+        elif head.isdigit() and int(head) < len(names):
+            out[key] = value
+    return out
+
+
+def named_after(state: dict[str, torch.Tensor], layers: nn.Sequential, prefix: str = "") -> dict[str, torch.Tensor]:
+    """``state`` with the ``{prefix}{i}.`` keys of a state dict that numbers the layers of ``layers``
+    (a checkpoint of this transport written before it kept their names) renamed after them; any
+    other state (named already, or not fitting ``layers``) is returned as it is."""
+    names = list(layers._modules)
+    inner = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    heads = {k.split(".", 1)[0] for k in inner}
+    if not inner or not all(h.isdigit() and int(h) < len(names) for h in heads):
+        return state
+    return {**{k: v for k, v in state.items() if not k.startswith(prefix)},
+            **{prefix + k: v for k, v in by_name(inner, names).items()}}
