@@ -31,9 +31,11 @@ from gpipe_lab.pipeline.distributed.p2p_channel import P2PChannel
 from gpipe_lab.pipeline.distributed.resolve import (
     agreed_balance,
     bind_device,
+    local_placement,
     resolve_device,
     resolve_stages,
     shared_seed,
+    stage_device,
     to_cpu,
 )
 from gpipe_lab.pipeline.distributed.state import gather_full_state_dict, local_state_dict
@@ -42,7 +44,7 @@ from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.forwarding import forwarded
 from gpipe_lab.pipeline.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.microbatch import Value
-from gpipe_lab.pipeline.options import OptionError, PipelineOptions, merged_options
+from gpipe_lab.pipeline.options import PipelineOptions, merged_options
 from gpipe_lab.pipeline.stage import StageRuntime
 from gpipe_lab.pipeline.timeline import Event, Timeline
 
@@ -81,11 +83,8 @@ class DistributedGPipe(PipelineCore):
         full = build_module(module)
         balance, num_stages = resolve_stages(full, opts, data_parallel_size)
         self.topo = topo = build_topology(num_stages, v, data_parallel_size)
-        if device is None and opts.devices is not None:
-            if len(opts.devices) != num_stages:
-                raise OptionError(f"devices: {opts.devices} has {len(opts.devices)} entries for {num_stages} "
-                                  f"pipeline stages; give one per stage (or device= for this rank)")
-            device = opts.devices[topo.stage_index]
+        if device is None:
+            device = stage_device(opts.devices, topo, *local_placement())
         self.device = resolve_device(device)
         if self.device.type == "cpu" and opts.threads_per_stage is not None:
             torch.set_num_threads(opts.threads_per_stage)  # this process is one stage
