@@ -81,3 +81,31 @@ def test_flags_need_no_read_and_do_not_overflow() -> None:
     with counted_reads() as seen:
         flag = nonfinite_flag([big, torch.tensor([float("inf")])])
     assert not seen and flag.dtype == torch.bool
+
+
+def test_a_tensor_loss_normalizer_is_not_read_before_the_launch() -> None:
+    """``count_tokens`` returns a device tensor: its value reaches the loss on the device, and the
+    verdict stays the step's one read; a count that is not positive makes the loss NaN, reported."""
+    pipe, read = (GPipe(model(), partitions=3, chunks=4, deferred_batch_norm=True, seed=0) for _ in "ab")
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+
+    def summed(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, target, reduction="sum")
+
+    def positives(t: torch.Tensor) -> torch.Tensor:
+        return (t > 0).sum()
+
+    pipe.train_step(x, y, summed, loss_normalizer=positives)
+    with counted_reads() as seen:
+        loss = pipe.train_step(x, y, summed, loss_normalizer=positives)
+    assert seen == ["tolist"], seen
+    for _ in range(2):  # the same steps with the count read on the host first
+        expected = read.train_step(x, y, summed, loss_normalizer=lambda t: float(positives(t)))
+    assert loss.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    for p, q in zip(pipe.parameters(), read.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(NonFiniteError, match="loss is nan"):
+        pipe.train_step(x, y, summed, loss_normalizer=lambda t: (t > 1e9).sum())
+    with pytest.raises(ValueError, match="loss_normalizer returned 0.0; it must be positive"):
+        pipe.train_step(x, y, summed, loss_normalizer=lambda t: 0.0)

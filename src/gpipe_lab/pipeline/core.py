@@ -177,7 +177,7 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
         return loss, outputs
 
     def _loss_weights(self, inputs: object, targets: object, num_microbatches: int,
-                      loss_normalizer: Normalizer | None) -> list[float]:
+                      loss_normalizer: Normalizer | None) -> list[float | Tensor]:
         if self._last is None:
             return []
         if targets is None and not self.channel.holds_all_stages:
