@@ -109,3 +109,17 @@ def test_a_tensor_loss_normalizer_is_not_read_before_the_launch() -> None:
         pipe.train_step(x, y, summed, loss_normalizer=lambda t: (t > 1e9).sum())
     with pytest.raises(ValueError, match="loss_normalizer returned 0.0; it must be positive"):
         pipe.train_step(x, y, summed, loss_normalizer=lambda t: 0.0)
+
+
+def test_the_translators_token_count_is_not_read_per_step() -> None:
+    """The Lightning runner counts each batch's tokens for throughput: left on the targets' device,
+    it is read only when ``PipelineMetrics`` logs, not once more per step."""
+    from gpipe_lab.lightning.modules import Translator
+    from gpipe_lab.models import build
+
+    translator = Translator(build("transformer_tiny"))
+    targets = torch.tensor([[5, 6, 0], [7, 0, 0]])
+    with counted_reads() as seen:
+        samples, tokens = translator.count_samples((torch.zeros(2, 3),), targets)
+    assert not seen, seen
+    assert samples == 2 and isinstance(tokens, torch.Tensor) and int(tokens) == (targets != 0).sum().item()

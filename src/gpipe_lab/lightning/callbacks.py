@@ -32,6 +32,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
+from torch import Tensor
 
 from gpipe_lab.lightning.strategy import GPipeStrategy
 from gpipe_lab.lightning.timeline_figure import predicted_timeline, save_timeline_figure
@@ -76,7 +77,7 @@ class PipelineMetrics(pl.Callback):
         self.warmup_steps = warmup_steps
         self._start = 0.0
         self._fit_start = 0.0
-        self._rates: list[tuple[float, float]] = []
+        self._rates: list[tuple[float, float | Tensor]] = []  # a token count stays unread until logged
         self._bubbles: list[float] = []
         self._busy: list[list[float]] = []
         self._pictured = False
@@ -234,7 +235,7 @@ class PipelineMetrics(pl.Callback):
                 "virtual_stages": getattr(getattr(strategy.pipe, "options", None), "virtual_stages", 1),
                 "threads_per_stage": getattr(strategy.pipe, "threads_per_stage", None),
                 "samples_per_s": mean(r[0] for r in self._rates) if self._rates else None,
-                "tokens_per_s": mean(r[1] for r in self._rates) if self._rates else None,
+                "tokens_per_s": mean(float(r[1]) for r in self._rates) if self._rates else None,
                 "bubble_measured": mean(self._bubbles) if self._bubbles else None,
                 "bubble_measured_over": (f"mean over {len(self._bubbles)} step(s); each epoch's first "
                                          "batch is left out as warm-up (unless max_steps=1)"),
