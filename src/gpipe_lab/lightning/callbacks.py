@@ -107,21 +107,27 @@ class PipelineMetrics(pl.Callback):
             return
         seconds = time.perf_counter() - self._start
         samples, tokens = strategy.last_batch_size
-        timeline, memory = strategy.step_report()  # collective in distributed: every rank calls it
-        self._timeline, self._memory = timeline, memory
-        self._reports += 1
-        assert timeline is not None
         rates = (samples / seconds, tokens / seconds)
-        if batch_idx >= self.warmup_steps or trainer.max_steps == 1:
-            self._rates.append(rates)
-            self._bubbles.append(timeline.measured_bubble())
-            self._busy.append(timeline.busy())
-            self.step_walls.append(timeline.wall)
+        measured = batch_idx >= self.warmup_steps or trainer.max_steps == 1
         from gpipe_lab.lightning.resume import ResumableCheckpoint
 
         skipped_by_lightning = bool(trainer.global_step % max(1, trainer.log_every_n_steps))
         final = ResumableCheckpoint.is_final_step(trainer)
-        if skipped_by_lightning and self._pictured and not final:
+        quiet = skipped_by_lightning and self._pictured and not final
+        if quiet and strategy.transport == "distributed":
+            # there the step report is a blocking exchange over the pipeline: made on logged steps only
+            self._rates += [rates] if measured else []
+            return
+        timeline, memory = strategy.step_report()  # collective in distributed: every rank calls it
+        self._timeline, self._memory = timeline, memory
+        self._reports += 1
+        assert timeline is not None
+        if measured:
+            self._rates.append(rates)
+            self._bubbles.append(timeline.measured_bubble())
+            self._busy.append(timeline.busy())
+            self.step_walls.append(timeline.wall)
+        if quiet:
             return
         metrics = {"perf/samples_per_s": rates[0], "perf/tokens_per_s": rates[1],
                    "pipeline/bubble_measured": timeline.measured_bubble(),

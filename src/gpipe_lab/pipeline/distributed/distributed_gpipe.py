@@ -167,6 +167,15 @@ class DistributedGPipe(PipelineCore):
         Raises:
             RuntimeError: no step has run yet.
         """
+        return self.gather_report(on_device)[0]
+
+    def gather_report(self, on_device: bool = False) -> tuple[Timeline, list[dict[str, int]]]:
+        """``gather_timeline`` and every stage's ``memory()`` rows (stage order) in ONE exchange over
+        the pipeline (each ``all_gather_object`` is a blocking exchange; a step report needs both).
+
+        Raises:
+            RuntimeError: no step has run yet.
+        """
         if self.timeline is None:
             raise RuntimeError("gather_timeline() needs a step first (train_step or forward)")
         t = self.timeline.on_device() if on_device else self.timeline
@@ -174,11 +183,12 @@ class DistributedGPipe(PipelineCore):
         mine = Timeline(t.num_stages, t.start - z, t.end - z,
                         [Event(e.stage, e.kind, e.microbatch, e.start - z, e.end - z) for e in t.events],
                         t.num_microbatches)
-        every: list[object] = [None] * self.num_stages
-        dist.all_gather_object(every, mine, group=self.pp_group)
-        merged = Timeline.merge(every)  # type: ignore[arg-type]
+        every: list[Any] = [None] * self.num_stages
+        dist.all_gather_object(every, (mine, self.memory()), group=self.pp_group)
+        merged = Timeline.merge([timeline for timeline, _ in every])
         merged.num_microbatches = t.num_microbatches
-        return merged
+        rows = sorted((row for _, rank_rows in every for row in rank_rows), key=lambda r: r.get("stage", 0))
+        return merged, rows
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clip by the global 2-norm over every stage of this pipeline (collective over the
