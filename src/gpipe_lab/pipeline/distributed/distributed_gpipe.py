@@ -39,7 +39,7 @@ from gpipe_lab.pipeline.distributed.resolve import (
     to_cpu,
 )
 from gpipe_lab.pipeline.distributed.state import gather_full_state_dict, local_state_dict
-from gpipe_lab.pipeline.distributed.topology import build_topology, connect_links
+from gpipe_lab.pipeline.distributed.topology import barrier, build_topology, connect_groups, connect_links
 from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.forwarding import forwarded
 from gpipe_lab.pipeline.materialize import InitFn, build_module, local_chunks
@@ -91,6 +91,7 @@ class DistributedGPipe(PipelineCore):
         bind_device(self.device)  # the main thread's collectives run on this rank's GPU, not cuda:0
         self.balance = balance = agreed_balance(balance, self.device)
         connect_links(topo, self.device)
+        connect_groups(topo, self.device)
         if self.device.type == "cpu" and opts.retain_cpu_memory:
             retain_freed_memory()
         self.seed = shared_seed(opts.seed, self.device)
@@ -107,7 +108,7 @@ class DistributedGPipe(PipelineCore):
         self.grad_sync = GradientSync(topo.dp_group, topo.dp_size, self.abort, float(opts.timeout), bucket_bytes)
         channel = P2PChannel(topo, runtimes, self.device, self.abort, float(opts.timeout), self.grad_sync)
         self._start_core(opts, runtimes, channel, num_stages, topo.dp_size)
-        dist.barrier(group=topo.pp_group)
+        barrier(topo.pp_group, self.device)
         self._clock_zero = time.perf_counter()  # aligned across the pipeline's ranks by the barrier
 
     # ------------------------------------------------------------ properties

@@ -138,6 +138,20 @@ def local_rank_device(local_rank: str, device_count: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
+def process_group_device(backend: str) -> dict[str, torch.device]:
+    """``init_process_group``'s ``device_id=`` under NCCL (``cuda:<LOCAL_RANK>``); nothing otherwise.
+
+    With the device bound at start-up NCCL creates the world's communicator at once, on this
+    rank's GPU, instead of guessing the GPU at the first collective.
+
+    Raises:
+        ValueError: a ``LOCAL_RANK`` without a GPU of its own (see ``local_rank_device``).
+    """
+    if backend != "nccl" or not torch.cuda.is_available():
+        return {}
+    return {"device_id": local_rank_device(os.environ.get("LOCAL_RANK", "0"), torch.cuda.device_count())}
+
+
 def bind_device(device: torch.device) -> None:
     """Make ``device`` the calling thread's current CUDA device (nothing for other devices).
 
