@@ -49,3 +49,21 @@ def test_a_distributed_run_reports_only_the_steps_it_logs(tmp_path: Path, monkey
         monkeypatch.undo()
         assert len(metrics._rates) == 4  # the first step is warm-up, every later one is measured
     assert reported == {"local": [1, 2, 3, 4, 5], "distributed": [1, 2, 4, 5]}
+
+
+def test_the_metrics_log_the_device_timeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, host times are launch times: the bubble and busy times come from
+    ``Timeline.on_device`` (here a stand-in device timeline: 1 s, stage 1 idle for its first half)."""
+    from gpipe_lab.pipeline.timeline import Event, Timeline
+
+    def on_device(self: Timeline) -> Timeline:
+        t0 = self.start
+        return Timeline(2, t0, t0 + 1.0, [Event(0, "F", 0, t0, t0 + 0.5), Event(1, "F", 0, t0 + 0.5, t0 + 1.0)],
+                        self.num_microbatches)
+
+    monkeypatch.setattr(Timeline, "on_device", on_device)
+    metrics = PipelineMetrics(tmp_path)
+    trainer(GPipeStrategy(partitions=2, chunks=2), max_steps=3, log_every_n_steps=1,
+            callbacks=[metrics]).fit(TinyRegressor(), TinyData(n=48))
+    assert metrics.step_walls == [1.0, 1.0]  # the steps after the warm-up one, on the device's clock
+    assert metrics._busy == [[0.5, 0.5]] * 2 and metrics._bubbles == [pytest.approx(0.5)] * 2

@@ -114,8 +114,9 @@ class PipelineMetrics(pl.Callback):
         skipped_by_lightning = bool(trainer.global_step % max(1, trainer.log_every_n_steps))
         final = ResumableCheckpoint.is_final_step(trainer)
         quiet = skipped_by_lightning and self._pictured and not final
-        if quiet and strategy.transport == "distributed":
-            # there the step report is a blocking exchange over the pipeline: made on logged steps only
+        if quiet and (strategy.transport == "distributed" or strategy.root_device.type == "cuda"):
+            # the step report is a blocking exchange over the pipeline (distributed), or waits for the
+            # GPU to read its CUDA events: made on logged steps only
             self._rates += [rates] if measured else []
             return
         timeline, memory = strategy.step_report()  # collective in distributed: every rank calls it

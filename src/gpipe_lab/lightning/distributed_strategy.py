@@ -116,7 +116,7 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
     def step_report(self) -> tuple[Any, list[dict[str, int]]]:
         if self.pipe is None or self.pipe.timeline is None:
             return self.timeline, self.memory()
-        return self.engine.gather_report()
+        return self.engine.gather_report(on_device=True)
 
     # ------------------------------------------------------------------ checkpoints
     def _layers_prefix(self) -> str:
