@@ -182,7 +182,7 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
             return []
         if targets is None and not self.channel.holds_all_stages:
             raise ValueError("this rank runs the last stage: train_step needs targets")
-        return loss_weights(inputs, targets, num_microbatches, loss_normalizer)
+        return loss_weights(inputs, targets, num_microbatches, loss_normalizer, self._last.device)
 
     def train_step(self, inputs: Value | None, targets: object, loss_fn: LossFn,
                    loss_normalizer: Normalizer | None = None,
