@@ -78,9 +78,15 @@ def _grad_error(module: nn.Sequential, x: Any, y: Tensor, loss_fn: Callable, ctx
         loss_fn(ref(x), y).backward()
         pipe = GPipe(piped, devices=devices, **options)
         pipe.train_step(x, y, loss_fn)
-    scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
-    errors = [float((a.grad - b.grad.to(a.device)).abs().max()) for a, b in zip(ref.parameters(), piped.parameters())
-              if a.grad is not None]
+    return relative_grad_error(ref, piped)
+
+
+def relative_grad_error(reference: nn.Module, piped: nn.Module) -> float:
+    """Largest |piped − reference| gradient over matching parameters, relative to the largest
+    reference gradient (at least 1)."""
+    scale = max(float(p.grad.abs().max()) for p in reference.parameters() if p.grad is not None)
+    errors = [float((a.grad - b.grad.to(a.device)).abs().max())
+              for a, b in zip(reference.parameters(), piped.parameters()) if a.grad is not None]
     return max(errors) / max(scale, 1.0)
 
 

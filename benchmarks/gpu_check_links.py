@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.gpu_check_engine import Context
+from benchmarks.gpu_check_engine import Context, relative_grad_error
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.distributed.launch import run_local
 
@@ -119,10 +119,7 @@ def link_worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     # unpipelined step, over this rank's layers
     F.mse_loss(reference(x), y).backward()
     start = sum(pipe.balance[:pipe.stage_index])
-    mine = reference[start:start + pipe.balance[pipe.stage_index]]
-    scale = max(float(p.grad.abs().max()) for p in mine.parameters())
-    grad_error = max(float((a.grad - b.grad).abs().max()) for a, b in
-                     zip(mine.parameters(), pipe.stage_module.parameters())) / max(scale, 1.0)
+    grad_error = relative_grad_error(reference[start:start + pipe.balance[pipe.stage_index]], pipe.stage_module)
     links = sorted(pipe.topo.links)
     first = [e for e in traffic if e[0] in ("warm", "isend")][:len(links) + 1]
     return {"grad_relative_error_vs_unpipelined": grad_error,
