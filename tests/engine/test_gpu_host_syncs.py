@@ -123,3 +123,26 @@ def test_the_translators_token_count_is_not_read_per_step() -> None:
         samples, tokens = translator.count_samples((torch.zeros(2, 3),), targets)
     assert not seen, seen
     assert samples == 2 and isinstance(tokens, torch.Tensor) and int(tokens) == (targets != 0).sum().item()
+
+
+def test_a_distributed_step_reads_the_device_once(tmp_path) -> None:  # noqa: ANN001 - pytest's path
+    """The distributed transport too: the shared verdict is the step's one read, with a tensor
+    ``loss_normalizer`` (a one-rank gloo world)."""
+    import torch.distributed as dist
+
+    from gpipe_lab.pipeline.distributed import DistributedGPipe
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        pipe = DistributedGPipe(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), partitions=1, chunks=2)
+        x, y = torch.randn(4, 4), torch.randn(4, 2)
+
+        def summed(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(out, target, reduction="sum")
+
+        pipe.train_step(x, y, summed, loss_normalizer=lambda t: (t > 0).sum())
+        with counted_reads() as seen:
+            pipe.train_step(x, y, summed, loss_normalizer=lambda t: (t > 0).sum())
+        assert seen == ["tolist"], seen
+    finally:
+        dist.destroy_process_group()
