@@ -140,3 +140,16 @@ def test_the_one_gpu_sections_fit_in_eight_minutes_with_start_up() -> None:
 
     caps = {name: cap for name, _, cap in gpu_check.SECTIONS}
     assert caps["distributed_links"] >= LAUNCH_TIMEOUT + 10
+
+
+def test_the_replay_check_fails_when_draws_are_not_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import functools
+
+    from benchmarks import gpu_check_engine
+
+    from gpipe_lab.pipeline import GPipe
+
+    monkeypatch.setattr(gpu_check_engine, "GPipe", functools.partial(GPipe, random_replay=False))
+    failures = gpu_check_engine.replay_modes(Context(torch.device("cpu"), dry=True))["failures"]
+    assert "replay K=1: dropout differs between checkpoint='always' and 'never'" in failures
+    assert "replay modes ['dispatch', 'guard'] never ran (ran: ['off'])" in failures
