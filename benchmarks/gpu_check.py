@@ -15,7 +15,9 @@ sections once and never touched CUDA; the child leads its own process group.
 A section that runs past its cap, hangs, or dies is killed with its whole
 group (SIGKILL) and FAILs; the others still run. gpu_check.json and
 gpu_check.md are rewritten after every section, so a hang loses one section,
-not the report. A dry run uses tiny sizes on the CPU and touches no CUDA: its
+not the report; within a section each case is appended to gpu_check_progress.jsonl
+as it starts and finishes, and a killed section's entry names the case it hung in.
+The run ends by printing where the report is and the command that commits it. A dry run uses tiny sizes on the CPU and touches no CUDA: its
 figures are CPU figures and say so.
 """
 
@@ -45,24 +47,25 @@ if not __package__:  # started as a file (``python benchmarks/gpu_check.py``): r
 import torch
 
 from benchmarks.bench_common import load_average, machine_info
-from benchmarks.gpu_check_engine import Context
+from benchmarks.gpu_check_engine import PROGRESS, Context, section_progress
 from gpipe_lab.provenance import source_commit
 
 # name, "module:function", cap in seconds; on one GPU the caps sum to 460 s (8 minutes less start-up)
 SECTIONS: list[tuple[str, str, int]] = [
-    ("correctness", "benchmarks.gpu_check_engine:correctness", 75),
+    ("correctness", "benchmarks.gpu_check_engine:correctness", 65),
     ("host_syncs", "benchmarks.gpu_check_engine:host_syncs", 15),
     ("speed", "benchmarks.gpu_check_speed:speed", 60),
     ("memory", "benchmarks.gpu_check_speed:memory", 25),
-    ("lightning", "benchmarks.gpu_check_system:lightning_run", 45),
+    ("lightning", "benchmarks.gpu_check_system:lightning_run", 30),
     ("amp_fp16", "benchmarks.gpu_check_system:amp_fp16", 30),
     ("nccl_startup", "benchmarks.gpu_check_system:nccl_startup", 20),
     ("backward_probe", "benchmarks.gpu_check_probes:backward_probe", 65),
-    ("race", "benchmarks.gpu_check_probes:race", 40),
+    ("race", "benchmarks.gpu_check_probes:race", 25),
     ("launch_bound", "benchmarks.gpu_check_probes:launch_bound", 30),
     ("copy_overlap", "benchmarks.gpu_check_device:copy_overlap", 20),
     ("leak", "benchmarks.gpu_check_device:leak", 15),
-    ("distributed_links", "benchmarks.gpu_check_links:distributed_links", 20),
+    # above the links run's own launch timeout (gpu_check_links.LAUNCH_TIMEOUT), so that one reports
+    ("distributed_links", "benchmarks.gpu_check_links:distributed_links", 60),
 ]
 #: caps of a dry run where it costs more than on a GPU machine (two spawned ranks on 2 cores)
 DRY_CAPS = {"distributed_links": 90}
@@ -121,6 +124,8 @@ def run_section(name: str, spec: str, cap: int, ctx: Context, processes: Any) ->
     finally:
         receive.close()
         _kill_group(child)
+    if "error" in result and ctx.out is not None:  # what the killed or failed section got through
+        result.update(section_progress(ctx.out, name))
     result["seconds"] = round(time.perf_counter() - start, 2)
     print(f"[{result['status']}] {name} ({result['seconds']} s)"
           + (f": {result['error']}" if "error" in result else ""), flush=True)
@@ -192,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA device here: use --dry-run")
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / PROGRESS).unlink(missing_ok=True)  # this run's cases only
     ctx = Context(device=torch.device("cpu") if args.dry_run else torch.device("cuda", 0), dry=args.dry_run,
                   out=args.out)
     sections = SECTIONS + ([TWO_GPUS] if args.two_gpus else [])
@@ -221,7 +227,18 @@ def main(argv: list[str] | None = None) -> int:
     write_reports(report, args.out)
     failed = [n for n, r in report["sections"].items() if r["status"] == "FAIL"]
     print("FAILED: " + ", ".join(failed) if failed else "all sections passed")
+    print(after_the_run(report, args.out), flush=True)
     return 1 if failed else 0
+
+
+def after_the_run(report: dict[str, Any], out: Path) -> str:
+    """Where the report is, and the command that commits it (with its ``meta``) from the repository."""
+    files = [out / "gpu_check.md", out / "gpu_check.json"]
+    meta = report["meta"]
+    what = "dry run (CPU figures: do not commit as GPU results)" if report["dry_run"] else meta["device"]
+    message = f"results: gpu_check on {what}, commit {meta['commit']}"
+    return (f"report: {files[0]} and {files[1]} (cases as they finished: {out / 'gpu_check_progress.jsonl'})\n"
+            f"commit it with: git add {shlex.join(str(f) for f in files)} && git commit -m {shlex.quote(message)}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
   ``torch.nn.utils.clip_grad_norm_`` on the unpipelined model;
 - with two GPUs (NCCL; two ranks on one GPU are refused by design) or in a dry
   run (gloo, CPU): a K=2 ``DistributedGPipe`` over 5 steps reporting, per rank,
+  its gradients against the unpipelined model's (fp32, 1e-5, this rank's layers),
   receive streams made (one per incoming link, however many steps), the links
   warmed before the first step's traffic and in which order, whether every send
   was released by the last backward of the step, the sent tensors still alive
@@ -26,11 +27,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.gpu_check_engine import Context
+from benchmarks.gpu_check_engine import Context, relative_grad_error
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.distributed.launch import run_local
 
 STEPS, M = 5, 4
+#: seconds the two-rank links run may take before its ranks are killed (the section's cap is above it)
+LAUNCH_TIMEOUT = 45.0
 
 
 def clipping(ctx: Context) -> dict[str, Any]:
@@ -79,9 +82,12 @@ def link_worker(rank: int, world: int, steps: int) -> dict[str, Any]:
         return real_isend(tensor, dst=dst, group=group, tag=tag)
 
     dist.send, dist.recv, dist.isend = send, recv, isend
+    torch.backends.cuda.matmul.allow_tf32 = False  # the unpipelined reference in full float32
     torch.manual_seed(0)
     width = 16 if not cuda else 1024
-    pipe = DistributedGPipe(nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]), partitions=2,
+    module = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
+    reference = copy.deepcopy(module).to(device)
+    pipe = DistributedGPipe(module, partitions=2,
                             chunks=M, checkpoint="always", schedule="gpipe", device=device, seed=0)
     real_make = pipe.channel.link_streams.factory
     if real_make is None:  # the CPU makes no streams: count the requests instead
@@ -109,9 +115,15 @@ def link_worker(rank: int, world: int, steps: int) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize(device)
             reserved.append(torch.cuda.memory_reserved(device))
+    # every step recomputes the same gradients (no optimizer step): the last one against one
+    # unpipelined step, over this rank's layers
+    F.mse_loss(reference(x), y).backward()
+    start = sum(pipe.balance[:pipe.stage_index])
+    grad_error = relative_grad_error(reference[start:start + pipe.balance[pipe.stage_index]], pipe.stage_module)
     links = sorted(pipe.topo.links)
     first = [e for e in traffic if e[0] in ("warm", "isend")][:len(links) + 1]
-    return {"receive_streams_made": pipe.channel.link_streams.made,
+    return {"grad_relative_error_vs_unpipelined": grad_error,
+            "receive_streams_made": pipe.channel.link_streams.made,
             "incoming_links": sum(1 for k in links if k[2] == rank),
             "warm_up_in_global_order": list(pipe.topo.warmed) == links,
             "warm_up_before_first_send": first[:-1] == [("warm", s, d) for _, s, d in links]
@@ -129,7 +141,7 @@ def distributed_links(ctx: Context) -> dict[str, Any]:
     if not ctx.dry and torch.cuda.device_count() < 2:
         result["links"] = "SKIP: needs two GPUs (NCCL refuses two ranks on one GPU)"
         return {"status": "PASS" if ok else "FAIL", **result}
-    ranks = run_local(link_worker, world_size=2, args=(STEPS,), timeout=45.0,
+    ranks = run_local(link_worker, world_size=2, args=(STEPS,), timeout=LAUNCH_TIMEOUT,
                       backend="gloo" if ctx.dry else "nccl")
     rows = []
     for r in ranks:
@@ -144,7 +156,8 @@ def distributed_links(ctx: Context) -> dict[str, Any]:
         # criterion is that the engine let go of every send; gloo frees the storage itself
         released = v["sends_released_at_last_backward"]
         freed = v["sent_alive_at_last_backward"] if ctx.dry else [0]
-        ok = ok and v["receive_streams_made"] == v["incoming_links"] and v["warm_up_in_global_order"] \
+        ok = ok and v["grad_relative_error_vs_unpipelined"] <= 1e-5 \
+            and v["receive_streams_made"] == v["incoming_links"] and v["warm_up_in_global_order"] \
             and v["warm_up_before_first_send"] and v["reserved_flat_after_two_steps"] \
             and (released is None or (all(released) and not any(freed)))
         rows.append(v)

@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.gpu_check_engine import Context
+from benchmarks.gpu_check_engine import Context, _grad_error
 from gpipe_lab.lightning import GPipeStrategy, PipelineModule
 from gpipe_lab.pipeline import GPipe
 
@@ -151,15 +151,17 @@ def nccl_startup(ctx: Context) -> dict[str, Any]:
 
 
 def _overlap(pipe: GPipe) -> float:
-    """Fraction of the step during which both stages compute at once."""
-    timeline = pipe.timeline
+    """Fraction of the step during which both stages compute at once, on the device's clock (CUDA
+    events: host times would be launch times)."""
+    timeline = pipe.timeline.on_device()
     busy = [[(e.start, e.end) for e in timeline.events if e.stage == k and e.kind != "wait"] for k in (0, 1)]
     both = sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in busy[0] for b0, b1 in busy[1])
     return both / max(timeline.wall, 1e-9)
 
 
 def two_gpus(ctx: Context) -> dict[str, Any]:
-    """The two-rank demo (5 steps, 60 s timeout) and the local transport over two devices with its overlap."""
+    """The two-rank demo (5 steps, 60 s timeout) and the local transport over two devices: its
+    gradients against the unpipelined model's (fp32, 1e-5) and its overlap."""
     if not ctx.dry and torch.cuda.device_count() < 2:
         return {"status": "SKIP", "reason": f"{torch.cuda.device_count()} GPU(s) visible"}
     size = ["--width", "16", "--hidden", "32", "--blocks", "2", "--batch", "16"] if ctx.dry else []
@@ -174,12 +176,15 @@ def two_gpus(ctx: Context) -> dict[str, Any]:
     devices = ["cpu", "cpu"] if ctx.dry else ["cuda:0", "cuda:1"]
     width = 16 if ctx.dry else 4096
     torch.manual_seed(0)
-    pipe = GPipe(nn.Sequential(*[nn.Linear(width, width) for _ in range(8)]), partitions=2, chunks=8,
-                 devices=devices)
-    x = torch.randn(64 if ctx.dry else 512, width)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the unpipelined reference in full float32
+    module = nn.Sequential(*[nn.Linear(width, width) for _ in range(8)])
+    x = torch.randn(64 if ctx.dry else 512, width, device=ctx.device)
+    grad_error = _grad_error(module, x, x, F.mse_loss, ctx, partitions=2, chunks=8, devices=devices)
+    pipe = GPipe(module, partitions=2, chunks=8, devices=devices)
     pipe.train_step(x, x, F.mse_loss)
     pipe.train_step(x, x, F.mse_loss)
     overlap = _overlap(pipe)
-    ok = demo["returncode"] == 0
+    ok = demo["returncode"] == 0 and grad_error <= 1e-5
     return {"status": "PASS" if ok else "FAIL", "demo": demo, "local_devices": devices,
-            "stage_overlap_fraction": round(overlap, 3)}
+            "grad_relative_error_vs_unpipelined": grad_error, "stage_overlap_fraction": round(overlap, 3),
+            "overlap_clock": "device (CUDA events)" if not ctx.dry else "host (CPU, dry run)"}

@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from gpipe_lab.pipeline.distributed.resolve import bind_device, resolve_device, to_cpu
+from gpipe_lab.pipeline.distributed.resolve import bind_device, local_rank_device, resolve_device, to_cpu
 
 
 def test_bind_device_sets_the_current_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,3 +58,44 @@ def test_the_nccl_default_device_follows_local_rank(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("LOCAL_RANK", "1")  # used to wrap around onto cuda:0, shared with rank 0
     with pytest.raises(ValueError, match="LOCAL_RANK=1 but this process sees 1 CUDA device"):
         resolve_device(None)
+
+
+def _placement(devices: list[str] | None, K: int, D: int, per_node: int) -> dict[int, str | None]:
+    """Each global rank's ``stage_device`` for a D × K world of ``per_node`` processes per node."""
+    from gpipe_lab.pipeline.distributed.resolve import stage_device
+    from gpipe_lab.pipeline.distributed.topology import Topology
+
+    return {r: stage_device(devices, Topology(D * K, r, K), r % per_node, per_node) for r in range(D * K)}
+
+
+@pytest.mark.parametrize(("K", "D", "per_node"), [(2, 2, 4), (2, 3, 6), (2, 4, 4), (4, 2, 2), (3, 2, 6)])
+def test_replicas_of_a_stage_get_their_own_gpu(K: int, D: int, per_node: int) -> None:
+    """D × K on one node and on several: one GPU per rank of a node, each rank on its stage's
+    device of its node (the old rule, ``devices[stage]``, put every replica of a stage on one GPU)."""
+    per_stage = [f"cuda:{k % per_node}" for k in range(K)]  # one replica's GPUs, as a node numbers them
+    placed = _placement(per_stage, K, D, per_node)
+    for node in range(D * K // per_node):
+        ranks = range(node * per_node, (node + 1) * per_node)
+        assert sorted(placed[r] for r in ranks) == sorted(f"cuda:{i}" for i in range(per_node)), node
+    # with devices = cuda:0..K-1 the layout is torchrun's default, cuda:<LOCAL_RANK>
+    if per_node >= K:
+        assert placed == {r: f"cuda:{r % per_node}" for r in range(D * K)}
+        assert _placement(None, K, D, per_node) == dict.fromkeys(range(D * K))  # resolve_device's default
+        assert all(local_rank_device(str(r % per_node), per_node) == torch.device(placed[r])
+                   for r in range(D * K))
+    # CPU stages share the host; one device per local rank is taken as given
+    assert set(_placement(["cpu"] * K, K, D, per_node).values()) == {"cpu"}
+    own = [f"cuda:{per_node - 1 - i}" for i in range(per_node)]
+    if per_node != K:
+        assert _placement(own, K, D, per_node) == {r: own[r % per_node] for r in range(D * K)}
+
+
+def test_a_device_list_that_would_share_a_gpu_is_refused() -> None:
+    from gpipe_lab.pipeline.options import OptionError
+
+    with pytest.raises(OptionError, match=r"puts local ranks 0 and 1 both on cuda:0"):
+        _placement(["cuda:0", "cuda:0"], 2, 1, 2)
+    with pytest.raises(OptionError, match=r"has 3 entries for 2 pipeline stages.*one per stage \(2\).*\(4\)"):
+        _placement(["cuda:0", "cuda:1", "cuda:2"], 2, 2, 4)
+    with pytest.raises(OptionError, match=r"puts local ranks 1 and 2 both on cuda:1"):
+        _placement(["cuda:0", "cuda:1", "cuda:1", "cuda:3"], 2, 2, 4)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from benchmarks import gpu_check
-from benchmarks.gpu_check_engine import Context
+from benchmarks.gpu_check_engine import Context, record_case
 from benchmarks.gpu_check_probes import order_violations
 
 from gpipe_lab.pipeline.timeline import Event
@@ -33,6 +33,14 @@ def test_dry_run_wires_every_section(tmp_path: Path) -> None:
     assert {r["status"] for r in report["sections"].values()} == {"PASS"}, report
     sections = report["sections"]
     assert report["dry_run"] is True and sections["correctness"]["runs"] > 0
+    progress = [json.loads(line) for line in (tmp_path / "gpu_check_progress.jsonl").read_text().splitlines()]
+    finished = [p for p in progress if p["section"] == "correctness" and p.get("state") != "started"]
+    assert len(finished) == sections["correctness"]["runs"] + len(sections["correctness"]["replay_modes"]["kinds"])
+    # several steps of a K=1 and a virtual_stages=2 pipe: guard and dispatch ran (fork needs a GPU)
+    kinds = sections["correctness"]["replay_modes"]["kinds"]
+    assert {"guard", "dispatch"} <= set().union(*map(set, kinds.values())) and "K=1" in kinds
+    # the two-GPU paths compare gradients with the unpipelined model (here on CPU sizes)
+    assert sections["two_gpus"]["grad_relative_error_vs_unpipelined"] <= 1e-5
     assert sections["race"]["amplifying_sleeps"] > 0 and sections["copy_overlap"]["hand_overs"] > 0
     assert sections["amp_fp16"]["inf_step_skipped"] and sections["amp_fp16"]["scale_backed_off"]
     assert len(sections["launch_bound"]["configs"]) == 4 and len(sections["leak"]["readings"]) == 3
@@ -47,12 +55,14 @@ def test_dry_run_wires_every_section(tmp_path: Path) -> None:
     links = sections["distributed_links"]
     assert links["clipping"]["norm_relative_error"] <= 1e-5 and len(links["ranks"]) == 2
     for rank in links["ranks"]:  # receive streams made once over 5 steps; warm-up first, in order
+        assert rank["grad_relative_error_vs_unpipelined"] <= 1e-5
         assert rank["receive_streams_made"] == rank["incoming_links"] == 1
         assert rank["warm_up_in_global_order"] and rank["warm_up_before_first_send"]
     assert links["ranks"][0]["sent_alive_at_last_backward"] == [0] * 5
     md = (tmp_path / "gpu_check.md").read_text()
     assert all(f"## {name}: PASS" in md for name in names)
     assert "CPU figures, not GPU ones" in md
+    assert f"report: {tmp_path / 'gpu_check.md'}" in done.stdout and "commit it with: git add" in done.stdout
     meta = report["meta"]  # provenance, as every JSON of results/ carries it
     assert meta["commit"].split("+")[0] == source_commit().split("+")[0] and meta["commit"] in md
     assert meta["torch"] == torch.__version__ and "--dry-run --two-gpus" in meta["command"]
@@ -66,6 +76,8 @@ def raises(ctx: Context) -> dict:
 
 
 def hangs(ctx: Context) -> dict:
+    record_case(ctx, "hangs", "first", relative_error=0.0)
+    record_case(ctx, "hangs", "second", state="started")
     threading.Event().wait()  # never set: only the runner's kill ends this
     return {"status": "PASS"}
 
@@ -80,8 +92,8 @@ def reads_the_report(ctx: Context) -> dict:
     return {"status": "PASS", "already_written": {name: r["status"] for name, r in done.items()}}
 
 
-def test_a_failing_hanging_or_dying_section_loses_only_itself(tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_hanging_or_dying_section_loses_only_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
     here = __name__
     monkeypatch.setattr(gpu_check, "SECTIONS", [("raises", f"{here}:raises", 30),
                                                 ("hangs", f"{here}:hangs", 3),
@@ -93,9 +105,16 @@ def test_a_failing_hanging_or_dying_section_loses_only_itself(tmp_path: Path,
     sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
     assert sections["raises"]["status"] == "FAIL" and "boom" in sections["raises"]["error"]
     assert sections["hangs"]["status"] == "FAIL" and "over its cap of 3 s" in sections["hangs"]["error"]
+    # the cases it wrote as they went: one finished, and the one it hung in
+    assert sections["hangs"]["cases_finished"] == 1 and sections["hangs"]["unfinished_case"] == "second"
     assert sections["dies"]["status"] == "FAIL" and "exit code 3" in sections["dies"]["error"]
     # the report was on disk, with every earlier section, before the last section ran
     assert sections["reads"]["already_written"] == {"raises": "FAIL", "hangs": "FAIL", "dies": "FAIL"}
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-2] == f"report: {tmp_path / 'gpu_check.md'} and {tmp_path / 'gpu_check.json'} " \
+                          f"(cases as they finished: {tmp_path / 'gpu_check_progress.jsonl'})"
+    assert printed[-1].startswith(f"commit it with: git add {tmp_path / 'gpu_check.md'} {tmp_path / 'gpu_check.json'}"
+                                  " && git commit -m 'results: gpu_check on dry run")
 
 
 def test_hand_offs_out_of_order_are_named() -> None:
@@ -116,3 +135,21 @@ def test_without_cuda_a_real_run_is_refused(tmp_path: Path) -> None:
 def test_the_one_gpu_sections_fit_in_eight_minutes_with_start_up() -> None:
     # 20 s left for the section server's imports
     assert sum(cap for _, _, cap in gpu_check.SECTIONS) <= 8 * 60 - 20
+    # a section's cap leaves room for its own timeouts to fire and be reported
+    from benchmarks.gpu_check_links import LAUNCH_TIMEOUT
+
+    caps = {name: cap for name, _, cap in gpu_check.SECTIONS}
+    assert caps["distributed_links"] >= LAUNCH_TIMEOUT + 10
+
+
+def test_the_replay_check_fails_when_draws_are_not_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import functools
+
+    from benchmarks import gpu_check_engine
+
+    from gpipe_lab.pipeline import GPipe
+
+    monkeypatch.setattr(gpu_check_engine, "GPipe", functools.partial(GPipe, random_replay=False))
+    failures = gpu_check_engine.replay_modes(Context(torch.device("cpu"), dry=True))["failures"]
+    assert "replay K=1: dropout differs between checkpoint='always' and 'never'" in failures
+    assert "replay modes ['dispatch', 'guard'] never ran (ran: ['off'])" in failures

@@ -81,3 +81,68 @@ def test_flags_need_no_read_and_do_not_overflow() -> None:
     with counted_reads() as seen:
         flag = nonfinite_flag([big, torch.tensor([float("inf")])])
     assert not seen and flag.dtype == torch.bool
+
+
+def test_a_tensor_loss_normalizer_is_not_read_before_the_launch() -> None:
+    """``count_tokens`` returns a device tensor: its value reaches the loss on the device, and the
+    verdict stays the step's one read; a count that is not positive makes the loss NaN, reported."""
+    pipe, read = (GPipe(model(), partitions=3, chunks=4, deferred_batch_norm=True, seed=0) for _ in "ab")
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+
+    def summed(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, target, reduction="sum")
+
+    def positives(t: torch.Tensor) -> torch.Tensor:
+        return (t > 0).sum()
+
+    pipe.train_step(x, y, summed, loss_normalizer=positives)
+    with counted_reads() as seen:
+        loss = pipe.train_step(x, y, summed, loss_normalizer=positives)
+    assert seen == ["tolist"], seen
+    for _ in range(2):  # the same steps with the count read on the host first
+        expected = read.train_step(x, y, summed, loss_normalizer=lambda t: float(positives(t)))
+    assert loss.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    for p, q in zip(pipe.parameters(), read.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(NonFiniteError, match="loss is nan"):
+        pipe.train_step(x, y, summed, loss_normalizer=lambda t: (t > 1e9).sum())
+    with pytest.raises(ValueError, match="loss_normalizer returned 0.0; it must be positive"):
+        pipe.train_step(x, y, summed, loss_normalizer=lambda t: 0.0)
+
+
+def test_the_translators_token_count_is_not_read_per_step() -> None:
+    """The Lightning runner counts each batch's tokens for throughput: left on the targets' device,
+    it is read only when ``PipelineMetrics`` logs, not once more per step."""
+    from gpipe_lab.lightning.modules import Translator
+    from gpipe_lab.models import build
+
+    translator = Translator(build("transformer_tiny"))
+    targets = torch.tensor([[5, 6, 0], [7, 0, 0]])
+    with counted_reads() as seen:
+        samples, tokens = translator.count_samples((torch.zeros(2, 3),), targets)
+    assert not seen, seen
+    assert samples == 2 and isinstance(tokens, torch.Tensor) and int(tokens) == (targets != 0).sum().item()
+
+
+def test_a_distributed_step_reads_the_device_once(tmp_path) -> None:  # noqa: ANN001 - pytest's path
+    """The distributed transport too: the shared verdict is the step's one read, with a tensor
+    ``loss_normalizer`` (a one-rank gloo world)."""
+    import torch.distributed as dist
+
+    from gpipe_lab.pipeline.distributed import DistributedGPipe
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        pipe = DistributedGPipe(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), partitions=1, chunks=2)
+        x, y = torch.randn(4, 4), torch.randn(4, 2)
+
+        def summed(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(out, target, reduction="sum")
+
+        pipe.train_step(x, y, summed, loss_normalizer=lambda t: (t > 0).sum())
+        with counted_reads() as seen:
+            pipe.train_step(x, y, summed, loss_normalizer=lambda t: (t > 0).sum())
+        assert seen == ["tolist"], seen
+    finally:
+        dist.destroy_process_group()

@@ -20,13 +20,13 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """The number of tensors each call of the fused kernel judged."""
     calls: list[int] = []
-    original = torch._amp_foreach_non_finite_check_and_unscale_
+    original = torch._foreach_norm
 
-    def counted(tensors, found, scale):  # type: ignore[no-untyped-def]
+    def counted(tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(len(tensors))
-        return original(tensors, found, scale)
+        return original(tensors, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", counted)
+    monkeypatch.setattr(torch, "_foreach_norm", counted)
     yield calls
 
 
@@ -51,9 +51,12 @@ def test_finite_gradients_pass_and_keep_every_bit(dtype, fused_calls) -> None:
     tensors = grads(dtype, None)
     tensors[3][0, 0] = torch.finfo(dtype).max  # a sum or a norm would overflow: still finite
     before = [t.clone() for t in tensors]
+    versions = [t._version for t in tensors]
     flag = gradient_flag([None, *tensors, torch.zeros(0, dtype=dtype)])
     assert flag is not None and flag.item() == 0 and flag.dtype == torch.float64
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(tensors, before))
+    # read-only: no gradient is written, not even with its own value (a pass over all of them)
+    assert [t._version for t in tensors] == versions
     assert fused_calls == [20]
 
 

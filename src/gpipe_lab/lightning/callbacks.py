@@ -33,6 +33,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
+from torch import Tensor
 
 from gpipe_lab.lightning.strategy import GPipeStrategy
 from gpipe_lab.lightning.timeline_figure import predicted_timeline, save_timeline_figure
@@ -77,7 +78,7 @@ class PipelineMetrics(pl.Callback):
         self.warmup_steps = warmup_steps
         self._start = 0.0
         self._fit_start = 0.0
-        self._rates: list[tuple[float, float]] = []
+        self._rates: list[tuple[float, float | Tensor]] = []  # a token count stays unread until logged
         self._bubbles: list[float] = []
         self._busy: list[list[float]] = []
         self._pictured = False
@@ -107,21 +108,28 @@ class PipelineMetrics(pl.Callback):
             return
         seconds = time.perf_counter() - self._start
         samples, tokens = strategy.last_batch_size
-        timeline, memory = strategy.step_report()  # collective in distributed: every rank calls it
-        self._timeline, self._memory = timeline, memory
-        self._reports += 1
-        assert timeline is not None
         rates = (samples / seconds, tokens / seconds)
-        if batch_idx >= self.warmup_steps or trainer.max_steps == 1:
-            self._rates.append(rates)
-            self._bubbles.append(timeline.measured_bubble())
-            self._busy.append(timeline.busy())
-            self.step_walls.append(timeline.wall)
+        measured = batch_idx >= self.warmup_steps or trainer.max_steps == 1
         from gpipe_lab.lightning.resume import ResumableCheckpoint
 
         skipped_by_lightning = bool(trainer.global_step % max(1, trainer.log_every_n_steps))
         final = ResumableCheckpoint.is_final_step(trainer)
-        if skipped_by_lightning and self._pictured and not final:
+        quiet = skipped_by_lightning and self._pictured and not final
+        if quiet and (strategy.transport == "distributed" or strategy.root_device.type == "cuda"):
+            # the step report is a blocking exchange over the pipeline (distributed), or waits for the
+            # GPU to read its CUDA events: made on logged steps only
+            self._rates += [rates] if measured else []
+            return
+        timeline, memory = strategy.step_report()  # collective in distributed: every rank calls it
+        self._timeline, self._memory = timeline, memory
+        self._reports += 1
+        assert timeline is not None
+        if measured:
+            self._rates.append(rates)
+            self._bubbles.append(timeline.measured_bubble())
+            self._busy.append(timeline.busy())
+            self.step_walls.append(timeline.wall)
+        if quiet:
             return
         metrics = {"perf/samples_per_s": rates[0], "perf/tokens_per_s": rates[1],
                    "pipeline/bubble_measured": timeline.measured_bubble(),
@@ -245,7 +253,7 @@ class PipelineMetrics(pl.Callback):
                 "virtual_stages": getattr(getattr(strategy.pipe, "options", None), "virtual_stages", 1),
                 "threads_per_stage": getattr(strategy.pipe, "threads_per_stage", None),
                 "samples_per_s": mean(r[0] for r in self._rates) if self._rates else None,
-                "tokens_per_s": mean(r[1] for r in self._rates) if self._rates else None,
+                "tokens_per_s": mean(float(r[1]) for r in self._rates) if self._rates else None,
                 "bubble_measured": mean(self._bubbles) if self._bubbles else None,
                 "bubble_measured_over": (f"mean over {len(self._bubbles)} step(s); each epoch's first "
                                          "batch is left out as warm-up (unless max_steps=1)"),

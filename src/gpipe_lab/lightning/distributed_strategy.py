@@ -116,10 +116,7 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
     def step_report(self) -> tuple[Any, list[dict[str, int]]]:
         if self.pipe is None or self.pipe.timeline is None:
             return self.timeline, self.memory()
-        every: list[Any] = [None] * self.num_stages
-        dist.all_gather_object(every, self.engine.memory(), group=self.engine.pp_group)
-        rows = sorted((row for rank_rows in every for row in rank_rows), key=lambda r: r.get("stage", 0))
-        return self.engine.gather_timeline(), rows
+        return self.engine.gather_report(on_device=True)
 
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:

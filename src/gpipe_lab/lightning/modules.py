@@ -106,8 +106,9 @@ class Translator(_OptimizerMixin, PipelineModule):
     def loss_fn(self, outputs: Tensor, targets: Tensor) -> Tensor:
         return self._sum_loss(outputs, targets)
 
-    def count_samples(self, inputs: Any, targets: Any) -> tuple[int, int]:
-        return int(inputs[0].shape[0]), int(self.loss_normalizer(targets))
+    def count_samples(self, inputs: Any, targets: Any) -> tuple[int, Tensor]:
+        # the token count stays on the targets' device: read per step, it would be a second sync
+        return int(inputs[0].shape[0]), self.loss_normalizer(targets).detach()
 
     def on_validation_epoch_start(self) -> None:
         self._hyps, self._refs = [], []

@@ -124,8 +124,9 @@ class PipelineModule(pl.LightningModule):
         """``(inputs, targets)`` of a batch; default ``batch[0], batch[1]``."""
         return batch[0], batch[1]
 
-    def count_samples(self, inputs: Any, targets: Any) -> tuple[int, int]:
-        """(samples, tokens) in a batch, for throughput; tokens 0 when not a token task."""
+    def count_samples(self, inputs: Any, targets: Any) -> tuple[int, int | Tensor]:
+        """(samples, tokens) in a batch, for throughput; tokens 0 when not a token task (a tensor
+        count is left on its device: ``PipelineMetrics`` reads it only when it logs)."""
         first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
         return int(first.shape[0]), 0
 

@@ -63,7 +63,7 @@ class PipelineRunnerMixin:
         self._skip_pending = False
         self._scheduled_loss: Tensor | None = None
         self.last_loss: Tensor | None = None
-        self.last_batch_size: tuple[int, int] = (0, 0)
+        self.last_batch_size: tuple[int, int | Tensor] = (0, 0)
 
     def _module(self) -> PipelineModule:
         module = self.lightning_module

@@ -166,8 +166,10 @@ class GPipeStrategy(OptionViews, PipelineRunnerMixin, ParallelStrategy):
         return [] if self.pipe is None else self.pipe.memory()
 
     def step_report(self) -> tuple[Timeline | None, list[dict[str, int]]]:
-        """Timeline and per-stage memory of the whole pipeline; a collective in distributed."""
-        return self.timeline, self.memory()
+        """Timeline and per-stage memory of the whole pipeline; a collective in distributed. GPU
+        stages' actions are timed by CUDA events (``Timeline.on_device``: one wait for the device):
+        their host times are launch times, ahead of the device."""
+        return (None if self.timeline is None else self.timeline.on_device()), self.memory()
 
     # ------------------------------------------------------------------ setup
     @contextmanager

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from gpipe_lab.pipeline.channel import StepFeed
+from gpipe_lab.pipeline.devices import to_device
 from gpipe_lab.pipeline.microbatch import as_tuple, batch_size, split, unwrap
 from gpipe_lab.pipeline.options import CHECKPOINT_MODES
 
@@ -101,11 +102,16 @@ def make_feed(inputs: object, targets: object, num_microbatches: int, first_here
 
 
 def loss_weights(inputs: object, targets: object, num_microbatches: int,
-                 loss_normalizer: Normalizer | None) -> list[float]:
+                 loss_normalizer: Normalizer | None, device: torch.device | None = None) -> list[float | Tensor]:
     """Each micro-batch's loss weight: its share of the batch, or 1 / ``loss_normalizer(targets)``.
 
+    A normalizer that returns a tensor (``count_tokens``: on the targets' device) is never read
+    here, which would stall the host before the first launch: the weight stays a float64
+    tensor, NaN where the count is not positive, so the step's loss is NaN and its verdict
+    reports it; it is moved to ``device`` (the last stage's) once for all micro-batches.
+
     Raises:
-        ValueError: neither inputs nor targets, or a normalizer that is not positive.
+        ValueError: neither inputs nor targets, or a normalizer number that is not positive.
     """
     ref, name = (inputs, "inputs") if inputs is not None else (targets, "targets")
     if ref is None:
@@ -113,7 +119,12 @@ def loss_weights(inputs: object, targets: object, num_microbatches: int,
     sizes = [mb[0].shape[0] for mb in split(as_tuple(ref, name), num_microbatches, name)]
     if loss_normalizer is None:
         return [s / sum(sizes) for s in sizes]
-    total = float(loss_normalizer(targets))
+    count = loss_normalizer(targets)
+    if isinstance(count, Tensor):
+        count = count.detach().reshape(()).double()
+        weight = torch.where(count > 0, count.reciprocal(), torch.nan)
+        return [weight if device is None else to_device(weight, device)] * num_microbatches
+    total = float(count)
     if not total > 0:
         raise ValueError(f"loss_normalizer returned {total}; it must be positive")
     return [1.0 / total] * num_microbatches

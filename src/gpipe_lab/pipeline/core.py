@@ -177,12 +177,12 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
         return loss, outputs
 
     def _loss_weights(self, inputs: object, targets: object, num_microbatches: int,
-                      loss_normalizer: Normalizer | None) -> list[float]:
+                      loss_normalizer: Normalizer | None) -> list[float | Tensor]:
         if self._last is None:
             return []
         if targets is None and not self.channel.holds_all_stages:
             raise ValueError("this rank runs the last stage: train_step needs targets")
-        return loss_weights(inputs, targets, num_microbatches, loss_normalizer)
+        return loss_weights(inputs, targets, num_microbatches, loss_normalizer, self._last.device)
 
     def train_step(self, inputs: Value | None, targets: object, loss_fn: LossFn,
                    loss_normalizer: Normalizer | None = None,

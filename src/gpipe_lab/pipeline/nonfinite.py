@@ -12,9 +12,9 @@ rank (locally: nothing to sum), so all ranks read the same verdict::
 The vector is float64 on every rank, so a float64 model's loss crosses unrounded, and every
 rank returns the loss in the dtype the last stage computed it in.
 
-A stage's gradients are judged by one fused kernel per device and dtype
-(``gradient_flag``: the check ``GradScaler`` runs, at scale one, which leaves every
-value as it was), not by kernels per parameter.
+A stage's gradients are judged by one fused, read-only kernel per device and dtype
+(``gradient_flag``: the largest magnitude of each gradient, which writes nothing), not by
+kernels per parameter.
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 def gradient_flag(grads: Iterable[Tensor | None]) -> Tensor | None:
     """A 0-d float64 tensor, > 0 if some element of some gradient is NaN/inf; without a host sync.
 
-    One fused kernel per device and dtype (``torch._amp_foreach_non_finite_check_and_unscale_``
-    with scale one: it rewrites each value unchanged and counts no overflow of a sum, since it
-    sums nothing). Gradients it cannot take (other dtypes, sparse ones, the meta device) are
+    One fused kernel per device and dtype (``torch._foreach_norm`` of order inf: each gradient's
+    largest magnitude, NaN or inf when some element is; it reads the gradients without writing
+    them, as ``GradScaler``'s check at scale one would, and cannot overflow since it sums
+    nothing). Gradients it cannot take (other dtypes, sparse ones, the meta device) are
     judged by ``nonfinite_flag``. The flag is on the first gradient's device (a flag from another
     device reaches a CPU one by a blocking copy); ``None`` entries and empty tensors are skipped;
     returns ``None`` when nothing is left.
@@ -87,17 +88,15 @@ def gradient_flag(grads: Iterable[Tensor | None]) -> Tensor | None:
             groups.setdefault((g.device, g.dtype), []).append(g)
         else:
             rest.append(g)
-    found: dict[torch.device, Tensor] = {}
+    flags: list[Tensor] = []
     with torch.no_grad():
-        for (device, _), group in groups.items():
-            if device not in found:
-                found[device] = torch.zeros(1, device=device)
+        for group in groups.values():
             try:
-                torch._amp_foreach_non_finite_check_and_unscale_(group, found[device],
-                                                                 torch.ones(1, device=device))
-            except (RuntimeError, NotImplementedError):  # e.g. a gradient that cannot be written
+                norms = torch.stack(torch._foreach_norm(group, float("inf")))
+            except (RuntimeError, NotImplementedError):  # a kernel this build lacks for the dtype
                 rest.extend(group)
-    flags = [f.reshape(()).double() for f in found.values()]
+                continue
+            flags.append((~torch.isfinite(norms).all()).double())
     other = nonfinite_flag(rest)
     if other is not None:
         flags.append(other.double())

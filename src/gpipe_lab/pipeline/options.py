@@ -57,7 +57,8 @@ class PipelineOptions:
     cost: Any = "params"
     #: base seed of the per-(step, stage, micro-batch) generators; ``None``: torch's initial seed.
     seed: int | None = None
-    #: local transport: one device per stage (``None``: CPU, or the trainer's devices).
+    #: local transport: one device per stage (``None``: CPU, or the trainer's devices); distributed:
+    #: one replica's, the node's other replicas shifted past them (``resolve.stage_device``).
     devices: list[str] | None = None
     #: intra-op threads of each CPU stage (``None``: cores / CPU stages).
     threads_per_stage: int | None = None

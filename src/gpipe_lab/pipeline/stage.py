@@ -33,7 +33,7 @@ from gpipe_lab.pipeline.memory_count import SignatureMemo, parameters_needing_gr
 from gpipe_lab.pipeline.microbatch import as_tuple, final_output, unwrap
 from gpipe_lab.pipeline.module_walk import ModuleWalk, walk
 from gpipe_lab.pipeline.replay_policy import DISPATCH, NONE, OFF, StageReplay
-from gpipe_lab.pipeline.stage_state import SavedMicrobatch, StepPlan
+from gpipe_lab.pipeline.stage_state import SavedMicrobatch, StepPlan, weighted
 from gpipe_lab.pipeline.timeline import Event
 from gpipe_lab.pipeline.weight_gradients import (
     backward_into,
@@ -172,7 +172,7 @@ class StageRuntime:
                 if not isinstance(loss, Tensor) or loss.numel() != 1:
                     raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
                                     f"of shape {getattr(loss, 'shape', None)}")
-                scaled = loss.reshape(()) * self.plan.loss_weights[mb]
+                scaled = weighted(loss.reshape(()), self.plan.loss_weights[mb])
                 if not recomputing:
                     self.losses[mb] = scaled.detach()
                     if self.keep_outputs:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from gpipe_lab.pipeline.checkpointing import AutocastState
+from gpipe_lab.pipeline.devices import to_device
 from gpipe_lab.pipeline.replay_policy import OFF
 from gpipe_lab.pipeline.weight_gradients import SplitPlan
 
@@ -25,7 +26,7 @@ class StepPlan:
     # {stage: {mb: the consecutive W run it belongs to}}: a run's W is done at once, at its last W
     weight_runs: dict[int, dict[int, tuple[int, ...]]] = field(default_factory=dict)
     loss_fn: LossFn | None = None
-    loss_weights: list[float] = field(default_factory=list)
+    loss_weights: list[float | Tensor] = field(default_factory=list)  # Tensor: see batching.loss_weights
     # False for forward-only (evaluation) steps: grad mode is per thread, so the
     # caller's no_grad/inference_mode does not reach the stage workers by itself.
     grad_enabled: bool = True
@@ -56,3 +57,11 @@ class SavedMicrobatch:
         here (otherwise ~25 MB/step leaks on the MLP under zb-h1)."""
         self.outputs = self.grads = self.split = self.target = None
         self.inputs = ()
+
+
+def weighted(loss: Tensor, weight: float | Tensor) -> Tensor:
+    """``loss`` times its micro-batch's weight, in the loss's dtype (a weight tensor, kept on the
+    device so the host never reads it, is moved to the loss's device)."""
+    if isinstance(weight, Tensor):
+        return (loss * to_device(weight, loss.device)).to(loss.dtype)
+    return loss * weight

@@ -18,7 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpipe_lab.pipeline.distributed.distributed_gpipe import DistributedGPipe
-from gpipe_lab.pipeline.distributed.resolve import local_rank_device, nccl_failure_settings
+from gpipe_lab.pipeline.distributed.resolve import (
+    local_rank_device,
+    nccl_failure_settings,
+    process_group_device,
+)
 from gpipe_lab.pipeline.schedules import analytic_bubble
 
 
@@ -45,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":  # before the process group: its communicators bind to the current device
         torch.cuda.set_device(local_rank_device(os.environ.get("LOCAL_RANK", "0"), torch.cuda.device_count()))
-    dist.init_process_group(backend, timeout=nccl_failure_settings())
+    dist.init_process_group(backend, timeout=nccl_failure_settings(), **process_group_device(backend))
     if backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     K = args.stages or dist.get_world_size()

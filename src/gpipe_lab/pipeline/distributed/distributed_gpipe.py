@@ -31,18 +31,20 @@ from gpipe_lab.pipeline.distributed.p2p_channel import P2PChannel
 from gpipe_lab.pipeline.distributed.resolve import (
     agreed_balance,
     bind_device,
+    local_placement,
     resolve_device,
     resolve_stages,
     shared_seed,
+    stage_device,
     to_cpu,
 )
 from gpipe_lab.pipeline.distributed.state import by_index, by_name, gather_full_state_dict, local_state_dict
-from gpipe_lab.pipeline.distributed.topology import build_topology, connect_links
+from gpipe_lab.pipeline.distributed.topology import barrier, build_topology, connect_groups, connect_links
 from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.forwarding import forwarded
 from gpipe_lab.pipeline.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.microbatch import Value
-from gpipe_lab.pipeline.options import OptionError, PipelineOptions, merged_options
+from gpipe_lab.pipeline.options import PipelineOptions, merged_options
 from gpipe_lab.pipeline.stage import StageRuntime
 from gpipe_lab.pipeline.timeline import Event, Timeline
 
@@ -81,17 +83,15 @@ class DistributedGPipe(PipelineCore):
         full = build_module(module)
         balance, num_stages = resolve_stages(full, opts, data_parallel_size)
         self.topo = topo = build_topology(num_stages, v, data_parallel_size)
-        if device is None and opts.devices is not None:
-            if len(opts.devices) != num_stages:
-                raise OptionError(f"devices: {opts.devices} has {len(opts.devices)} entries for {num_stages} "
-                                  f"pipeline stages; give one per stage (or device= for this rank)")
-            device = opts.devices[topo.stage_index]
+        if device is None:
+            device = stage_device(opts.devices, topo, *local_placement())
         self.device = resolve_device(device)
         if self.device.type == "cpu" and opts.threads_per_stage is not None:
             torch.set_num_threads(opts.threads_per_stage)  # this process is one stage
         bind_device(self.device)  # the main thread's collectives run on this rank's GPU, not cuda:0
         self.balance = balance = agreed_balance(balance, self.device)
         connect_links(topo, self.device)
+        connect_groups(topo, self.device)
         if self.device.type == "cpu" and opts.retain_cpu_memory:
             retain_freed_memory()
         self.seed = shared_seed(opts.seed, self.device)
@@ -109,7 +109,7 @@ class DistributedGPipe(PipelineCore):
         self.grad_sync = GradientSync(topo.dp_group, topo.dp_size, self.abort, float(opts.timeout), bucket_bytes)
         channel = P2PChannel(topo, runtimes, self.device, self.abort, float(opts.timeout), self.grad_sync)
         self._start_core(opts, runtimes, channel, num_stages, topo.dp_size)
-        dist.barrier(group=topo.pp_group)
+        barrier(topo.pp_group, self.device)
         self._clock_zero = time.perf_counter()  # aligned across the pipeline's ranks by the barrier
 
     # ------------------------------------------------------------ properties
@@ -169,6 +169,15 @@ class DistributedGPipe(PipelineCore):
         Raises:
             RuntimeError: no step has run yet.
         """
+        return self.gather_report(on_device)[0]
+
+    def gather_report(self, on_device: bool = False) -> tuple[Timeline, list[dict[str, int]]]:
+        """``gather_timeline`` and every stage's ``memory()`` rows (stage order) in ONE exchange over
+        the pipeline (each ``all_gather_object`` is a blocking exchange; a step report needs both).
+
+        Raises:
+            RuntimeError: no step has run yet.
+        """
         if self.timeline is None:
             raise RuntimeError("gather_timeline() needs a step first (train_step or forward)")
         t = self.timeline.on_device() if on_device else self.timeline
@@ -176,11 +185,12 @@ class DistributedGPipe(PipelineCore):
         mine = Timeline(t.num_stages, t.start - z, t.end - z,
                         [Event(e.stage, e.kind, e.microbatch, e.start - z, e.end - z) for e in t.events],
                         t.num_microbatches)
-        every: list[object] = [None] * self.num_stages
-        dist.all_gather_object(every, mine, group=self.pp_group)
-        merged = Timeline.merge(every)  # type: ignore[arg-type]
+        every: list[Any] = [None] * self.num_stages
+        dist.all_gather_object(every, (mine, self.memory()), group=self.pp_group)
+        merged = Timeline.merge([timeline for timeline, _ in every])
         merged.num_microbatches = t.num_microbatches
-        return merged
+        rows = sorted((row for _, rank_rows in every for row in rank_rows), key=lambda r: r.get("stage", 0))
+        return merged, rows
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clip by the global 2-norm over every stage of this pipeline (collective over the

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gpipe_lab.pipeline.distributed.resolve import process_group_device
+
 
 @dataclass
 class RankResult:
@@ -61,7 +63,7 @@ def _worker(rank: int, fn: Callable, world_size: int, args: Sequence[object], po
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=pg_timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+                                timeout=datetime.timedelta(seconds=pg_timeout), **process_group_device(backend))
         value = fn(rank, world_size, *args)
         record = {"value": value}
         code = 0

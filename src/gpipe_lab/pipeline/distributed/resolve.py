@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe_lab.pipeline.devices import normalize_device
-from gpipe_lab.pipeline.distributed.topology import check_world
-from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.pipeline.distributed.topology import Topology, check_world
+from gpipe_lab.pipeline.options import OptionError, PipelineOptions
 from gpipe_lab.pipeline.partition import resolve_balance
 
 
@@ -56,6 +56,64 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device("cpu")
 
 
+def stage_device(devices: list[str] | None, topo: Topology, local_rank: int | None = None,
+                 local_world_size: int | None = None) -> str | None:
+    """This rank's entry of ``pipeline.devices`` (``None`` without it: ``resolve_device``'s default).
+
+    ``devices`` lists one replica's devices, one per stage. The replicas that share a node
+    (from torchrun's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; one node when unset) are placed
+    side by side: the node's replica r takes each CUDA entry shifted by r·K indices
+    (``["cuda:0", "cuda:1"]`` with two replicas per node gives the second ``cuda:2`` and
+    ``cuda:3``, the layout of ``cuda:<LOCAL_RANK>``), so no two ranks of a node share a GPU. A list of ``LOCAL_WORLD_SIZE`` entries gives each local rank its own device.
+    CPU entries are shared freely.
+
+    Raises:
+        OptionError: ``devices`` has neither K nor ``LOCAL_WORLD_SIZE`` entries, or two ranks
+            of this node would get the same GPU (both named).
+    """
+    if devices is None:
+        return None
+    K = topo.num_stages
+    local = topo.rank if local_rank is None else local_rank
+    per_node = topo.world_size if local_world_size is None else local_world_size
+    if len(devices) == per_node and per_node != K:
+        table = list(devices)
+    elif len(devices) == K:
+        base = topo.rank - local  # this node's first global rank
+        table = [_shifted(devices[(base + r) % K], ((base + r) // K - base // K) * K) for r in range(per_node)]
+    else:
+        raise OptionError(f"devices: {devices} has {len(devices)} entries for {K} pipeline stages; give "
+                          f"one per stage ({K}), or one per process of this node ({per_node}), "
+                          "or device= for this rank")
+    seen: dict[str, int] = {}
+    for r, name in enumerate(table):
+        if name.startswith("cuda") and name in seen:
+            raise OptionError(f"devices: {devices} puts local ranks {seen[name]} and {r} both on {name}; "
+                              "NCCL needs one GPU per rank")
+        seen.setdefault(name, r)
+    return table[local]
+
+
+def local_placement() -> tuple[int | None, int | None]:
+    """This process's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them (``None``: unset)."""
+    values = []
+    for key in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        text = os.environ.get(key)
+        try:
+            values.append(None if text is None else int(text))
+        except ValueError:
+            raise ValueError(f"{key}={text!r} is not an integer (set by torchrun)") from None
+    return values[0], values[1]
+
+
+def _shifted(device: str, offset: int) -> str:
+    """``device`` with its CUDA index moved up by ``offset`` (other devices as they are)."""
+    resolved = torch.device(device)
+    if resolved.type != "cuda" or offset == 0:
+        return device
+    return f"cuda:{(resolved.index or 0) + offset}"
+
+
 def local_rank_device(local_rank: str, device_count: int) -> torch.device:
     """``cuda:<LOCAL_RANK>``, refused when two ranks of this node would share a GPU.
 
@@ -78,6 +136,20 @@ def local_rank_device(local_rank: str, device_count: int) -> torch.device:
                          f"(torchrun --nproc-per-node={device_count}), or, where a launcher gives each "
                          "process its own GPU via CUDA_VISIBLE_DEVICES, pass device='cuda' explicitly")
     return torch.device("cuda", rank)
+
+
+def process_group_device(backend: str) -> dict[str, torch.device]:
+    """``init_process_group``'s ``device_id=`` under NCCL (``cuda:<LOCAL_RANK>``); nothing otherwise.
+
+    With the device bound at start-up NCCL creates the world's communicator at once, on this
+    rank's GPU, instead of guessing the GPU at the first collective.
+
+    Raises:
+        ValueError: a ``LOCAL_RANK`` without a GPU of its own (see ``local_rank_device``).
+    """
+    if backend != "nccl" or not torch.cuda.is_available():
+        return {}
+    return {"device_id": local_rank_device(os.environ.get("LOCAL_RANK", "0"), torch.cuda.device_count())}
 
 
 def bind_device(device: torch.device) -> None:

@@ -203,3 +203,26 @@ def connect_links(topo: Topology, device: torch.device) -> list[LinkKey]:
         torch.cuda.synchronize(on)
     topo.warmed = warmed
     return warmed
+
+
+def connect_groups(topo: Topology, device: torch.device) -> None:
+    """Create the pipeline and data-parallel groups' communicators now, bound to ``device``.
+
+    NCCL makes a group's communicator at the group's first collective: the data-parallel one
+    would be made inside step 1's backward (the first gradient bucket's all-reduce, from a stage
+    thread, with kernels in flight). One one-element all-reduce over each group here, on this
+    rank's GPU, makes both before step 1 on the right device. Collective: every rank calls it
+    (its pipeline group first, then its data-parallel group, so no two ranks wait on each other).
+    """
+    on = device if device.type == "cuda" and dist.get_backend() == "nccl" else torch.device("cpu")
+    for group in (topo.pp_group, topo.dp_group):
+        dist.all_reduce(torch.zeros(1, device=on), group=group)
+    if on.type == "cuda":
+        torch.cuda.synchronize(on)
+
+
+def barrier(group: object, device: torch.device) -> None:
+    """``dist.barrier`` over ``group``, naming this rank's GPU under NCCL (without ``device_ids``
+    NCCL guesses the device from the rank, which is wrong when ranks do not map to ``cuda:<rank>``)."""
+    cuda = device.type == "cuda" and dist.get_backend() == "nccl"
+    dist.barrier(group=group, device_ids=[device.index] if cuda else None)
