@@ -48,23 +48,30 @@ def test_free_cores_are_at_least_one_and_at_most_the_usable_ones():
     assert [free_cores(2, b) for b in (-1.0, 0.0, 0.49, 0.51, 1.6, 5.0)] == [2, 2, 2, 1, 1, 1]
 
 
-@pytest.mark.parametrize("stages,threads,cores,busy,warns", [
-    (4, 1, 2, 0.0, True),    # a 4-process distributed run on 2 cores
-    (2, 1, 2, 0.0, False),   # K=2 of one thread each on a quiet 2-core machine
-    (2, 1, 2, 1.0, True),    # ... beside a busy process
-    (1, 2, 2, 1.0, True),    # K=1 of two threads beside a busy process
-    (1, 1, 2, 2.0, False),   # one thread: nothing to give back
-    (2, 4, 16, 3.0, False),
+@pytest.mark.parametrize("stages,threads,cores,busy,why", [
+    (4, 1, 2, 0.0, "the 2 core(s) this process may use"),   # a 4-process distributed run on 2 cores
+    (2, 1, 2, 0.0, None),    # K=2 of one thread each on 2 cores
+    (2, 1, 2, 1.0, None),    # ... beside a busy process: single threads share the cores, no team collapses
+    (1, 2, 2, 1.0, "the 1 free core(s) (2 usable, 1.0 busy elsewhere)"),  # K=1 of two threads beside it
+    (1, 1, 2, 2.0, None),
+    (2, 4, 16, 3.0, None),
+    (2, 4, 16, 9.0, "the 7 free core(s) (16 usable, 9.0 busy elsewhere)"),
 ])
-def test_oversubscription_is_named_when_stages_times_threads_exceed_the_free_cores(
-        stages, threads, cores, busy, warns):
+def test_oversubscription_is_named_when_stages_times_threads_exceed_the_cores(stages, threads, cores, busy, why):
     message = oversubscription(stages, threads, cores=cores, busy=busy)
-    if not warns:
+    if why is None:
         assert message is None
         return
-    free = free_cores(cores, busy)
     assert message is not None and "\n" not in message
-    assert message.startswith(f"{stages} CPU stage(s) x {threads} intra-op thread(s) exceed the {free} free core(s)")
+    assert message.startswith(f"{stages} CPU stage(s) x {threads} intra-op thread(s) exceed {why}: ")
+
+
+def test_no_sample_is_taken_for_the_warning_of_single_threaded_stages(monkeypatch):
+    def refuse() -> float:
+        raise AssertionError("sampled the load for single-threaded stages")
+
+    monkeypatch.setattr(cpu_share, "busy_elsewhere", refuse)
+    assert oversubscription(2, 1, cores=2) is None and oversubscription(3, 1, cores=2) is not None
 
 
 def test_the_load_sample_takes_this_process_out(monkeypatch):
@@ -93,9 +100,9 @@ def test_gpipe_gives_one_cpu_stage_the_free_cores_and_warns_once(monkeypatch, ca
     assert GPipe(_tiny(), balance=[2], chunks=2).threads_per_stage == 1
     with caplog.at_level(logging.WARNING, logger=cpu_share.__name__):
         GPipe(_tiny(), balance=[2], chunks=2, threads_per_stage=3)  # 3 threads on 1 free core
-        assert GPipe(_tiny(), balance=[1, 1], chunks=2).threads_per_stage == 1  # 2 stages on 1 core: once only
+        GPipe(_tiny(), balance=[1, 1], chunks=2, threads_per_stage=2)  # also too many: warned once only
     warned = [r.getMessage() for r in caplog.records if r.name == cpu_share.__name__]
-    assert len(warned) == 1 and warned[0].startswith("1 CPU stage(s) x 3 intra-op thread(s) exceed the 1 free")
+    assert len(warned) == 1 and warned[0].startswith("1 CPU stage(s) x 3 intra-op thread(s) exceed the 1 free core")
 
 
 BUSY = "import os, sys\nos.sched_setaffinity(0, {cpus})\nprint('spinning', flush=True)\nwhile True: pass\n"

@@ -32,7 +32,7 @@ def test_four_cpu_ranks_on_two_cores_get_one_thread_each_and_one_warning(monkeyp
     with caplog.at_level(logging.WARNING, logger=cpu_share.__name__):
         assert _setup(monkeypatch, 4, cores=2, busy=0.0) == 1
     warned = [r.getMessage() for r in caplog.records if r.name == cpu_share.__name__]
-    assert len(warned) == 1 and warned[0].startswith("4 CPU stage(s) x 1 intra-op thread(s) exceed the 2 free")
+    assert len(warned) == 1 and warned[0].startswith("4 CPU stage(s) x 1 intra-op thread(s) exceed the 2 core(s) this")
 
 
 def test_ranks_share_the_free_cores_and_stay_silent_when_they_fit(monkeypatch, caplog):

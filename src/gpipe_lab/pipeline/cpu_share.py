@@ -12,7 +12,8 @@ two busy processes 30x. So the default gives each CPU stage an equal share of th
   ``/proc/stat``;
 - ``free_cores``/``default_threads``: the pure choice (tests inject the two values);
 - ``warn_if_oversubscribed``: one log line, once per process, when stages x threads exceed the
-  free cores (e.g. four processes of one thread each on two cores).
+  usable cores (e.g. four processes of one thread each on two cores), or stages of several
+  threads exceed the free ones.
 
 The choice is made when a pipeline is built; a load that starts later is not seen.
 """
@@ -114,23 +115,27 @@ def default_threads(stages: int, cores: int | None = None, busy: float | None = 
 
 def oversubscription(stages: int, threads: int, cores: int | None = None,
                      busy: float | None = None) -> str | None:
-    """The one-line warning when ``stages`` x ``threads`` exceed the free cores, else None.
+    """The one-line warning when ``stages`` x ``threads`` exceed the cores this process may use,
+    or, for stages of several threads (OpenMP teams, which collapse without their cores), the
+    free cores; else None. Single-threaded stages beside other work only share the cores, so
+    the load alone does not warn: a run's output does not change with its neighbours.
 
     ``stages`` counts this machine's CPU stages (a distributed run's processes on this node).
     """
-    if stages * threads <= 1:
-        return None  # a single thread has nothing to give back
     cores = usable_cores() if cores is None else cores
-    if stages * threads <= cores:
+    if stages * threads > cores:
+        free, why = cores, f"{cores} core(s) this process may use"
+    elif threads > 1:
         busy = busy_elsewhere() if busy is None else busy
+        free = free_cores(cores, busy)
+        if stages * threads <= free:
+            return None
+        why = f"{free} free core(s) ({cores} usable, {busy:.1f} busy elsewhere)"
     else:
-        busy = 0.0 if busy is None else busy
-    free = free_cores(cores, busy)
-    if stages * threads <= free:
         return None
-    return (f"{stages} CPU stage(s) x {threads} intra-op thread(s) exceed the {free} free core(s) "
-            f"({cores} usable, {busy:.1f} busy elsewhere): stages will wait for cores and steps run slower "
-            f"than on a machine of their own; fewer stages or processes, or threads_per_stage=1, fit better")
+    return (f"{stages} CPU stage(s) x {threads} intra-op thread(s) exceed the {why}: stages will wait "
+            f"for cores and steps run slower than on a machine of their own; fewer stages or processes, "
+            f"or fewer threads_per_stage, fit better")
 
 
 def warn_if_oversubscribed(stages: int, threads: int) -> None:
