@@ -10,14 +10,19 @@ data parallelism) the gradient all-reduce. For K=2 and for D=2 x K=2, every surv
 must raise ``PeerFailedError`` naming the victim and only it; the focal one also says
 what it was doing and where (``[in stage k, ...]``). (The receive moment kills stage 0
 before its first send: a dead peer's socket is reset, so data it sent just before may
-never arrive, and the failing micro-batch would vary.)
+never arrive, and the failing micro-batch would vary. The send moment holds stage 0
+until its transport has closed every connection to the victim, so the send meets the
+closed link at any speed rather than after stage 0 had moved on to receiving.)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -33,6 +38,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150),
               pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs Linux pidfds")]
 TIMEOUT = 30.0  # the engine's: a survivor must stop on the failure, long before this
 HELD = "test/held"
+VICTIM_PORTS = "test/victim-ports"
 
 # moment: (victim, focal survivor, what the focal survivor's error says, where it was)
 MOMENTS = {
@@ -50,6 +56,41 @@ def wait_gone(pid: int) -> None:
     finally:
         os.close(fd)
     assert ready, f"process {pid} still alive after {TIMEOUT} s"
+
+
+def _tcp_sockets() -> list[tuple[int, int]]:
+    """(local port, remote port) of this process's TCP sockets, from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    found.append((int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16)))
+    return found
+
+
+def publish_ports(store: dist.TCPStore) -> None:
+    """The victim's local ports, for the focal survivor to recognise its connections to them."""
+    store.set(VICTIM_PORTS, json.dumps(sorted({local for local, _ in _tcp_sockets()})))
+
+
+def wait_disconnected(store: dist.TCPStore) -> None:
+    """Until this process holds no connection to the victim's ports: gloo closes a link's
+    socket once it has seen the peer close it, and a send on it raises from then on."""
+    ports = set(json.loads(store.get(VICTIM_PORTS)))
+    deadline, poll = time.monotonic() + TIMEOUT, threading.Event()
+    while any(remote in ports for _, remote in _tcp_sockets()):
+        assert time.monotonic() < deadline, f"still connected to the killed rank after {TIMEOUT} s"
+        poll.wait(0.01)
 
 
 def die() -> None:
@@ -96,9 +137,9 @@ def moment_worker(rank: int, world: int, moment: str) -> dict:
     stage, K = rank % 2, 2
     holds = [None] * K
     if moment == "send" and rank == focal:  # stage 0, forward of micro-batch 1: the victim dies first
-        holds[0] = lambda: (store.set(HELD, "1"), wait_gone(pids[victim]))
+        holds[0] = lambda: (store.set(HELD, "1"), wait_gone(pids[victim]), wait_disconnected(store))
     if moment == "send" and rank == victim:  # stage 1, forward of micro-batch 0
-        holds[1] = lambda: (store.wait([HELD], timedelta(seconds=TIMEOUT)), die())
+        holds[1] = lambda: (publish_ports(store), store.wait([HELD], timedelta(seconds=TIMEOUT)), die())
     if moment == "receive" and rank == victim:  # stage 0 dies before sending anything
         holds[0] = die
     when = 1 - stage if moment == "send" else 0

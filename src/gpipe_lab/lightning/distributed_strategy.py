@@ -12,7 +12,6 @@ the last stage reach every rank, and checkpoints hold every stage's weights and 
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -27,6 +26,7 @@ from gpipe_lab.lightning.placement import place_outside
 from gpipe_lab.lightning.scaling import agreeing_precision
 from gpipe_lab.lightning.strategy import GPipeStrategy
 from gpipe_lab.pipeline.clipping import clip_grad_norm_
+from gpipe_lab.pipeline.cpu_share import default_threads, warn_if_oversubscribed
 from gpipe_lab.pipeline.distributed.resolve import nccl_failure_settings
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import PipelineOptions
@@ -87,10 +87,12 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
                     stages="pipeline.partitions", fix=f"set trainer.devices={k} (or a multiple of {k})")
         if self.root_device.type == "cpu":
             # Every rank, as each stage of the local transport, gets threads_per_stage (default:
-            # cores / processes here): Lightning sets it on rank 0 only, and kernels reduce in an
-            # order that depends on the thread count, so unequal ranks drift from the local run.
-            threads = self.options.threads_per_stage or (os.cpu_count() or 1) // self.num_processes
-            torch.set_num_threads(max(1, threads))
+            # the free cores / this node's processes): Lightning sets it on rank 0 only, and kernels
+            # reduce in an order that depends on the thread count, so unequal ranks drift from the local run.
+            threads = self.options.threads_per_stage or default_threads(self.num_processes)
+            torch.set_num_threads(threads)
+            if self.local_rank == 0:
+                warn_if_oversubscribed(self.num_processes, threads)
         super().setup_environment()
 
     def model_to_device(self) -> None:

@@ -14,7 +14,6 @@ door cuts the module, places the stages on devices and opens a ``LocalChannel``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ from gpipe_lab.pipeline.batching import checkpointed_microbatches
 from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.clipping import clip_grad_norm_
 from gpipe_lab.pipeline.core import PipelineCore
+from gpipe_lab.pipeline.cpu_share import default_threads, usable_cores, warn_if_oversubscribed
 from gpipe_lab.pipeline.devices import resolve_devices
 from gpipe_lab.pipeline.dropout import convert_dropout
 from gpipe_lab.pipeline.local import LocalChannel
@@ -110,7 +110,10 @@ class GPipe(PipelineCore):
         cpu_stages = sum(d.type == "cpu" for d in self._devices)
         if cpu_stages and opts.retain_cpu_memory:
             retain_freed_memory()
-        self.threads_per_stage = opts.threads_per_stage or max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
+        self.threads_per_stage = opts.threads_per_stage or (default_threads(cpu_stages) if cpu_stages
+                                                            else usable_cores())
+        if cpu_stages:
+            warn_if_oversubscribed(cpu_stages, self.threads_per_stage)
         self.stages = [StageRuntime(j, len(self._partitions), part, dev, self.seed)
                        for j, (part, dev) in enumerate(zip(self._partitions, chunk_devices))]
         runtimes = dict(enumerate(self.stages))

@@ -60,7 +60,8 @@ class PipelineOptions:
     #: local transport: one device per stage (``None``: CPU, or the trainer's devices); distributed:
     #: one replica's, the node's other replicas shifted past them (``resolve.stage_device``).
     devices: list[str] | None = None
-    #: intra-op threads of each CPU stage (``None``: cores / CPU stages).
+    #: intra-op threads of each CPU stage (``None``: the free cores / CPU stages, at least 1: the
+    #: cores this process may use less what other processes keep busy, ``pipeline.cpu_share``).
     threads_per_stage: int | None = None
     #: seconds a stage may wait for a neighbour before the step fails.
     timeout: float = 300.0

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gpipe_lab.pipeline.cpu_share import default_threads
 from gpipe_lab.pipeline.distributed.distributed_gpipe import DistributedGPipe
 from gpipe_lab.pipeline.distributed.resolve import (
     local_rank_device,
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(local_rank_device(os.environ.get("LOCAL_RANK", "0"), torch.cuda.device_count()))
     dist.init_process_group(backend, timeout=nccl_failure_settings(), **process_group_device(backend))
     if backend == "gloo":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        torch.set_num_threads(default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     K = args.stages or dist.get_world_size()
     pipe = DistributedGPipe(lambda: mlp(args.width, args.hidden, args.blocks), partitions=K, chunks=args.chunks,
                             schedule=args.schedule, virtual_stages=args.virtual_stages, seed=0)
