@@ -39,6 +39,7 @@ from differential_cases import Case, all_cases  # noqa: E402
 from differential_distributed import run_distributed  # noqa: E402
 from differential_run import judge, run_engine  # noqa: E402
 
+import gpipe_lab.measure  # noqa: E402
 import gpipe_lab.pipeline  # noqa: E402
 from gpipe_lab.provenance import source_commit  # noqa: E402
 
@@ -53,7 +54,7 @@ def engine_digest() -> str:
     harness's (the zoo's models included), torch's and torchvision's versions."""
     engine = Path(gpipe_lab.pipeline.__file__).parent
     # the automatic balances' costs come from gpipe_lab.measure, outside the engine's folder
-    files = sorted(engine.rglob("*.py")) + [engine.parent / "measure.py"] + [HERE / name for name in HARNESS]
+    files = sorted(engine.rglob("*.py")) + [Path(gpipe_lab.measure.__file__)] + [HERE / name for name in HARNESS]
     h = hashlib.sha256(torch.__version__.encode() + torchvision.__version__.encode())
     for path in files:
         h.update(path.name.encode() + b"\0" + path.read_bytes())

@@ -211,7 +211,7 @@ def script(case: Case) -> list[tuple]:
     }[case.transition] + [("clip",)]
 
 
-def _whole(model: zoo.Zoo) -> nn.Module:
+def whole_model(model: zoo.Zoo) -> nn.Module:
     """The zoo model's parameters and buffers, its front end's too."""
     parts = {"layers": model.layers} if model.front is None else {"front": model.front, "layers": model.layers}
     return nn.ModuleDict(parts)
@@ -248,7 +248,7 @@ def _run_script(case: Case, model: zoo.Zoo, x: torch.Tensor, y: torch.Tensor,
                 forward: Callable[[torch.Tensor, bool], object], clip: Callable[[], torch.Tensor]) -> Observed:
     """The script's calls, a step being ``train(inputs, targets)`` -> (loss, outputs) or
     ``forward(inputs, training)`` -> outputs, on the engine or the reference."""
-    whole = _whole(model)
+    whole = whole_model(model)
     obs: Observed = {"outputs": [], "probe": []}
     losses, trained = [], 0
     for op, *arg in script(case):

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from differential_cases import (
+    SEED,
     ZOO_AXES,
     Case,
     DictHead,
@@ -24,13 +25,14 @@ from differential_cases import (
     balance_of,
     inplace_layers,
     loss_fn,
+    make_zoo_batch,
     pairwise,
     random_cases,
     steps,
     valid,
 )
 from differential_distributed import run_distributed
-from differential_run import ERRORS, Observed, judge, run_engine
+from differential_run import ERRORS, MAX_NORM, Observed, judge, run_engine, run_reference, whole_model
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe
@@ -248,3 +250,35 @@ def test_a_dict_output_is_joined_only_where_the_caller_asks_for_outputs() -> Non
     assert torch.allclose(loss, F.mse_loss(model(x)["y"], y), atol=1e-6)
     with pytest.raises(TypeError, match=r"last partition's output \(micro-batch 0\) is a dict; .*return_outputs"):
         pipe.train_step(x, y, loss_fn, return_outputs=True)
+
+
+@pytest.mark.parametrize("model", ["resnet", "vit", "tagger", "sparse", "front", "shared"])
+def test_the_zoo_reference_is_one_plain_pytorch_step_with_one_micro_batch(model: str) -> None:
+    # the harness's reference (micro-batches, stage generators, the script) reduces to plain PyTorch
+    case = Case.parse(f"door=train_step,K=1,M=1,batch=4,checkpoint=never,schedule=gpipe,"
+                      f"bn={'plain' if model in zoo.WITH_BATCH_NORM else 'none'},rand=none,autocast=none,"
+                      f"inputs=tensor,frozen=False,dtype=float32,output=tensor,track_memory=True,transport=local,"
+                      f"model={model},transition=none,grads=none,cost=params")
+    want = run_reference(case)
+    plain = zoo.build(model, SEED, dropout=False)
+    x, y = make_zoo_batch(case, plain)
+    loss = zoo.plain_step(plain, x, y)
+    norm = torch.nn.utils.clip_grad_norm_(plain.layers.parameters(), MAX_NORM)
+    torch.testing.assert_close(want["loss"], loss.reshape(1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(want["norm"], norm, rtol=1e-6, atol=1e-6)
+    params = dict(whole_model(plain).named_parameters())
+    assert set(want["grads"]) == set(params)
+    for name, p in params.items():
+        torch.testing.assert_close(want["grads"][name], p.grad.to_dense(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_zoo_gradient_off_by_more_than_the_tolerance_fails_loudly() -> None:
+    case = Case.parse("door=train_step,K=1,M=3,batch=4,checkpoint=except_last,schedule=gpipe,bn=none,rand=none,"
+                      "autocast=none,inputs=grad_input,frozen=False,dtype=float32,output=tensor,track_memory=True,"
+                      "transport=local,model=shared,transition=freeze,grads=accumulated,cost=params")
+    got = run_engine(case)
+    assert judge(case, got, got) == []
+    got["grads"]["layers.0.weight"][0, 0] += 2e-5
+    got["input_grad"][0][0, 0] += 2e-5
+    problems = judge(case, got, got)
+    assert [p.split(":")[0] for p in problems] == ["grads[layers.0.weight]", "input_grad[0]"]
