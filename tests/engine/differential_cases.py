@@ -127,12 +127,13 @@ def all_cases() -> list[Case]:
     mid-forward ends the launch that runs the other cases). The lab model's cases come
     first, then the zoo's (``zoo_domains`` narrows each model's axes before ``valid`` judges)."""
     lab = itertools.starmap(Case, itertools.product(*LAB_AXES.values()))
-    return [case for case in itertools.chain(lab, _zoo_product()) if valid(case)]
+    return [case for case in itertools.chain(lab, zoo_product()) if valid(case)]
 
 
-def _zoo_product() -> Iterator[Case]:
-    for model in ZOO_AXES["model"]:
-        for K in ZOO_AXES["K"]:
+def zoo_product(models: tuple = ZOO_AXES["model"], Ks: tuple = ZOO_AXES["K"]) -> Iterator[Case]:
+    """Candidates for the zoo's valid cases of ``models`` and ``Ks`` (``valid`` still judges each)."""
+    for model in models:
+        for K in Ks:
             narrowed = {**ZOO_AXES, "model": (model,), "K": (K,), **zoo_domains(model, K)}
             yield from itertools.starmap(Case, itertools.product(*narrowed.values()))
 

@@ -44,7 +44,8 @@ from helpers import zoo
 Observed = dict[str, object]
 # what a case's run records as its outcome instead of raising (the engine's own errors are of these kinds)
 ERRORS = (TypeError, ValueError, RuntimeError, FloatingPointError, TimeoutError)
-LR, MAX_NORM = 0.1, 0.5  # the zoo's SGD update between steps; the clipping after the last
+# the size of the zoo's weight update between steps, and the clipping after the last step
+STEP_SIZE, MAX_NORM = 0.01, 0.5
 
 
 def _autocast(case: Case) -> contextlib.AbstractContextManager:
@@ -194,7 +195,7 @@ def run_reference(case: Case) -> Observed:
 def script(case: Case) -> list[tuple]:
     """A zoo case's calls, in order (``transition`` around the door): ``("train", n)`` a training
     step on the batch's first n rows (``train_short``: its targets of half as many rows),
-    ``("forward", training)`` a ``no_grad`` forward in that mode, ``("sgd",)`` an SGD update,
+    ``("forward", training)`` a ``no_grad`` forward in that mode, ``("update",)`` the weights moved,
     ``("freeze", bool)`` the first layer frozen or not, ``("clip",)`` the gradients clipped."""
     n = case.batch
     if not case.trains:
@@ -204,9 +205,10 @@ def script(case: Case) -> list[tuple]:
     return {
         "none": [("train", n)],
         "eval_train_eval": [("forward", False), ("train", n), ("forward", False)],
-        "nograd_between": [("train", n), ("sgd",), ("forward", True), ("train", n)],
-        "freeze": [("train", n), ("sgd",), ("freeze", True), ("train", n), ("sgd",), ("freeze", False), ("train", n)],
-        "batch_change": [("train", n), ("sgd",), ("train", n - 1)],
+        "nograd_between": [("train", n), ("update",), ("forward", True), ("train", n)],
+        "freeze": [("train", n), ("update",), ("freeze", True), ("train", n), ("update",), ("freeze", False),
+                   ("train", n)],
+        "batch_change": [("train", n), ("update",), ("train", n - 1)],
         "short_targets": [("train_short", n)],
     }[case.transition] + [("clip",)]
 
@@ -231,11 +233,15 @@ def _prepare_grads(whole: nn.Module, how: str, first: bool) -> None:
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(SEED + i), dtype=p.dtype)
 
 
-def _sgd(whole: nn.Module) -> None:
+def _update(whole: nn.Module, count: int) -> None:
+    """An optimizer's step between steps, the same bits on both sides: every weight moves by a seeded
+    random amount (moving it by its gradient would carry the gradients' float32 rounding into the
+    next step, which a BatchNorm over a one-sample micro-batch amplifies past the tolerance)."""
     with torch.no_grad():
-        for p in whole.parameters():
-            if not p.is_meta and p.grad is not None:
-                p.add_(p.grad, alpha=-LR)
+        for i, p in enumerate(whole.parameters()):
+            if not p.is_meta:
+                gen = torch.Generator().manual_seed(SEED + 1000 * count + i)
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype), alpha=STEP_SIZE)
 
 
 def _whole_loss(model: zoo.Zoo, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -250,7 +256,7 @@ def _run_script(case: Case, model: zoo.Zoo, x: torch.Tensor, y: torch.Tensor,
     ``forward(inputs, training)`` -> outputs, on the engine or the reference."""
     whole = whole_model(model)
     obs: Observed = {"outputs": [], "probe": []}
-    losses, trained = [], 0
+    losses, trained, updates = [], 0, 0
     for op, *arg in script(case):
         if op in ("train", "train_short"):
             _prepare_grads(whole, case.grads, first=not trained)
@@ -265,8 +271,9 @@ def _run_script(case: Case, model: zoo.Zoo, x: torch.Tensor, y: torch.Tensor,
             with torch.no_grad():
                 inputs = model.front(x) if model.front is not None else x
                 obs["outputs"].append(forward(inputs, arg[0]))  # type: ignore[union-attr]
-        elif op == "sgd":
-            _sgd(whole)
+        elif op == "update":
+            updates += 1
+            _update(whole, updates)
         elif op == "freeze":
             model.layers[0].requires_grad_(not arg[0])
         else:

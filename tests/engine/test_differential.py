@@ -30,6 +30,7 @@ from differential_cases import (
     random_cases,
     steps,
     valid,
+    zoo_product,
 )
 from differential_distributed import run_distributed
 from differential_run import ERRORS, MAX_NORM, Observed, judge, run_engine, run_reference, whole_model
@@ -285,3 +286,11 @@ def test_a_zoo_gradient_off_by_more_than_the_tolerance_fails_loudly() -> None:
     got["input_grad"][0][0, 0] += 2e-5
     problems = judge(case, got, got)
     assert [p.split(":")[0] for p in problems] == ["grads[layers.0.weight]", "input_grad[0]"]
+
+
+@pytest.mark.parametrize("model", ["front", "vit"])
+def test_the_zoo_product_holds_every_valid_case_the_axes_allow(model: str) -> None:
+    # the product narrows each model's axes before judging (speed); a valid draw must be in it
+    product = {c for c in zoo_product((model,), (1,)) if valid(c)}
+    drawn = random_cases(3, 40, axes=ZOO_AXES, model=model, K=1)
+    assert drawn and set(drawn) <= product
