@@ -8,7 +8,8 @@ the engine promises to: micro-batch i's layers of stage j run inside
 (every call of the pipe, with or without backward, is one step), and ``nn.Dropout``
 is swapped for ``StageDropout`` as the engine swaps it. Deferred BatchNorm's
 running statistics are those of one ``nn.BatchNorm`` update from the whole
-mini-batch's inputs to that layer.
+mini-batch's inputs to that layer. A zoo model's case runs a script of calls
+(``script``: its transition) on both sides, with the cut ``balance_of`` gives.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 from differential_cases import (
-    BALANCE,
     PROBE_LAYER,
     SEED,
     Case,
@@ -65,6 +65,16 @@ def _state(model: nn.Module, x: object, obs: Observed) -> Observed:
     return obs
 
 
+def make_pipe(case: Case, layers: nn.Sequential) -> GPipe | DistributedGPipe:
+    """The engine over ``layers`` with ``case``'s options: ``GPipe``, or this rank's share of a
+    ``DistributedGPipe`` (``differential_distributed`` merges the ranks' observations)."""
+    options = dict(balance=balance_of(case), chunks=case.M, checkpoint=case.checkpoint, schedule=case.schedule,
+                   deferred_batch_norm=case.bn == "deferred", seed=SEED, timeout=60, track_memory=case.track_memory)
+    if case.transport == "local":
+        return GPipe(layers, threads_per_stage=1, **options)
+    return DistributedGPipe(layers, **options)
+
+
 def run_engine(case: Case) -> Observed:
     """What a user sees after one call (``train_step``, ``pipe(x)`` + backward) or two (no_grad).
 
@@ -76,13 +86,7 @@ def run_engine(case: Case) -> Observed:
     x, y = make_batch(case)
     obs: Observed = {}
     try:
-        options = dict(balance=BALANCE[case.K], chunks=case.M, checkpoint=case.checkpoint,
-                       schedule=case.schedule, deferred_batch_norm=case.bn == "deferred", seed=SEED, timeout=60,
-                       track_memory=case.track_memory)
-        if case.transport == "local":
-            pipe = GPipe(model, threads_per_stage=1, **options)
-        else:  # this rank's share; differential_distributed merges the ranks'
-            pipe = DistributedGPipe(model, **options)
+        pipe = make_pipe(case, model)
         if case.door == "train_step":
             with _autocast(case):
                 if case.output == "tensor":
@@ -157,6 +161,12 @@ def _accumulate(outs: list, loss: torch.Tensor) -> None:
         t.backward(g)
 
 
+def _stages(case: Case, layers: nn.Sequential) -> list[nn.Sequential]:
+    """The layers cut as the engine cuts them (the stage of a layer picks its generators)."""
+    balance = balance_of(case)
+    return [layers[sum(balance[:j]):sum(balance[:j + 1])] for j in range(len(balance))]
+
+
 def run_reference(case: Case) -> Observed:
     """Plain PyTorch on the same micro-batches (see the module docstring)."""
     if case.model != "lab":
@@ -164,9 +174,7 @@ def run_reference(case: Case) -> Observed:
     model = make_model(case)
     convert_dropout(model)
     x, y = make_batch(case)
-    layers = list(model)
-    starts = [sum(BALANCE[case.K][:j]) for j in range(case.K)]
-    stages = [nn.Sequential(*layers[s:s + n]) for s, n in zip(starts, BALANCE[case.K])]
+    stages = _stages(case, model)
     deferred = _deferred_statistics(model) if case.bn == "deferred" else contextlib.nullcontext()
     obs: Observed = {}
     if case.trains:
@@ -289,13 +297,7 @@ def run_zoo_engine(case: Case) -> Observed:
     x, y = make_zoo_batch(case, model)
     x.requires_grad_(case.inputs == "grad_input")
     try:
-        options = dict(balance=balance_of(case), chunks=case.M, checkpoint=case.checkpoint, schedule=case.schedule,
-                       deferred_batch_norm=case.bn == "deferred", seed=SEED, timeout=60,
-                       track_memory=case.track_memory)
-        if case.transport == "local":
-            pipe = GPipe(model.layers, threads_per_stage=1, **options)
-        else:
-            pipe = DistributedGPipe(model.layers, **options)
+        pipe = make_pipe(case, model.layers)
 
         def train(inputs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, object]:
             if case.door == "train_step":
@@ -328,9 +330,7 @@ def run_zoo_reference(case: Case) -> Observed:
     convert_dropout(model.layers)
     x, y = make_zoo_batch(case, model)
     x.requires_grad_(case.inputs == "grad_input")
-    layers, balance = list(model.layers), balance_of(case)
-    starts = [sum(balance[:j]) for j in range(len(balance))]
-    stages = [nn.Sequential(*layers[s:s + n]) for s, n in zip(starts, balance)]
+    stages = _stages(case, model.layers)
     step = 0
 
     def deferred() -> contextlib.AbstractContextManager:
