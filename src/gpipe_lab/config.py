@@ -21,6 +21,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from gpipe_lab.config_checks import validate_model_data, validate_trainer_values, validate_transfer
 from gpipe_lab.config_schema import ConfigError, check_positive  # also registers the generated nodes
+from gpipe_lab.evaluation import validate_mode
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
 from gpipe_lab.pipeline.partition import check_layer_count
@@ -121,6 +122,9 @@ def validate_data(cfg: DictConfig) -> None:
     _check_keys(cfg.data, ["name", *allowed], "data", f"datamodule {name!r}")
     for key in ("batch_size", "num_train", "num_val", "tokens_per_batch"):
         check_positive(cfg.data.get(key), f"data.{key}")
+    num_test = cfg.data.get("num_test")
+    if num_test is not None and (not isinstance(num_test, int) or isinstance(num_test, bool) or num_test < 0):
+        raise ConfigError(f"data.num_test: must be an integer >= 0 (0: no test split), got {num_test!r}")
     batch, num_train = cfg.data.get("batch_size"), cfg.data.get("num_train")
     drops_last = "drop_last" in allowed and cfg.data.get("drop_last", True)
     if drops_last and isinstance(batch, int) and isinstance(num_train, int) and batch > num_train:
@@ -247,10 +251,11 @@ def validate(cfg: DictConfig, num_layers: int | None = None) -> PipelineOptions:
             raise ConfigError(f"{group}: missing config group")
     known_root = {"model", "data", "pipeline", "trainer", "optimizer", "logger", "paths", "task_name",
                   "tags", "seed", "ckpt_path", "init_from", "callbacks", "dry_run", "experiment", "hydra",
-                  "notes", "fresh_classifier", *EXTENSION_KEYS}
+                  "notes", "fresh_classifier", "mode", *EXTENSION_KEYS}
     _check_keys(cfg, sorted(known_root), "", "the root config")
     if not isinstance(cfg.get("seed"), int):
         raise ConfigError(f"seed: must be an integer, got {cfg.get('seed')!r}")
+    validate_mode(cfg)
     validate_model(cfg)
     validate_data(cfg)
     validate_model_data(cfg)

@@ -42,6 +42,7 @@ def continue_run(cfg: DictConfig) -> DictConfig:
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
 
+    from gpipe_lab.evaluation import evaluates
     from gpipe_lab.lightning.resume import resolve_ckpt_path
 
     try:
@@ -67,8 +68,9 @@ def continue_run(cfg: DictConfig) -> DictConfig:
     link = output_dir / "resumed_run"
     if not link.exists():
         link.symlink_to(old_run, target_is_directory=True)
-    wandb_note = f" (wandb id {run_id})" if run_id is not None and new_cfg.logger.get("name") == "wandb" else ""
+    continued = not evaluates(new_cfg)  # mode=validate|test evaluates it in a run of its own
+    wandb_note = f" (wandb id {run_id})" if continued and run_id is not None and new_cfg.logger.get("name") == "wandb" else ""
     given_note = f"; its overrides: {' '.join(carried)}" if carried else ""
     given_note += f"; this command's: {' '.join(current)}" if current else ""
-    print(f"continuing run {old_run}{wandb_note}{given_note}")
+    print(f"{'continuing run' if continued else f'evaluating {ckpt} of run'} {old_run}{wandb_note}{given_note}")
     return new_cfg

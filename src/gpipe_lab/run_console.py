@@ -42,27 +42,56 @@ def stage_summary(options: PipelineOptions, layers: Any) -> str:
 
 
 class CompileNotice(pl.Callback):
-    """``pipeline.compile``: the first step builds every stage's kernels (minutes on a CPU), which
-    the progress bar's estimate cannot know: say so before it, and how long it took after."""
+    """``pipeline.compile``: the first training step builds every stage's kernels (minutes on a
+    CPU), and so does the first validation or test batch (evaluation runs without gradients: other
+    kernels), which the progress bar's estimate cannot know: say so before each, and how long it
+    took after."""
+
+    #: what each phase's first batch compiles
+    PHASES = {"train": "the first step", "validation": "the first validation batch (no gradients: other kernels)",
+              "test": "the first test batch (no gradients: other kernels)"}
 
     def __init__(self) -> None:
-        self.started: float | None = None
-        self.told = False
+        self.started: dict[str, float] = {}
+        self.told: set[str] = set()
+
+    def _start(self, trainer: pl.Trainer, phase: str) -> None:
+        if phase in self.told or not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        self.told.add(phase)
+        self.started[phase] = time.monotonic()
+        what = self.PHASES[phase]
+        print(f"pipeline.compile: torch.compile is building each stage's kernels during {what}; this can take "
+              "minutes on a CPU, and the progress bar's estimate means nothing until then", flush=True)
+
+    def _end(self, phase: str) -> None:
+        started = self.started.pop(phase, None)
+        if started is not None:
+            print(f"pipeline.compile: {self.PHASES[phase].split(' (')[0]}, compilation included, took "
+                  f"{time.monotonic() - started:.1f} s", flush=True)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if not self.told and trainer.is_global_zero:
-            self.told = True
-            self.started = time.monotonic()
-            print("pipeline.compile: torch.compile is building each stage's kernels during the first step; "
-                  "this can take minutes on a CPU, and the progress bar's estimate means nothing until then",
-                  flush=True)
+        self._start(trainer, "train")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.started is not None:
-            print(f"pipeline.compile: the first step, compilation included, took "
-                  f"{time.monotonic() - self.started:.1f} s", flush=True)
-            self.started = None
+        self._end("train")
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self._start(trainer, "validation")
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._end("validation")
+
+    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:
+        self._start(trainer, "test")
+
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._end("test")
 
 
 class ProgressBar(TQDMProgressBar):
@@ -120,14 +149,24 @@ def tell_interrupted(metrics: PipelineMetrics, output_dir: Path) -> None:
 
 
 def summary_line(summary: dict[str, Any], output_dir: Path) -> str:
-    """The run's last line: K, M, loss, metric and throughput (rounded), and where the summary is."""
+    """The run's one line of its own at the end: what ran (K, M, loss, metric and throughput,
+    rounded; the run's name), where its summary is, its timeline pictures and its wandb folder."""
     def short(value: Any) -> Any:
         return f"{value:.4g}" if isinstance(value, float) else value
 
-    metric = summary.get("validation_metric")
-    validation = f" {metric}={short(summary.get('validation_value'))}" if metric is not None else ""
-    return (f"summary: K={summary.get('K')} M={summary.get('M')} train_loss={short(summary.get('final_train_loss'))}"
-            f"{validation} samples/s={short(summary.get('samples_per_s'))} -> {output_dir / 'summary.json'}")
+    figures = {"train_loss": summary.get("final_train_loss"), summary.get("validation_metric"):
+               summary.get("validation_value"), summary.get("test_metric"): summary.get("test_value"),
+               "samples/s": summary.get("samples_per_s")}
+    shown = " ".join(f"{k}={short(v)}" for k, v in figures.items() if k is not None and v is not None)
+    line = (f"summary: K={summary.get('K')} M={summary.get('M')} {shown} run={summary.get('run_name')} "
+            f"-> {output_dir / 'summary.json'}")
+    pictures = [str(p) for p in (output_dir / "timeline_first.png", output_dir / "timeline_last.png") if p.is_file()]
+    if pictures:
+        line += f"; timelines {' '.join(pictures)}"
+    wandb_runs = sorted((output_dir / "wandb").glob("*run-*-*"), key=lambda p: p.name.split("run-", 1)[1])
+    if wandb_runs:
+        line += f"; wandb {wandb_runs[-1]}"
+    return line
 
 
 def print_lightning_logs_once() -> None:
@@ -148,10 +187,13 @@ def print_lightning_logs_once() -> None:
 
 
 class NoAdvertising(logging.Filter):
-    """Drops Lightning's tip advertising a cloud logger, printed on every run."""
+    """Drops Lightning's tip advertising a cloud logger and its echo of ``limit_val_batches=1.0``
+    (the default, "100% of the batches will be used"), printed on every run and sweep job."""
+
+    NOISE = ("litlogger", "was configured so 100% of the batches")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "litlogger" not in str(record.msg)
+        return not any(noise in str(record.msg) for noise in self.NOISE)
 
 
 #: What Hydra and ``continue_run`` put in a run directory before anything trains.

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from gpipe_lab.config import ConfigError
 from gpipe_lab.data.checks import DataNotFoundError
+from gpipe_lab.evaluation import check_weights, evaluates
 from gpipe_lab.lightning.resume import load_initial_weights
 from gpipe_lab.lightning.resume_checks import check_resume
 
@@ -46,13 +47,16 @@ def init_from_of(cfg: DictConfig) -> str | None:
 
 
 def load_weights(cfg: DictConfig, module: Any, ckpt_path: str | None) -> str | None:
-    """Check the checkpoint to resume against the module, or load ``init_from``'s weights into it;
-    returns the ``init_from`` checkpoint.
+    """Check the checkpoint to resume (or with ``mode=validate|test`` to evaluate) against the
+    module, or load ``init_from``'s weights into it; returns the ``init_from`` checkpoint.
 
     Raises:
-        ConfigError: the checkpoint cannot continue this run (``check_resume``).
+        ConfigError: the checkpoint cannot continue this run (``check_resume``), or its weights do
+            not fit the model it is evaluated with (``check_weights``).
     """
-    if ckpt_path is not None:
+    if ckpt_path is not None and evaluates(cfg):
+        check_weights(ckpt_path, module)  # evaluated, not continued: its step and optimizer do not matter
+    elif ckpt_path is not None:
         check_resume(ckpt_path, cfg, module)
     init_from = init_from_of(cfg)
     if init_from is not None:

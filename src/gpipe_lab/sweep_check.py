@@ -1,4 +1,5 @@
-"""``SweepCheck``: a Hydra callback that validates every job of a sweep before any job runs.
+"""``SweepCheck``: a Hydra callback that validates every job of a sweep before any job runs; and
+what a sweep varies (``swept_keys``), which a job's run name and the sweep's table show.
 
 ``gpipe-train -m pipeline.chunks=4,64,2`` composes each job of the basic sweeper and makes the
 single run's checks on it (``gpipe_lab.preflight``: the config, K against the model's layers,
@@ -10,6 +11,7 @@ known in advance) are left alone.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
@@ -18,15 +20,49 @@ from omegaconf import DictConfig, OmegaConf
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
-def sweep_jobs(config: DictConfig) -> list[list[str]]:
-    """The overrides of each job the basic sweeper will launch for this multirun ``config``."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+def sweep_overrides(config: DictConfig) -> list[Any]:
+    """The multirun ``config``'s overrides as Hydra parses them: ``hydra.sweeper.params``, then the
+    command line's."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     params = config.hydra.sweeper.get("params") or {}
     arguments = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
-    overrides = OverridesParser.create().parse_overrides(arguments)
-    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+    return OverridesParser.create().parse_overrides(arguments)
+
+
+def sweep_jobs(config: DictConfig) -> list[list[str]]:
+    """The overrides of each job the basic sweeper will launch for this multirun ``config``."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    return [job for batch in BasicSweeper.split_arguments(sweep_overrides(config), None) for job in batch]
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def swept_keys(config: DictConfig) -> list[str]:
+    """The keys that take several values in the multirun ``config`` (its sweep overrides, e.g.
+    ``optimizer.lr`` for ``-m optimizer.lr=0.001,0.01``; ``hydra.sweeper.params`` included)."""
+    return [o.key_or_group for o in sweep_overrides(config) if o.is_sweep_override()]
+
+
+def job_sweep_values() -> dict[str, str]:
+    """In a job of a multirun: its values of the keys the sweep varies (``{"optimizer.lr": "0.01"}``),
+    read from the sweep's ``multirun.yaml``, which Hydra writes before the first job; empty for a
+    single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return {}
+    hydra_cfg = HydraConfig.get()
+    saved = Path(hydra_cfg.sweep.dir) / "multirun.yaml"
+    if not saved.is_file():
+        return {}
+    keys = swept_keys(OmegaConf.load(saved))
+    values = {_key(o): o.split("=", 1)[1] for o in hydra_cfg.overrides.task if "=" in o}
+    return {k: values[k] for k in keys if k in values}
 
 
 def failing_jobs(config: DictConfig, config_name: str) -> list[str]:

@@ -2,7 +2,8 @@
 
 After each job (so a sweep whose later jobs fail keeps the table of those that finished) and at
 the end of the sweep, writes next to the job folders ``summary.json`` (a list of rows), ``summary.csv`` and
-``sweep_summary.md`` (one line per job: throughput, bubble, memory, final metric), and, when
+``sweep_summary.md`` (one line per job: a column per key the sweep varies, then throughput, bubble,
+memory, final metric), and, when
 the logger is wandb, one more wandb run in the sweep's group (``job_type=sweep-summary``)
 holding the same table as ``sweep/summary``. The sweep ends by printing where the table is.
 """
@@ -29,6 +30,7 @@ COLUMNS: list[tuple[str, Any]] = [
     ("peak activation bytes", lambda r: max(r.get("stage_peak_activation_bytes") or [0]) or None),
     ("parameter bytes", lambda r: sum(r.get("stage_parameter_bytes") or [0]) or None),
     ("train loss", "final_train_loss"), ("metric", "validation_metric"), ("value", "validation_value"),
+    ("test metric", "test_metric"), ("test value", "test_value"),
     ("commit", "commit"),
 ]
 
@@ -43,10 +45,22 @@ def collect_summaries(sweep_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+#: Swept keys whose values ``COLUMNS`` shows already.
+SHOWN_KEYS = ("pipeline.partitions", "pipeline.chunks", "pipeline.schedule", "pipeline.checkpoint",
+              "pipeline.transport")
+
+
+def swept_columns(rows: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """A column per key the sweep varies (each job's ``swept`` values in its summary), in sweep order."""
+    keys = dict.fromkeys(k for row in rows for k in (row.get("swept") or {}) if k not in SHOWN_KEYS)
+    return [(key, lambda r, key=key: (r.get("swept") or {}).get(key)) for key in keys]
+
+
 def table_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
-    """``COLUMNS``' headers and one list of values per job."""
-    headers = [name for name, _ in COLUMNS]
-    data = [[key(row) if callable(key) else row.get(key) for _, key in COLUMNS] for row in rows]
+    """The headers (``COLUMNS`` with the swept keys after the run name) and one list of values per job."""
+    columns = [*COLUMNS[:2], *swept_columns(rows), *COLUMNS[2:]]
+    headers = [name for name, _ in columns]
+    data = [[key(row) if callable(key) else row.get(key) for _, key in columns] for row in rows]
     return headers, data
 
 
@@ -77,13 +91,14 @@ def log_wandb_table(rows: list[dict[str, Any]], sweep_dir: Path, logger: DictCon
     """One wandb run in the sweep's group holding the table (``logger``: the ``logger`` group)."""
     import wandb
 
-    from gpipe_lab.lightning.wandb_run import finish_and_flush
+    from gpipe_lab.lightning.wandb_run import console_settings, finish_and_flush
 
     headers, data = table_rows(rows)
     group = logger.get("group") or sweep_dir.name
+    mode = logger.get("mode", "offline")
     run = wandb.init(dir=str(sweep_dir), project=logger.get("project"), entity=logger.get("entity"),
-                     group=group, name=f"{group}-summary", job_type="sweep-summary",
-                     mode=logger.get("mode", "offline"), tags=list(logger.get("tags") or []))
+                     group=group, name=f"{group}-summary", job_type="sweep-summary", mode=mode,
+                     tags=list(logger.get("tags") or []), settings=console_settings(mode))
     try:
         run.log({"sweep/summary": wandb.Table(columns=headers, data=data)})
     finally:

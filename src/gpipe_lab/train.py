@@ -6,9 +6,11 @@
     gpipe-train ckpt_path=/path/to/run/checkpoints/last.ckpt pipeline.partitions=4   # resume, another K
     gpipe-train ckpt_path=last                    # resume the newest run's last.ckpt
     gpipe-train experiment=transfer_synthetic init_from=/path/to/last.ckpt   # fine-tune
+    gpipe-train mode=test ckpt_path=/path/to/last.ckpt   # evaluate a checkpoint on the test set (gpipe_lab.evaluation)
     gpipe-train pipeline.plan=auto pipeline.memory_per_device=8MiB   # the planner chooses K, M, ... (plan_run)
 
-Every run writes ``summary.json``, ``timeline_{first,last}.png``, ``checkpoints/last.ckpt``
+Every run writes ``summary.json`` (with the test metrics when the data has a test split),
+``timeline_{first,last}.png``, ``checkpoints/last.ckpt``
 (every ``callbacks.checkpoint_every_n_steps`` steps, at the end and on Ctrl-C) and (by
 default) an offline wandb run under its output directory. ``gpipe_lab.preflight`` checks the
 whole config first (the dry run and each job of a sweep make the same checks).
@@ -34,11 +36,12 @@ from gpipe_lab.config import ConfigError, trainer_devices, validate_callbacks, v
 from gpipe_lab.continuation import continue_run
 from gpipe_lab.data import build_datamodule as build_named_datamodule
 from gpipe_lab.data.checks import DataNotFoundError
+from gpipe_lab.evaluation import check_test_set, evaluate_checkpoint, evaluates, final_test
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
 from gpipe_lab.lightning.resume import ResumableCheckpoint
-from gpipe_lab.lightning.wandb_run import build_wandb_logger, run_name
+from gpipe_lab.lightning.wandb_run import build_wandb_logger, job_run_name
 from gpipe_lab.models import build, preset_costs
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
 from gpipe_lab.pipeline.options import PipelineOptions
@@ -60,6 +63,7 @@ from gpipe_lab.run_console import (
 )
 from gpipe_lab.run_start import fetch_data, load_weights
 from gpipe_lab.suggest import suggest_overrides
+from gpipe_lab.sweep_check import job_sweep_values
 
 __all__ = ["CONFIG_DIR", "build_datamodule", "build_logger", "build_module", "cli", "engine_options",
            "main", "model_overrides", "run"]
@@ -120,8 +124,9 @@ def build_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions | N
     if name == "csv":
         return CSVLogger(save_dir=str(output_dir), name="csv")
     if name == "wandb":
+        continued = None if evaluates(cfg) else resolve_checkpoint(cfg, output_dir)
         return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg),
-                                  ckpt_path=resolve_checkpoint(cfg, output_dir))
+                                  ckpt_path=continued)  # an evaluated checkpoint's wandb run is left as it is
     return False
 
 
@@ -167,13 +172,19 @@ def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output
 def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metrics: PipelineMetrics,
         ckpt_path: str | None) -> None:
     """Train (resuming ``ckpt_path``), then validate the final model when the last validation was
-    earlier; the wandb run is closed whatever happens."""
+    earlier and test it (``gpipe_lab.evaluation``); or with ``mode=validate|test`` evaluate
+    ``ckpt_path`` only. The wandb run is closed whatever happens."""
     try:
         try:
+            if evaluates(cfg):
+                assert ckpt_path is not None  # validate_mode
+                evaluate_checkpoint(cfg.mode, trainer, module, datamodule, metrics, ckpt_path)
+                return
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
             if metrics.last_validated_step != trainer.global_step and trainer.limit_val_batches:
                 trainer.validate(module, datamodule=datamodule, verbose=False)  # the final model's metric
                 metrics.write_summary(trainer)
+            final_test(trainer, module, datamodule, metrics)
         finally:
             if cfg.logger.get("name") == "wandb":  # import cost: only a wandb-logged run loads wandb
                 from gpipe_lab.lightning.wandb_run import finish_and_flush
@@ -210,14 +221,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg)
     fetch_data(cfg, datamodule)
+    check_test_set(cfg, datamodule)
     module = build_module(cfg, datamodule)
     init_from = load_weights(cfg, module, ckpt_path)
     planner, plan = validate_planner(cfg), None
     if planner.auto:
         options, plan = choose_plan(cfg, options, planner, model_sizes(cfg, datamodule))
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
-             "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "resumed_from": ckpt_path,
-             "init_from": init_from, "run_name": run_name(options), "commit": source_commit()}
+             "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "mode": cfg.get("mode", "train"),
+             "evaluated" if evaluates(cfg) else "resumed_from": ckpt_path,
+             "init_from": init_from, "run_name": job_run_name(options), "swept": job_sweep_values(),
+             "commit": source_commit()}
     if plan is not None:
         extra.update(plan.summary())
     metrics = PipelineMetrics(output_dir, extra_summary=extra, derived=plan.compare if plan is not None else None)

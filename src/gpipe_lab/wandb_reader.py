@@ -161,10 +161,16 @@ def synced_history(runs: Sequence[WandbRun]) -> list[dict[str, Any]]:
 BARS = "▁▂▃▄▅▆▇█"
 
 
+#: The history key holding the training step (Lightning's ``WandbLogger`` adds it to every row it logs);
+#: ``_step`` is wandb's own row counter.
+STEP_KEY = "trainer/global_step"
+
+
 def history_lines(run: WandbRun, key: str, rows: int = 20) -> list[str]:
-    """``key`` per step as text: a one-line plot of every value, then up to ``rows`` rows
-    (evenly spaced, the first and the last included)."""
-    points = [(row.get("_step", i), row[key]) for i, row in enumerate(run.history)
+    """``key`` per training step as text: a one-line plot of every value, then up to ``rows`` rows
+    (evenly spaced, the first and the last included), each labelled with the row's training step
+    (``trainer/global_step``; wandb's ``_step`` only for a row without one)."""
+    points = [(row.get(STEP_KEY, row.get("_step", i)), row[key]) for i, row in enumerate(run.history)
               if isinstance(row.get(key), (int, float))]
     if not points:
         return [f"{key}: not in the history (keys: {', '.join(sorted({k for r in run.history for k in r}))})"]
@@ -173,9 +179,21 @@ def history_lines(run: WandbRun, key: str, rows: int = 20) -> list[str]:
     scale = (len(BARS) - 1) / (high - low) if high > low else 0.0
     plot = "".join(BARS[round((v - low) * scale)] for v in values)
     lines = [f"{key} over {len(points)} logged steps (min {low:.4g}, max {high:.4g}):", f"  {plot}"]
-    picks = sorted({round(i * (len(points) - 1) / max(1, rows - 1)) for i in range(min(rows, len(points)))})
+    shown = min(rows, len(points))
+    picks = sorted({round(i * (len(points) - 1) / max(1, shown - 1)) for i in range(shown)})
     lines += [f"  step {points[i][0]:>6}  {points[i][1]:.4g}" for i in picks]
     return lines
+
+
+def resume_note(run: WandbRun) -> str:
+    """How ``run`` continues an earlier run: the training step of the checkpoint it resumed
+    (``resumed_from_step`` in its config); empty for a run that resumes nothing."""
+    point = branch_point(run)
+    if point is None:
+        return ""
+    step = run.config.get("resumed_from_step")
+    where = f"its checkpoint at training step {step}" if step is not None else f"wandb row _step={point[1]}"
+    return f", resumes run {point[0]} from {where}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -200,9 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "history": run.history}, indent=2, default=str))
             continue
         summary = {k: v for k, v in run.summary.items() if not k.startswith("_") and not isinstance(v, dict)}
-        point = branch_point(run)
-        resumes = f", resumes run {point[0]} after its step {point[1]}" if point else ""
-        print(f"{path} (run {run.name or '?'}, group {run.group or '-'}{resumes}): {len(run.history)} history rows")
+        print(f"{path} (run {run.name or '?'}, group {run.group or '-'}{resume_note(run)}): "
+              f"{len(run.history)} history rows")
         print("  summary: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                         for k, v in sorted(summary.items())))
         print("\n".join(history_lines(run, args.key)))

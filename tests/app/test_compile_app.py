@@ -4,18 +4,22 @@ Two steps of a one-layer, narrow ``transformer_tiny`` at K=2, M=4, compiled with
 ``aot_eager`` backend (the capture and compiled backward without Inductor's slow code
 generation on 2 cores): the
 per-step losses equal the eager run's within 1e-4, in the local transport (in-process)
-and in the distributed one (two processes).
+and in the distributed one (two processes); the user is told when training and validation
+compile. Inductor's ``No CUDA runtime`` log line on a CPU machine is kept out.
 """
 
 from __future__ import annotations
 
 import csv
+import logging
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpipe_lab.config import ConfigError, validate_pipeline
+from gpipe_lab.lightning.known_warnings import silence_known_warnings
 from gpipe_lab.train import run
 from helpers.app import gpipe_train, make_config
 
@@ -53,11 +57,38 @@ def eager_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 @pytest.mark.slow
 def test_compiled_app_matches_eager(eager_losses: list[float], tmp_path: Path, capsys) -> None:
-    run(make_config(*COMMON, COMPILE, tmp_path=tmp_path / "compiled"))
+    # one validation batch after the last step (the losses compared are the steps' before it)
+    run(make_config(*COMMON, COMPILE, "trainer.limit_val_batches=1", tmp_path=tmp_path / "compiled"))
     assert _losses(tmp_path / "compiled") == pytest.approx(eager_losses, abs=1e-4, rel=1e-4)
     out = capsys.readouterr().out  # the user is told that the first step compiles, then how long it took
     assert "pipeline.compile: torch.compile is building each stage's kernels during the first step" in out
     assert re.search(r"pipeline.compile: the first step, compilation included, took \d+\.\d s", out), out[-2000:]
+    # and so is validation's first batch, which compiles other (gradient-free) kernels
+    assert ("pipeline.compile: torch.compile is building each stage's kernels during the first validation batch"
+            in out), out[-2000:]
+    assert re.search(r"pipeline.compile: the first validation batch, compilation included, took \d+\.\d s",
+                     out), out[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is a CPU machine's")
+def test_inductors_no_cuda_runtime_warning_is_kept_out(tmp_path: Path, monkeypatch) -> None:
+    """Inductor imports ``torch.utils.cpp_extension``, which logs ``No CUDA runtime is found,
+    using CUDA_HOME=...`` on a CPU machine with a CUDA toolkit; the app drops that line only."""
+    from torch.utils import cpp_extension
+
+    silence_known_warnings()
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(cpp_extension.__name__)
+    logger.addHandler(handler)
+    try:
+        monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+        assert cpp_extension._find_cuda_home() == str(tmp_path)  # the call that logs it at import
+        logger.warning("another warning")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another warning"], seen
 
 
 @pytest.mark.slow

@@ -46,6 +46,10 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "gpipe-train model=transformer_tiny data=synthetic_translation":
         ("covered", "tests/app/test_app_learning.py::test_tiny_transformer_reaches_bleu_20_on_the_synthetic_language_pair",
          "model=transformer_tiny data=synthetic_translation"),
+    "gpipe-train -m optimizer.lr=0.001,0.01":
+        ("covered", "tests/app/test_sweep_names.py::test_a_sweep_over_the_learning_rate_names_its_runs_and_columns_by_it",
+         "-m optimizer.lr=0.001,0.01"),
+    "gpipe-train mode=test ckpt_path=last": ("run", IMAGES, f"gpipe-train {IMAGES} trainer.enable_checkpointing=true"),
     "gpipe-train -m pipeline.partitions=1,2 pipeline.chunks=1,4":
         ("covered", "tests/app/test_train.py::test_multirun_sweep_is_one_wandb_group_with_a_summary_table",
          "-m pipeline.partitions=1,2 pipeline.chunks=1,4"),

@@ -20,6 +20,7 @@ import pytest
 
 from gpipe_lab.train import cli
 from gpipe_lab.wandb_reader import branch_point, find_run_files, read_run, synced_history
+from gpipe_lab.wandb_reader import main as reader_main
 from helpers.app import SMALL
 
 
@@ -118,6 +119,25 @@ def test_a_resumed_wandb_run_leaves_one_value_per_step(resumed):
     steps = [r["trainer/global_step"] for r in history if "train/loss" in r]
     assert steps == [0, 1, 2, 3], steps  # steps 2 and 3 once each: the resumed run's
     assert [r["train/loss"] for r in history if "train/loss" in r][2:] == new.metric("train/loss")
+
+
+def test_the_wandb_readers_text_agrees_with_its_json_and_the_training_step(resumed, capsys):
+    """``python -m gpipe_lab.wandb_reader <run>`` on the two real offline runs: each row printed is
+    (training step, value) of a --json row, the first and the last included; the resumed run names
+    its checkpoint's training step."""
+    tmp_path, _ = resumed
+    (killed_file,) = find_run_files(tmp_path / "killed")
+    for folder, note in (("killed", None), ("resumed", f"resumes run {killed_file.stem.removeprefix('run-')} "
+                                                       "from its checkpoint at training step 2")):
+        assert reader_main([str(tmp_path / folder), "--json"]) == 0
+        history = json.loads(capsys.readouterr().out)["history"]
+        rows = [(r["trainer/global_step"], r["train/loss"]) for r in history if "train/loss" in r]
+        assert reader_main([str(tmp_path / folder)]) == 0
+        text = capsys.readouterr().out
+        assert f"train/loss over {len(rows)} logged steps" in text, text
+        shown = [(int(s), float(v)) for s, v in re.findall(r"^  step +(\d+)  (\S+)$", text, re.M)]
+        assert shown == [(s, float(f"{v:.4g}")) for s, v in rows], (shown, rows)  # under 20 rows: all of them
+        assert (note is None and "resumes" not in text) or (note is not None and note in text), text
 
 
 #: Adam at this rate makes the loss NaN by the second step, which stops the run (pipeline.nonfinite=raise)

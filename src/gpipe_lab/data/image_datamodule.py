@@ -66,7 +66,8 @@ class EpochRandomSampler(RandomSampler):
 
 
 class ImageDataModule(pl.LightningDataModule):
-    """Loader logic shared by every image datamodule; subclasses fill ``train_set`` / ``val_set``.
+    """Loader logic shared by every image datamodule; subclasses fill ``train_set`` / ``val_set``
+    and, when the data has one, ``test_set`` (``has_test_set``).
 
     Raises:
         ValueError: if ``batch_size < 1``, ``num_workers < 0`` or the replica is out of range.
@@ -91,6 +92,12 @@ class ImageDataModule(pl.LightningDataModule):
         self.data_parallel_rank, self.data_parallel_size = check_replica(data_parallel_rank, data_parallel_size)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
+
+    @property
+    def has_test_set(self) -> bool:
+        """Whether the data has a test split (``test_dataloader`` reads it)."""
+        return self.test_set is not None
 
     def _loader(self, dataset: Dataset | None, train: bool) -> DataLoader:
         if dataset is None:
@@ -122,14 +129,22 @@ class ImageDataModule(pl.LightningDataModule):
         return self._loader(self.val_set, train=False)
 
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        """The test split's loader (in order, like validation's).
+
+        Raises:
+            RuntimeError: the data has no test split (``has_test_set`` is false).
+        """
+        if self.test_set is None:
+            raise RuntimeError(f"{type(self).__name__} has no test split")
+        return self._loader(self.test_set, train=False)
 
 
 class SyntheticImageDataModule(ImageDataModule):
     """The built-in synthetic classification task (see ``synthetic_images``); needs no files.
 
     Args:
-        num_train / num_val: sample counts; the two splits never share a sample.
+        num_train / num_val / num_test: sample counts; the splits never share a sample
+            (``num_test=0``: no test split).
         random_flip / cutout: training-set augmentation (see ``Augmented``); off by default.
         Other arguments: the images' (``image_size``, ``num_classes``, ``class_offset``,
             ``class_seed``, ``noise``: see ``SyntheticImageDataset``; both splits share them and
@@ -143,15 +158,17 @@ class SyntheticImageDataModule(ImageDataModule):
     dataset_arguments = tuple(p for p in inspect.signature(SyntheticImageDataset).parameters
                               if p not in ("num_samples", "seed", "split"))
 
-    def __init__(self, batch_size: int = 32, num_train: int = 5000, num_val: int = 1000,
+    def __init__(self, batch_size: int = 32, num_train: int = 5000, num_val: int = 1000, num_test: int = 1000,
                  random_flip: bool = False, cutout: int = 0, **options: Any) -> None:
         images = {k: options.pop(k) for k in self.dataset_arguments if k in options}
         super().__init__(batch_size=batch_size, **options)
         check_positive_int("num_train", num_train)
         check_positive_int("num_val", num_val)
+        check_positive_int("num_test", num_test, minimum=0)
         common = dict(images, seed=self.seed)
         self.train_set = SyntheticImageDataset(num_train, split=0, **common)
         self.val_set = SyntheticImageDataset(num_val, split=1, **common)
+        self.test_set = SyntheticImageDataset(num_test, split=2, **common) if num_test else None
         self.num_classes = self.train_set.num_classes
         self.image_size = self.train_set.image_size
         check_positive_int("cutout", cutout, minimum=0)
@@ -161,7 +178,7 @@ class SyntheticImageDataModule(ImageDataModule):
     def setup(self, stage: str) -> None:
         """Draw each split's images once, in this process, before any loader reads them (drawing
         them batch by batch in the training loop's process costs about half a small model's step)."""
-        for data in (self.train_set, self.val_set):
+        for data in (self.train_set, self.val_set, self.test_set):
             base = data.dataset if isinstance(data, Augmented) else data
             if isinstance(base, SyntheticImageDataset):
                 base.render_all()

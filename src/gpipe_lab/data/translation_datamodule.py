@@ -33,7 +33,8 @@ class TranslationDataModule(pl.LightningDataModule):
     """Loader logic shared by the translation datamodules.
 
     Subclasses set ``train_set`` / ``val_set`` (``TranslationDataset``), ``val_references``
-    (detokenized target strings in ``val_set`` order), ``vocab_size`` and ``decode``.
+    (detokenized target strings in ``val_set`` order), ``vocab_size`` and ``decode``; and for a
+    test split (``has_test_set``) ``test_set`` and ``test_references``.
 
     Raises:
         ValueError: if both ``tokens_per_batch`` and ``batch_size`` are None, either is below 1,
@@ -71,6 +72,18 @@ class TranslationDataModule(pl.LightningDataModule):
     def decode(self, ids: Iterable[int]) -> str:
         """Detokenized text of ``ids`` (stops at EOS, skips PAD/BOS)."""
         raise NotImplementedError
+
+    @property
+    def has_test_set(self) -> bool:
+        """Whether the data has a test split (``test_dataloader`` reads it)."""
+        self.setup("test")
+        return self.test_set is not None
+
+    def _test_set(self) -> TranslationDataset:
+        if not self.has_test_set:
+            raise RuntimeError(f"{type(self).__name__} has no test split")
+        assert self.test_set is not None
+        return self.test_set
 
     def _replica(self) -> tuple[int, int]:
         if self.data_parallel_size is not None or self.data_parallel_rank is not None:
@@ -111,8 +124,12 @@ class TranslationDataModule(pl.LightningDataModule):
         return self._loader(self.val_set, train=False)
 
     def test_dataloader(self) -> DataLoader:
-        self.setup("test")
-        return self._loader(self.test_set if self.test_set is not None else self.val_set, train=False)
+        """The test split's loader.
+
+        Raises:
+            RuntimeError: the data has no test split (``has_test_set`` is false).
+        """
+        return self._loader(self._test_set(), train=False)
 
     def batch_indices(self, split: str = "val") -> list[list[int]]:
         """This replica's batches of ``split`` ("val" or "test") as dataset indices, in the order its
@@ -120,16 +137,17 @@ class TranslationDataModule(pl.LightningDataModule):
 
         Raises:
             ValueError: if ``split`` is not "val" or "test".
+            RuntimeError: ``split`` is "test" and the data has no test split.
         """
         if split not in ("val", "test"):
             raise ValueError(f"split must be 'val' or 'test', got {split!r}")
-        self.setup("fit" if split == "val" else "test")
-        dataset = self.test_set if split == "test" and self.test_set is not None else self.val_set
+        self.setup("fit")
+        dataset = self._test_set() if split == "test" else self.val_set
         return list(self.batch_sampler(dataset, train=False))
 
     def batch_references(self, split: str = "val") -> list[list[str]]:
         """Reference strings per batch of ``split``, aligned with ``val_dataloader`` / ``test_dataloader``."""
-        refs = self.test_references if split == "test" and self.test_set is not None else self.val_references
+        refs = self.test_references if split == "test" else self.val_references
         return [[refs[i] for i in batch] for batch in self.batch_indices(split)]
 
     def val_batch_indices(self) -> list[list[int]]:
@@ -141,7 +159,8 @@ class SyntheticTranslationDataModule(TranslationDataModule):
     """The built-in synthetic language pair (see ``synthetic_language``); needs no files.
 
     Args:
-        num_train / num_val: pair counts (validation never repeats a training source sentence).
+        num_train / num_val / num_test: pair counts (validation and test never repeat a training or
+            each other's source sentence; ``num_test=0``: no test split).
         language_seed: seed of the vocabularies and grammar; ``seed`` draws the sentences.
         min_len / max_len: source sentence length range in words (3–12 by default).
         Other arguments: see ``TranslationDataModule``.
@@ -151,10 +170,12 @@ class SyntheticTranslationDataModule(TranslationDataModule):
     """
 
     def __init__(self, tokens_per_batch: int | None = 2048, num_train: int = 10000, num_val: int = 500,
-                 language_seed: int = 0, min_len: int = 3, max_len: int = 12, **loader: Any) -> None:
+                 num_test: int = 500, language_seed: int = 0, min_len: int = 3, max_len: int = 12,
+                 **loader: Any) -> None:
         super().__init__(tokens_per_batch=tokens_per_batch, **loader)
         check_positive_int("num_train", num_train)
         check_positive_int("num_val", num_val)
+        check_positive_int("num_test", num_test, minimum=0)
         if not 3 <= min_len <= max_len:
             raise ValueError(f"need 3 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
         self.language = SyntheticLanguagePair(language_seed)
@@ -163,18 +184,28 @@ class SyntheticTranslationDataModule(TranslationDataModule):
         rng = random.Random(mix_seed(self.seed, language_seed, 3))
         train = [self.language.sample(rng, min_len, max_len) for _ in range(num_train)]
         seen = {tuple(s) for s, _ in train}
-        val: list[tuple[list[str], list[str]]] = []
-        for _ in range(100 * num_val):
-            if len(val) == num_val:
+        # the test pairs are drawn after the validation pairs: train and validation stay as without them
+        val, test = (self._unseen(rng, count, seen, min_len, max_len) for count in (num_val, num_test))
+        self.train_pairs, self.val_pairs, self.test_pairs = train, val, test
+        self.train_set = self._encode(train)
+        self.val_set = self._encode(val)
+        self.val_references = [" ".join(t) for _, t in val]
+        if test:
+            self.test_set = self._encode(test)
+            self.test_references = [" ".join(t) for _, t in test]
+
+    def _unseen(self, rng: random.Random, count: int, seen: set[tuple[str, ...]], min_len: int,
+                max_len: int) -> list[tuple[list[str], list[str]]]:
+        """Up to ``count`` pairs whose source sentence is not in ``seen`` (added to it)."""
+        pairs: list[tuple[list[str], list[str]]] = []
+        for _ in range(100 * count):
+            if len(pairs) == count:
                 break
             s, t = self.language.sample(rng, min_len, max_len)
             if tuple(s) not in seen:
                 seen.add(tuple(s))
-                val.append((s, t))
-        self.train_pairs, self.val_pairs = train, val
-        self.train_set = self._encode(train)
-        self.val_set = self._encode(val)
-        self.val_references = [" ".join(t) for _, t in val]
+                pairs.append((s, t))
+        return pairs
 
     def _encode(self, pairs: Sequence[tuple[list[str], list[str]]]) -> TranslationDataset:
         return TranslationDataset([(self.vocab.encode(s), self.vocab.encode(t)) for s, t in pairs])

@@ -16,8 +16,9 @@ training (Ctrl-C too).
 ``perf/samples_per_s``, ``pipeline/bubble_measured``: the MEAN over the steps after the first,
 ``bubble_measured_over`` says so) and keeps the flat names (``final_train_loss``,
 ``samples_per_s``, ``tokens_per_s``, ``bubble_measured``, ``bubble_theory``) as aliases. It
-also holds the run name, optimizer, learning rate, D (data-parallel replicas) and the run's
-command-line overrides (so a sweep's rows show what each job swept).
+also holds the run name, optimizer, learning rate, D (data-parallel replicas), the run's
+command-line overrides (so a sweep's rows show what each job swept) and, once the final model
+is tested (``gpipe_lab.evaluation``), the test metrics.
 """
 
 from __future__ import annotations
@@ -192,6 +193,16 @@ class PipelineMetrics(pl.Callback):
     def write_summary(self, trainer: pl.Trainer) -> None:
         """Build the summary; on global rank 0 write ``summary.json`` and send it to wandb."""
         self.summary = self.build_summary(trainer)
+        self._write(trainer)
+
+    def add_to_summary(self, trainer: pl.Trainer, values: dict[str, Any]) -> None:
+        """Add ``values`` (e.g. the test metrics) to the summary as it stands (kept in a later
+        ``write_summary``) and write it again."""
+        self.extra_summary.update(values)
+        self.summary.update(values)
+        self._write(trainer)
+
+    def _write(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
@@ -221,7 +232,7 @@ class PipelineMetrics(pl.Callback):
             "validation_metric": val_key,
             "validation_value": metrics.get(val_key) if val_key else None,
             "val_loss": metrics.get("val/loss"),
-            "fit_seconds": time.perf_counter() - self._fit_start,
+            "fit_seconds": time.perf_counter() - self._fit_start if self._fit_start else None,  # None: no fit
         }
         if strategy is not None:
             k, m = strategy.num_stages, strategy.chunks

@@ -1,11 +1,13 @@
 """Library warnings known to be harmless in ``gpipe-train``, silenced one by one.
 
-Each entry is matched by its category AND the start of its message, so any other warning
-(a new deprecation, advice that applies) still reaches the user.
+Each entry is matched by its category (or for a logged warning, its logger) AND the start of
+its message, so any other warning (a new deprecation, advice that applies) still reaches the user.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import warnings
 
 from lightning.fabric.utilities.warnings import PossibleUserWarning
@@ -21,7 +23,31 @@ KNOWN_HARMLESS: list[tuple[type[Warning], str, str]] = [
 ]
 
 
+#: (logger, regex of the message's start, why it is harmless here): warnings logged, not warned.
+KNOWN_HARMLESS_LOGS: list[tuple[str, str, str]] = [
+    ("torch.utils.cpp_extension", r"No CUDA runtime is found",
+     "logged when torch.compile's Inductor imports torch.utils.cpp_extension on a machine with a CUDA "
+     "toolkit but no GPU; a CPU run compiles C++ and never uses CUDA_HOME"),
+]
+
+
+class DropMessage(logging.Filter):
+    """Drops the records of one logger whose message starts with ``pattern``."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(str(record.msg))
+
+
 def silence_known_warnings() -> None:
-    """Install an ``ignore`` filter for each ``KNOWN_HARMLESS`` entry (process-wide)."""
+    """Install an ``ignore`` filter for each ``KNOWN_HARMLESS`` entry and a ``DropMessage`` filter on
+    each ``KNOWN_HARMLESS_LOGS`` logger (process-wide, once)."""
     for category, message, _why in KNOWN_HARMLESS:
         warnings.filterwarnings("ignore", message=message, category=category)
+    for name, message, _why in KNOWN_HARMLESS_LOGS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, DropMessage) and f.pattern.pattern == message for f in logger.filters):
+            logger.addFilter(DropMessage(message))

@@ -80,7 +80,8 @@ class Translator(_OptimizerMixin, PipelineModule):
     """Token cross-entropy over non-PAD targets (exact per-token mean across micro-batches).
 
     Validation logs the loss, the token accuracy and corpus BLEU (sacrebleu) of greedy
-    decoding on the first ``bleu_batches`` validation batches.
+    decoding on the first ``bleu_batches`` validation batches; a test, the same over every
+    test batch (``test/bleu``).
     """
 
     def __init__(self, layers: nn.Sequential, optimizer: OptimizerSpec = None,
@@ -106,6 +107,9 @@ class Translator(_OptimizerMixin, PipelineModule):
     def on_validation_epoch_start(self) -> None:
         self._hyps, self._refs = [], []
 
+    def on_test_epoch_start(self) -> None:
+        self._hyps, self._refs = [], []
+
     def evaluate(self, batch: Any, prefix: str) -> dict[str, Tensor]:
         result = super().evaluate(batch, prefix)
         targets = result["targets"]
@@ -114,21 +118,38 @@ class Translator(_OptimizerMixin, PipelineModule):
         self.log(f"{prefix}/token_acc", correct.float() / mask.sum().clamp(min=1))
         return result
 
-    def validation_step(self, batch: Any, batch_idx: int) -> Any:
-        loss = self.evaluate(batch, "val")["loss"]
+    def _translate(self, batch: Any, batch_idx: int, split: str) -> None:
+        """Greedy-decode ``batch`` and keep its hypotheses and references for the split's BLEU."""
         datamodule = getattr(self.trainer, "datamodule", None)
-        if batch_idx < self.bleu_batches and hasattr(datamodule, "batch_references"):
-            from gpipe_lab.models import greedy_decode
+        if not hasattr(datamodule, "batch_references"):
+            return
+        from gpipe_lab.models import greedy_decode
 
-            (src, _), _ = batch
-            hyps = greedy_decode(lambda s, t: self((s, t)), src, self.max_decode_len)
-            self._hyps += [datamodule.decode(h.tolist()) for h in hyps]
-            self._refs += datamodule.batch_references("val")[batch_idx]
-        return loss
+        (src, _), _ = batch
+        hyps = greedy_decode(lambda s, t: self((s, t)), src, self.max_decode_len)
+        self._hyps += [datamodule.decode(h.tolist()) for h in hyps]
+        self._refs += datamodule.batch_references(split)[batch_idx]
 
-    def on_validation_epoch_end(self) -> None:
+    def _log_bleu(self, prefix: str) -> None:
         if self._hyps:
             from gpipe_lab.data import corpus_bleu
 
             score = corpus_bleu(self._hyps, self._refs[: len(self._hyps)])
-            self.log("val/bleu", float(score.score), prog_bar=True)
+            self.log(f"{prefix}/bleu", float(score.score), prog_bar=prefix == "val")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = self.evaluate(batch, "val")["loss"]
+        if batch_idx < self.bleu_batches:
+            self._translate(batch, batch_idx, "val")
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_bleu("val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = self.evaluate(batch, "test")["loss"]
+        self._translate(batch, batch_idx, "test")
+        return loss
+
+    def on_test_epoch_end(self) -> None:
+        self._log_bleu("test")

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gpipe_lab.pipeline.batching import input_gradients
 from gpipe_lab.pipeline.core import PipelineCore
-from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, unwrap
+from gpipe_lab.pipeline.microbatch import Value, as_tuple, unwrap
 from gpipe_lab.pipeline.schedules import FILL_DRAIN
 
 
@@ -51,14 +52,7 @@ class _PipelineOutput(torch.autograd.Function):
         output_grads = [tuple(None if g is None else g[i] for g in per_output)
                         for i in range(half.plan.num_microbatches)]
         core.backward_half(half, output_grads)
-        input_grads = []
-        for j, device in enumerate(ctx.devices):
-            pieces = [mb[j].grad for mb in half.leaves]
-            if any(p is None for p in pieces):
-                input_grads.append(None)
-            else:
-                input_grads.append(join([(p,) for p in pieces])[0].to(device))
-        return (None, None, None, None, *input_grads)
+        return (None, None, None, None, *input_gradients(ctx.devices, half.leaves))
 
 
 class _RefuseBackward(torch.autograd.Function):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from gpipe_lab.pipeline.channel import StepFeed
@@ -35,25 +36,63 @@ def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset[int
 def microbatch_count(chunks: int, inputs: object, targets: object) -> int:
     """min(chunks, batch), the batch read from the inputs, else the targets, else ``chunks``.
 
+    Given both, inputs and targets must agree on the batch size, as plain PyTorch's loss
+    does: split into micro-batches, targets of another size would broadcast against the
+    outputs silently.
+
     Raises:
-        TypeError, ValueError: the values are not tensors or disagree on the batch size.
+        TypeError, ValueError: the values are not tensors, disagree on the batch size among
+            themselves, or the targets' batch size is not the inputs'.
     """
-    for value, name in ((inputs, "inputs"), (targets, "targets")):
-        if value is not None:
-            return max(1, min(chunks, batch_size(as_tuple(value, name), name)))
-    return chunks
+    batch = None if inputs is None else batch_size(as_tuple(inputs, "inputs"), "inputs")
+    if targets is not None:
+        rows = batch_size(as_tuple(targets, "targets"), "targets")
+        if batch is not None and rows != batch:
+            raise ValueError(f"targets have batch size {rows} but inputs have {batch}: train_step "
+                             "needs one target row per input row (dim 0 of both)")
+        batch = rows
+    return chunks if batch is None else max(1, min(chunks, batch))
+
+
+def input_leaves(inputs: tuple[Tensor, ...], num_microbatches: int,
+                 device: torch.device) -> list[tuple[Tensor, ...]]:
+    """Each micro-batch's inputs as leaves of its own on ``device`` (needing grad as the input does).
+
+    The stages' graphs end at these leaves; the caller's graph behind the inputs is then
+    back-propagated once, from the leaves' joined gradients (``input_gradients``), as one
+    plain backward would: a backward per micro-batch through a graph of the caller's would
+    free its saved tensors at the first.
+
+    Raises:
+        TypeError, ValueError: inputs that cannot be split in M.
+    """
+    return [tuple(t.detach().to(device).requires_grad_(t.requires_grad) for t in mb)
+            for mb in split(inputs, num_microbatches, "inputs")]
+
+
+def input_gradients(devices: list[torch.device], leaves: list[tuple[Tensor, ...]]) -> list[Tensor | None]:
+    """The gradient of each input from its micro-batch leaves' (``None`` if one of them got none),
+    on ``devices[j]``, input j's device."""
+    grads: list[Tensor | None] = []
+    for j, device in enumerate(devices):
+        pieces = [mb[j].grad for mb in leaves]
+        grads.append(None if any(p is None for p in pieces) else torch.cat(pieces).to(device))  # type: ignore[arg-type]
+    return grads
 
 
 def make_feed(inputs: object, targets: object, num_microbatches: int, first_here: bool,
-              last_here: bool) -> StepFeed:
-    """The micro-batches this process's first and last stages read (``None`` where absent).
+              last_here: bool, leaves_on: torch.device | None = None) -> StepFeed:
+    """The micro-batches this process's first and last stages read (``None`` where absent);
+    with ``leaves_on``, the inputs' micro-batches are ``input_leaves`` on that device.
 
     Raises:
         TypeError, ValueError: values that are not tensors or cannot be split in M.
     """
     micro_inputs = None
     if inputs is not None and first_here:
-        micro_inputs = split(as_tuple(inputs, "inputs"), num_microbatches, "inputs")
+        values = as_tuple(inputs, "inputs")
+        micro_inputs = (split(values, num_microbatches, "inputs") if leaves_on is None
+                        else input_leaves(values, num_microbatches, leaves_on))
     micro_targets = None
     if targets is not None and last_here:
         micro_targets = [unwrap(t, isinstance(targets, Tensor))

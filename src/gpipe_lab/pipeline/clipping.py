@@ -2,9 +2,10 @@
 
 The same result as ``torch.nn.utils.clip_grad_norm_`` on the unpipelined
 model: per (device, dtype) group the norms come from one ``torch._foreach_norm``
-(computed in float32, no copy of any gradient), their squares are summed, and
+(computed in float32, no copy of any gradient; a sparse gradient's from its
+coalesced values), their squares are summed, and
 with ``group`` (the distributed transport's pipeline group) summed over the
-ranks holding the other stages; every gradient is then scaled in place by
+ranks holding the other stages; every gradient (sparse ones too) is then scaled in place by
 ``min(1, max_norm / (norm + 1e-6))`` with one ``torch._foreach_mul_`` per group.
 """
 
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from gpipe_lab.pipeline.nonfinite import dense_values
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, group: object | None = None,
@@ -33,18 +36,24 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, group: 
     """
     if not isinstance(max_norm, (int, float)) or not math.isfinite(max_norm) or max_norm <= 0:
         raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
-    grads = [p.grad for p in parameters if p.grad is not None]
+    every = [p.grad for p in parameters if p.grad is not None]
     if device is None:
-        device = grads[0].device if grads else torch.device("cpu")
+        device = every[0].device if every else torch.device("cpu")
+    grads = [g for g in every if g.layout == torch.strided]
+    sparse = [g for g in every if g.layout != torch.strided]  # e.g. nn.Embedding(sparse=True)'s
     groups = _group_tensors_by_device_and_dtype([grads]) if grads else {}  # type: ignore[list-item]
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for (_, _), ([tensors], _) in groups.items():
         norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
         squares = squares + torch.stack(norms).square().sum().to(device)
+    for g in sparse:
+        squares = squares + torch.linalg.vector_norm(dense_values(g), dtype=torch.float32).square().to(device)
     if group is not None:
         dist.all_reduce(squares, group=group)
     total = squares.sqrt()
     coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
     for (grad_device, _), ([tensors], _) in groups.items():
         torch._foreach_mul_(tensors, coef.to(grad_device))
+    for g in sparse:
+        g.mul_(coef.to(g.device))
     return total

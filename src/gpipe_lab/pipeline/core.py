@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from gpipe_lab.pipeline.batching import (
     Normalizer,
     checkpointed_microbatches,
+    input_gradients,
     loss_weights,
     make_feed,
     microbatch_count,
@@ -29,7 +30,7 @@ from gpipe_lab.pipeline.channel import Endpoint, StepFeed
 from gpipe_lab.pipeline.compiling import CompiledStage, split_backward_error
 from gpipe_lab.pipeline.executor import Executor, StepRecord
 from gpipe_lab.pipeline.half_steps import HalfSteps
-from gpipe_lab.pipeline.microbatch import Value, join, unwrap
+from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, unwrap
 from gpipe_lab.pipeline.options import OptionViews, PipelineOptions, compile_kwargs
 from gpipe_lab.pipeline.replay_policy import StageReplay, generator_owners
 from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs
@@ -139,8 +140,12 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
                                               frozenset(a.microbatch for a in mine if a.kind == "W"), runs)
         return self._schedules[key]
 
-    def _feed(self, inputs: Value | None, targets: object, num_microbatches: int) -> StepFeed:
-        return make_feed(inputs, targets, num_microbatches, 0 in self.runtimes, self._last is not None)
+    def _feed(self, inputs: Value | None, targets: object, num_microbatches: int,
+              leaves: bool = False) -> StepFeed:
+        """``leaves``: the inputs' micro-batches become ``input_leaves`` on the first stage's device."""
+        first = self.runtimes.get(0)
+        return make_feed(inputs, targets, num_microbatches, first is not None, self._last is not None,
+                         first.device if leaves and first is not None else None)
 
     def _execute(self, feed: StepFeed, plan: StepPlan, kind: str, keep_outputs: bool,
                  fresh: bool = True) -> tuple[Tensor | None, Value | None]:
@@ -190,13 +195,17 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
         ``loss_normalizer(targets)`` (e.g. the number of non-pad tokens), exactly.
         A batch smaller than ``chunks`` runs as that many micro-batches of one sample.
 
+        Inputs that require grad (the output of a trainable front end of the caller's) get their
+        gradient as from a plain backward: one backward of the caller's graph after the step's.
+
         ``step`` numbers this step for the per-(step, stage, micro-batch) random generators
         (a trainer resuming at batch n passes n); default: ``step_count``, the steps run so far.
 
         Returns the full-batch loss (and the last stage's outputs if asked).
 
         Raises:
-            ValueError: an empty batch, missing inputs/targets, a zero normalizer.
+            ValueError: an empty batch, missing inputs/targets, targets whose batch size is not the
+                inputs', a zero normalizer.
             NonFiniteError: a NaN/inf loss or gradient under ``nonfinite="raise"``.
             Exception: whatever a layer raised, with its stage and micro-batch in the message.
         """
@@ -207,12 +216,21 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
             plan = StepPlan(self.step_count, M, checkpointed_microbatches(self.options.checkpoint, M),
                             loss_fn=loss_fn)
             plan.loss_weights = self._loss_weights(inputs, targets, M, loss_normalizer)
-            feed = self._feed(inputs, targets, M)
+            # inputs needing grad (a trainable front end of the caller's, say) get their gradient
+            # by one backward of the caller's graph after the step's, as one plain backward would
+            values = as_tuple(inputs, "inputs") if inputs is not None and 0 in self.runtimes else ()
+            graph = any(t.requires_grad for t in values)
+            feed = self._feed(inputs, targets, M, leaves=graph)
         except BaseException as exc:
             self.channel.fail_early(exc)
             raise
         with torch.enable_grad():
             loss, outputs = self._execute(feed, plan, "train", return_outputs)
+            if graph:
+                grads = input_gradients([t.device for t in values], feed.inputs)  # type: ignore[arg-type]
+                pairs = [(t, g) for t, g in zip(values, grads) if t.requires_grad and g is not None]
+                if pairs:
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         total = self._judge(loss)
         if not self.last_step_skipped:
             self._commit_batch_norm()

@@ -182,19 +182,27 @@ class Executor:
             return self._receive(step, k, key, action)
 
         last = len(planned) - 1
-        for i, (action, key, out, last_of_stage) in enumerate(planned):
-            if mailbox.stopped:  # another rank failed or the caller was interrupted
-                raise Stopped
-            runtime = runtimes[action.stage]
-            run_action(action, runtime, receive, endpoint, feed, key, out)
-            live = runtime.live_microbatches()
-            if live > peak[action.stage]:
-                peak[action.stage] = live
-            if sync and last_of_stage:
-                endpoint.stage_done(runtime)
-            done[k] = action
-            current[k] = planned[i + 1][0] if i < last else None
-            step.progress += 1
+        try:
+            for i, (action, key, out, last_of_stage) in enumerate(planned):
+                if mailbox.stopped:  # another rank failed or the caller was interrupted
+                    raise Stopped
+                runtime = runtimes[action.stage]
+                run_action(action, runtime, receive, endpoint, feed, key, out)
+                live = runtime.live_microbatches()
+                if live > peak[action.stage]:
+                    peak[action.stage] = live
+                if sync and last_of_stage:
+                    endpoint.stage_done(runtime)
+                done[k] = action
+                current[k] = planned[i + 1][0] if i < last else None
+                step.progress += 1
+        except Stopped:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            # recorded (the mailbox stopped) before this thread leaves its contexts: the other
+            # ranks stop at their next action, not one action later (torchgpipe's early stop)
+            step.fail(k, exc)
+            raise Stopped from None
 
     def _receive(self, step: StepState, k: int, key: MessageKey, action: Action) -> tuple[Values, bool]:
         """Wait (bounded) for ``key``; the time blocked is a ``wait`` event of the stage."""

@@ -17,9 +17,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from gpipe_lab.pipeline.batching import checkpointed_microbatches
+from gpipe_lab.pipeline.batching import checkpointed_microbatches, input_leaves
 from gpipe_lab.pipeline.channel import StepFeed, Values
-from gpipe_lab.pipeline.microbatch import Value, split
+from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.pipeline.stage import StageRuntime
 from gpipe_lab.pipeline.stage_state import StepPlan
@@ -60,10 +60,8 @@ class HalfSteps:
         """
         M = self._num_microbatches(inputs, None)
         plan = StepPlan(self.step_count, M, checkpointed_microbatches(self.options.checkpoint, M))
-        first = self.runtimes[0].device
         # each micro-batch's input is a leaf of its own, so stage 0 hands back its gradient
-        leaves = [tuple(t.detach().to(first).requires_grad_(t.requires_grad) for t in mb)
-                  for mb in split(inputs, M, "inputs")]
+        leaves = input_leaves(inputs, M, self.runtimes[0].device)
         with torch.enable_grad():
             _, outputs = self._execute(StepFeed(leaves, was_tensor), plan, "forward", keep_outputs=True)
         self._commit_batch_norm()

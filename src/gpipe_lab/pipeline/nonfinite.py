@@ -31,24 +31,34 @@ class NonFiniteError(FloatingPointError):
     """The loss or a stage's gradients are NaN or infinite (policy ``nonfinite="raise"``)."""
 
 
+def dense_values(t: Tensor) -> Tensor:
+    """The values a sparse tensor stores (coalesced, so duplicates are summed as its dense form
+    sums them); a strided tensor itself."""
+    if t.layout == torch.sparse_coo:
+        return t.coalesce().values()
+    if t.layout != torch.strided:
+        return t.values()  # compressed layouts (CSR, CSC, BSR, BSC) hold no duplicates
+    return t
+
+
 def nonfinite_flag(tensors: Iterable[Tensor | None]) -> Tensor | None:
     """A 0-d bool tensor, True if some element of some tensor is NaN/inf; computed without a host sync.
 
     Each tensor's minimum and maximum are read (``aminmax``: one pass, no
-    tensor-sized temporary); NaN propagates through both and an infinity is one
+    tensor-sized temporary; of a sparse tensor, its stored values); NaN propagates through both and an infinity is one
     of them, and unlike a sum they cannot overflow on large finite values (a complex tensor is read
     as its real and imaginary parts).
     Tensors on several devices are combined on the first one's (a GPU flag reaches a
     CPU first tensor by a blocking copy). ``None`` entries
     are skipped; returns ``None`` when nothing is left.
     """
-    present = [t for t in tensors if t is not None and t.numel() > 0]
+    present = [dense_values(t.detach()) for t in tensors if t is not None]
+    present = [t for t in present if t.numel() > 0]
     if not present:
         return None
     device = present[0].device
     extremes = []
     for t in present:
-        t = t.detach()
         low, high = torch.aminmax(torch.view_as_real(t) if t.is_complex() else t)
         extremes.append(to_device(torch.stack([low, high]).float(), device))
     return ~torch.isfinite(torch.cat(extremes)).all()

@@ -9,8 +9,8 @@ depend on thread timing. Every draw is a function of (seed, step, stage, micro-b
   save that generator (the CPU's too in a process of its own), reseed it for the
   micro-batch, restore it afterwards, as ``torch.utils.checkpoint`` does. O(1) per
   forward; fused kernels that read the default generator (attention dropout) are covered.
-- ``probe`` (auto, CPU stage threads sharing the default generator, first step in training
-  and in eval mode): ``fork`` with the shared generators held under a lock for the whole
+- ``probe`` (auto, CPU stage threads sharing the default generator, first step of each mode:
+  the layers' training flags as the step begins): ``fork`` with the shared generators held under a lock for the whole
   forward, watching whether anything but ``StageDropout`` (which every ``nn.Dropout``
   becomes) draws from them. Its re-materialization repeats it the same way.
 - ``guard`` (auto, after a probe that found no such draw): the forward runs as it is,
@@ -27,7 +27,7 @@ On CPU every way draws the same numbers (one stream from a generator seeded alik
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -128,14 +128,15 @@ class StageReplay:
         watched = ([(device, own)] if device.type == "cuda" else []) + [(cpu, torch.default_generator)]
         self.watched: Generators = [(d, g) for d, g in watched
                                     if g is not None and all(d != f for f, _ in self.forked)]
-        self.draws: dict[bool, bool] = {}  # per training flag: the probe saw draws outside StageDropout
-        self.settled: set[bool] = set()  # the training flags whose probe step is over
+        # per mode (each layer's training flag, ``StageRuntime.mode``): the probe saw draws outside StageDropout
+        self.draws: dict[Hashable, bool] = {}
+        self.settled: set[Hashable] = set()  # the modes whose probe step is over
 
     def settle(self) -> None:
         """A new step begins: the probes of the last one are final."""
         self.settled.update(self.draws)
 
-    def first_kind(self, training: bool) -> str:
+    def first_kind(self, training: Hashable) -> str:
         """How a micro-batch's first forward runs (its re-materialization runs the same way,
         except a ``DISPATCH`` forward that drew nothing, which needs no mode)."""
         if self.setting is True or (self.setting == "auto" and not self.fork and not self.probes):
@@ -150,7 +151,7 @@ class StageReplay:
         return PROBE
 
     def forward(self, kind: str, seed: int, recomputing: bool, where: tuple[int, int],
-                training: bool) -> AbstractContextManager[RandomReplay | None]:
+                training: Hashable) -> AbstractContextManager[RandomReplay | None]:
         """Run one forward of micro-batch ``where = (step, micro-batch)`` the ``kind`` way.
 
         Yields the ``RandomReplay`` mode for ``DISPATCH`` (its ``draws`` count), else None.
@@ -166,7 +167,7 @@ class StageReplay:
 
     @contextmanager
     def _reseeded(self, kind: str, seed: int, recomputing: bool, where: tuple[int, int],
-                  training: bool) -> Iterator[None]:
+                  training: Hashable) -> Iterator[None]:
         """A ``FORK`` or ``PROBE`` forward: the default generators reseeded for it, restored after."""
         generators = self.forked if kind == FORK else self.watched
         with _default_generator_lock if kind == PROBE else nullcontext():

@@ -28,6 +28,7 @@ from gpipe_lab.pipeline.checkpointing import autocast_as, autocast_state, checkp
 from gpipe_lab.pipeline.compiling import CompiledStage
 from gpipe_lab.pipeline.context import microbatch_seed
 from gpipe_lab.pipeline.device_timing import DeviceClock
+from gpipe_lab.pipeline.input_writes import InputWrites
 from gpipe_lab.pipeline.memory_count import SignatureMemo, parameters_needing_grad
 from gpipe_lab.pipeline.microbatch import as_tuple, final_output, unwrap
 from gpipe_lab.pipeline.module_walk import ModuleWalk, walk
@@ -35,6 +36,7 @@ from gpipe_lab.pipeline.replay_policy import DISPATCH, NONE, OFF, StageReplay
 from gpipe_lab.pipeline.stage_state import SavedMicrobatch, StepPlan
 from gpipe_lab.pipeline.timeline import Event
 from gpipe_lab.pipeline.weight_gradients import (
+    backward_into,
     batched_weight_backward,
     input_backward,
     plan_split,
@@ -55,6 +57,7 @@ class StageRuntime:
         self.base_seed = base_seed
         self.is_last = index == num_stages - 1
         self.plan = StepPlan(0, 1, frozenset())
+        self.mode: tuple[bool, ...] = ()  # each layer's training flag, read at the step's start
         # (stage, kind, micro-batch, start, end) per action: a plain tuple on the action's path;
         # ``executor.StepRecord`` makes the ``Event``s when the timeline is read
         self.events: list[tuple[int, str, int, float, float]] = []
@@ -73,6 +76,7 @@ class StageRuntime:
         self.replay = StageReplay("auto", device, NONE, module, index)  # the core sets the option's
         self.clock = DeviceClock(device) if device.type == "cuda" else None
         self.compiled: CompiledStage | None = None  # set by the core with ``compile``
+        self.input_writes = InputWrites(index)  # an in-place first layer (``input_writes``)
 
     # ---------------------------------------------------------------- step
     def begin(self, plan: StepPlan, keep_outputs: bool = False) -> None:
@@ -89,6 +93,11 @@ class StageRuntime:
         self._walk = None  # the step's one walk of the module, made when first needed
         self._param_storages = self._params_key = None  # made when a forward of the step first needs them
         self._norms = None  # found at the step's first replay
+        # the layers' modes, read once per step: ``pipe.eval()`` (or a framework's ``model.eval()``,
+        # which reaches only the layers) leaves this stage's own container as it was, and each
+        # mode's first step is its random-draw probe (``replay_policy``)
+        self.mode = tuple(layer.training for layer in self.module.children())
+        self.module.training = any(self.mode)
         self.replay.settle()
 
     def abort(self) -> None:
@@ -145,11 +154,10 @@ class StageRuntime:
         hooks = nullcontext() if counter is None else counter.hooks()
         # every micro-batch gets its generator: any layer may draw from current_generator()
         seed = microbatch_seed(self.base_seed, self.plan.step, self.index, mb)
-        training = self.module.training
         if not recomputing:
-            saved.replay = self.replay.first_kind(training)
+            saved.replay = self.replay.first_kind(self.mode)
         kind = OFF if recomputing and saved.replay == DISPATCH and saved.drew_nothing else saved.replay
-        with self.replay.forward(kind, seed, recomputing, (self.plan.step, mb), training) as mode, hooks, \
+        with self.replay.forward(kind, seed, recomputing, (self.plan.step, mb), self.mode) as mode, hooks, \
                 checkpointing(mb in self.plan.checkpointed and not recomputing):
             x = unwrap(inputs, was_tensor)
             # the module is read at each call: a front end may wrap it (autocast) after construction
@@ -222,8 +230,11 @@ class StageRuntime:
         checkpointed = mb in self.plan.checkpointed
         if checkpointed:
             saved.autocast = autocast_state()
+        run, versions = self.input_writes.prepare(inputs, checkpointed) if grad else (inputs, None)
         with torch.set_grad_enabled(grad and not checkpointed):
-            outputs, out_is_tensor = self._run(mb, inputs, was_tensor, target, recomputing=False)
+            outputs, out_is_tensor = self._run(mb, run, was_tensor, target, recomputing=False)
+        if versions is not None:
+            self.input_writes.learn(run, versions, (self.plan.step, mb))
         if not grad:
             self._release(mb)  # forward only: nothing is kept for a backward
         elif not checkpointed:
@@ -244,8 +255,8 @@ class StageRuntime:
             if self._norms is None:
                 self._norms = running_stat_layers(self.step_walk().modules)
             with torch.enable_grad(), autocast_as(saved.autocast), running_stats_untouched(self._norms):
-                saved.outputs, _ = self._run(mb, saved.inputs, saved.was_tensor, saved.target,
-                                             recomputing=True)
+                saved.outputs, _ = self._run(mb, self.input_writes.replay_inputs(saved.inputs), saved.was_tensor,
+                                             saved.target, recomputing=True)
             self._record("R", mb, start)
 
     def backward(self, mb: int, grads: tuple[Tensor | None, ...] | None) -> tuple[Tensor | None, ...]:
@@ -259,14 +270,11 @@ class StageRuntime:
         if mb in self.plan.split_backward:
             saved.grads = grads
             params = [p for p in self.step_walk().parameters if p.requires_grad]
-            # the caller's input is part of a graph of theirs (first stage): W runs the whole
-            # backward into it, as a plain backward would
-            saved.full_w = any(t.requires_grad and not t.is_leaf for t in saved.inputs)
-            saved.split = plan_split(tensors, leaves, params) if tensors and not saved.full_w else None
+            saved.split = plan_split(tensors, leaves, params) if tensors else None
             found: list[Tensor | None] | tuple[Tensor | None, ...] = []
             if saved.split is not None:  # cheap W: B captures each weight layer's grad_output
                 found = input_backward(saved.split, tensors, grad_tensors, leaves, saved.own_input_grads)
-            elif tensors and leaves and saved.own_input_grads and not saved.full_w:
+            elif tensors and leaves and saved.own_input_grads:
                 found = torch.autograd.grad(tensors, leaves, grad_tensors, retain_graph=True,
                                             allow_unused=True)
             for leaf, g in zip(leaves, found):
@@ -305,10 +313,8 @@ class StageRuntime:
             if s.split is None:
                 tensors, grad_tensors = self._backward_pairs(s.outputs, s.grads)
                 params = [p for p in self.step_walk().parameters if p.requires_grad]
-                if tensors and s.full_w:
-                    torch.autograd.backward(tensors, grad_tensors)
-                elif tensors and params:
-                    torch.autograd.backward(tensors, grad_tensors, inputs=params)
+                if tensors and params:
+                    backward_into(tensors, grad_tensors, params)
         end = time.perf_counter()
         if self.clock is not None:
             self.clock.stop("W", tuple(run), device_start)

@@ -43,7 +43,6 @@ class SavedMicrobatch:
     saved_bytes: int = 0
     split: SplitPlan | None = None
     own_input_grads: bool = True  # False: the first stage's input only marks where its graph ends
-    full_w: bool = False  # W is the whole backward (the input belongs to the caller's graph)
     # the forward drew no random number: its replay, on the same inputs, draws none either,
     # so it runs without the per-op replay mode (which costs a Python call per op)
     drew_nothing: bool = False

@@ -30,6 +30,7 @@ which is exact but repeats B's work.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -162,14 +163,36 @@ def input_backward(plan: SplitPlan, roots: list[Tensor], grad_roots: list[Tensor
     return list(found[:len(inputs)])
 
 
+def backward_into(roots: Sequence[Tensor | GradientEdge], grads: Sequence[Tensor] | None,
+                  params: Sequence[Tensor], retain_graph: bool = False) -> None:
+    """``torch.autograd.backward(roots, grads, inputs=params)``, for W: no parameter keeps a ``.grad``
+    that shares memory with ``grads``.
+
+    A parameter whose ``.grad`` is None adopts the gradient reaching it when nothing else holds
+    that tensor, and a view (a slice of a concatenation, a broadcast that sums nothing with
+    one-sample micro-batches) counts as held by nothing. Plain autograd's gradients are its own
+    and die with the backward; W's are B's captured ones, which alias one another (an addition
+    hands the same tensor to both sides) and the gradient sent upstream. The parameter's next
+    accumulation, in place, would then write into a gradient another W or stage still reads.
+    Such an adopted ``.grad`` is copied once, the copy autograd makes when it cannot adopt.
+    """
+    fresh = [p for p in params if p.grad is None]
+    torch.autograd.backward(roots, grads, retain_graph=retain_graph, inputs=list(params))
+    if fresh and grads:
+        fed = {g.untyped_storage().data_ptr() for g in grads if g.layout == torch.strided}
+        for p in fresh:
+            g = p.grad
+            if g is not None and g.layout == torch.strided and g.untyped_storage().data_ptr() in fed:
+                p.grad = g.clone()
+
+
 def task_weight_backward(task: WeightTask) -> None:
     """W of one mixed node: its weight-side outputs only, from the ``grad_output`` B captured."""
     pairs = [(e, g) for e, g in zip(task.edges, task.grads) if g is not None]
     if len(pairs) == 1 and linear_weight_grads([pairs[0][0].node], [pairs[0][1]], task.params):
         pass
     elif pairs:
-        torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs], retain_graph=True,
-                                inputs=task.params)
+        backward_into([e for e, _ in pairs], [g for _, g in pairs], task.params, retain_graph=True)
     task.grads = []
 
 
