@@ -28,7 +28,6 @@ from differential_cases import (
     make_zoo_batch,
     pairwise,
     random_cases,
-    steps,
     valid,
     zoo_product,
 )
@@ -43,54 +42,27 @@ SAMPLE_DISTRIBUTED = 4
 
 
 def defect_of(case: Case) -> int | None:
-    """The issue-45 defect a combination hits while it is open (``FOUND_45`` lists the combinations
-    that found them), by the rules that the CI sample's failures on the unfixed engine follow. 7 and
-    8 are the harness's own finds: ``cost="time"`` cannot time a model with an in-place layer, and
-    ``DistributedGPipe`` accepts a cut through a shared parameter (each rank then trains its own
-    copy) that ``GPipe`` refuses. Issue 27's defects are fixed (``FOUND``; defect 8 of them:
-    ``DistributedGPipe.train_step`` returned a float64 model's loss as float32)."""
+    """The open defect a combination hits (``FOUND_45`` lists the combinations that found them),
+    by the rules that the CI sample's failures on the unfixed engine follow: the harness's own
+    finds 7 and 8 (issue 45's 1 to 6 are fixed). 7: ``cost="time"`` cannot time a model with an
+    in-place layer; 8: ``DistributedGPipe`` accepts a cut through a shared parameter (each rank
+    then trains its own copy) that ``GPipe`` refuses."""
     if case.model == "lab":
         return None
     if case.cost == "time" and case.K > 1 and inplace_layers(case.model):
         return 7  # the balance's timing pass makes each layer's input a leaf that needs a gradient
-    if case.model == "shared" and _tied_cut(case):
-        return 8 if case.transport == "distributed" else None
-    if not steps(case):
-        return None
-    if case.K > 1 and _stage_starts_inplace(case):
-        return 3
-    if case.model == "sparse" and case.grads == "none":  # a dense .grad takes the sparse one in
-        return 5
-    if case.model == "front" and case.door == "train_step" and min(case.M, case.batch) > 1:
-        return 4
-    if case.transition == "short_targets" and not (case.M == 1 and case.model in CROSS_ENTROPY):
-        return 6  # (with one micro-batch, cross_entropy's own error names both sizes)
-    if case.model == "vit" and case.rand == "dropout" and case.transition == "eval_train_eval":
-        return 2
-    rows = (case.batch, case.batch - 1) if case.transition == "batch_change" else (case.batch,)
-    if (case.model == "vit" and case.schedule == "gpipe-bw" and case.rand == "none" and case.inputs == "tensor"
-            and case.grads == "none" and any(n < 2 * case.M for n in rows)):
-        return 1  # a micro-batch of one sample
+    if case.model == "shared" and case.transport == "distributed" and _tied_cut(case):
+        return 8
     return None
 
 
-CROSS_ENTROPY = ("resnet", "mobilenet", "squeezenet", "vit")
-
-
-def _starts(case: Case) -> set[int]:
+def _tied_cut(case: Case) -> bool:
     try:
         balance = balance_of(case)
     except ERRORS:  # defect 7's
-        return set()
-    return {sum(balance[:j]) for j in range(1, len(balance))}
-
-
-def _stage_starts_inplace(case: Case) -> bool:
-    return bool(_starts(case) & set(inplace_layers(case.model)))
-
-
-def _tied_cut(case: Case) -> bool:
-    return bool(_starts(case) & zoo.tied_cuts(zoo.build(case.model, 0).layers))
+        return False
+    starts = {sum(balance[:j]) for j in range(1, len(balance))}
+    return bool(starts & zoo.tied_cuts(zoo.build(case.model, 0).layers))
 
 
 def check(case: Case) -> None:
