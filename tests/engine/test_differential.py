@@ -22,8 +22,6 @@ from differential_cases import (
     Case,
     DictHead,
     all_cases,
-    balance_of,
-    inplace_layers,
     loss_fn,
     make_zoo_batch,
     pairwise,
@@ -32,37 +30,13 @@ from differential_cases import (
     zoo_product,
 )
 from differential_distributed import run_distributed
-from differential_run import ERRORS, MAX_NORM, Observed, judge, run_engine, run_reference, whole_model
+from differential_run import MAX_NORM, Observed, judge, run_engine, run_reference, whole_model
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe
 from helpers import zoo
 
 SAMPLE_DISTRIBUTED = 4
-
-
-def defect_of(case: Case) -> int | None:
-    """The open defect a combination hits (``FOUND_45`` lists the combinations that found them),
-    by the rules that the CI sample's failures on the unfixed engine follow: the harness's own
-    finds 7 and 8 (issue 45's 1 to 6 are fixed). 7: ``cost="time"`` cannot time a model with an
-    in-place layer; 8: ``DistributedGPipe`` accepts a cut through a shared parameter (each rank
-    then trains its own copy) that ``GPipe`` refuses."""
-    if case.model == "lab":
-        return None
-    if case.cost == "time" and case.K > 1 and inplace_layers(case.model):
-        return 7  # the balance's timing pass makes each layer's input a leaf that needs a gradient
-    if case.model == "shared" and case.transport == "distributed" and _tied_cut(case):
-        return 8
-    return None
-
-
-def _tied_cut(case: Case) -> bool:
-    try:
-        balance = balance_of(case)
-    except ERRORS:  # defect 7's
-        return False
-    starts = {sum(balance[:j]) for j in range(1, len(balance))}
-    return bool(starts & zoo.tied_cuts(zoo.build(case.model, 0).layers))
 
 
 def check(case: Case) -> None:
@@ -76,10 +50,8 @@ def check(case: Case) -> None:
 def _params(cases: list[Case]) -> list:
     out = []
     for case in cases:
-        defect = defect_of(case)
-        marks = [pytest.mark.xfail(strict=True, reason=f"issue 45 defect {defect}")] if defect else []
-        if case.transport == "distributed":  # one worker holds the module's one launch (``_distributed``)
-            marks.append(pytest.mark.xdist_group("differential_distributed"))
+        # one worker holds the module's one launch (``_distributed``)
+        marks = [pytest.mark.xdist_group("differential_distributed")] if case.transport == "distributed" else []
         out.append(pytest.param(case, id=case.recipe(), marks=marks))
     return out
 
@@ -88,8 +60,7 @@ def _selected() -> list[Case]:
     """The cases of this run: one (``GPIPE_DIFFERENTIAL_CASE``), all (``GPIPE_DIFFERENTIAL=full``),
     a fixed-seed sample of N (``GPIPE_DIFFERENTIAL=N``), or CI's: local cases in which every two
     axes take every pair of their values (``pairwise``: the lab model's axes, then the zoo's), and a
-    few distributed ones of each in one launch (K=2; the zoo's without an open defect: a rank that
-    raises mid-step holds its peer until the pipeline's timeout). ``GPIPE_DIFFERENTIAL_SHARD=i/n`` keeps every n-th
+    few distributed ones of each in one launch (K=2). ``GPIPE_DIFFERENTIAL_SHARD=i/n`` keeps every n-th
     case from the i-th (0-based), to spread the full product over n jobs."""
     if os.environ.get("GPIPE_DIFFERENTIAL_CASE"):
         return [Case.parse(os.environ["GPIPE_DIFFERENTIAL_CASE"])]
@@ -100,8 +71,7 @@ def _selected() -> list[Case]:
         shard = os.environ.get("GPIPE_DIFFERENTIAL_SHARD", "0/1")
         i, n = (int(v) for v in shard.split("/"))
         return chosen[i::n]
-    zoo_distributed = [c for c in random_cases(45, 4 * SAMPLE_DISTRIBUTED, axes=ZOO_AXES, transport="distributed", K=2)
-                       if defect_of(c) is None][:SAMPLE_DISTRIBUTED]
+    zoo_distributed = random_cases(45, SAMPLE_DISTRIBUTED, axes=ZOO_AXES, transport="distributed", K=2)
     return (pairwise(27, "local") + random_cases(27, SAMPLE_DISTRIBUTED, transport="distributed", K=2)
             + pairwise(45, "local", axes=ZOO_AXES) + zoo_distributed)
 
@@ -148,9 +118,8 @@ FOUND = [
 ]
 
 
-# the combinations that found issue 45's defects 1 to 6 and the harness's 7 and 8 (``defect_of``), kept in CI
-# whatever the sample draws; distributed only where the defect raises nothing (a raising rank holds its
-# peer until the pipeline's timeout)
+# the combinations that found issue 45's defects 1 to 6 and the harness's 7 and 8, kept in CI whatever
+# the sample draws (each must pass: every one is fixed)
 _ZOO = "autocast=none,frozen=False,dtype=float32,output=tensor,track_memory=True"
 FOUND_45 = [
     # 1: the positional embedding's gradient, gpipe-bw, one-sample micro-batches, .grad None at the start
