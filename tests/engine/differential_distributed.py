@@ -58,7 +58,10 @@ def merge(parts: list[Observed]) -> Observed:
 
 
 def run_distributed(cases: list[Case], timeout: float = 600) -> dict[Case, tuple[Observed, Observed]]:
-    """Every case's two runs, one launch of K processes per K (per ``PER_LAUNCH`` cases).
+    """Every case's two runs, one launch of K processes per K (per ``PER_LAUNCH`` cases). A case
+    that fails mid-step leaves its launch's process group unusable (``failure``'s docstring): the
+    launch's next pipe then blocks in its link set-up until ``timeout``, so a launch holds only
+    cases expected to pass or to be refused before their first step.
 
     Raises:
         RuntimeError: a rank failed or hung (its error text and the launch's recipes).
