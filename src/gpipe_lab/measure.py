@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from gpipe_lab.inplace import writable
 from gpipe_lab.saved_bytes import SavedBytes, storage_keys
 
 __all__ = ["COST_KINDS", "MEASURED_KINDS", "layer_costs", "measure_layers", "parameter_costs",
@@ -71,7 +72,9 @@ def _timed(layer: nn.Module, value: Any) -> tuple[Any, float]:
     _synchronize(value)
     start = time.perf_counter()
     with torch.enable_grad():
-        out = layer(value)
+        # the input is a leaf of its own: an in-place layer writes into its alias, as in its model
+        inputs = writable(value if isinstance(value, tuple) else (value,))
+        out = layer(inputs if isinstance(value, tuple) else inputs[0])
         outputs = out if isinstance(out, tuple) else (out,)
         loss = sum(t.float().sum() for t in outputs if isinstance(t, Tensor) and t.requires_grad)
         if isinstance(loss, Tensor):
@@ -94,7 +97,7 @@ def time_layers(module: nn.Sequential, sample: Any, repeat: int = 3) -> list[flo
         raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}")
     runs: list[list[float]] = [[] for _ in module]
     for n in range(repeat + 1):
-        value = sample.detach() if isinstance(sample, Tensor) else sample
+        value = sample.detach().clone() if isinstance(sample, Tensor) else sample  # an in-place first layer
         for i, layer in enumerate(module):
             value, seconds = _timed(layer, value)
             if n:  # the first pass warms caches and allocators up

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.distributed import DistributedGPipe
 from gpipe_lab.pipeline.distributed.launch import run_local
 from helpers.user_models import (
@@ -97,6 +98,22 @@ def modes_case() -> tuple:
     return expected, pipe.train_step(x, y, F.mse_loss, step=1).item(), named_grads(fresh), named_grads(pipe)
 
 
+def tied_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    tied, again = nn.Linear(4, 4), nn.Linear(4, 4)
+    again.weight = tied.weight
+    return nn.Sequential(nn.Linear(4, 4), tied, nn.Tanh(), again, nn.Linear(4, 2))
+
+
+def shared_case() -> str | None:
+    """A cut between two layers of one parameter: refused at construction, as GPipe refuses it."""
+    try:
+        DistributedGPipe(tied_model(), balance=[2, 3], chunks=2)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def targets_case() -> str | None:
     """Targets of another batch size: refused on every rank (run last: a refusal signals the peers)."""
     pipe = DistributedGPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), balance=[1, 1], chunks=4)
@@ -119,7 +136,7 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     return {"vit": [attempt(vit_case, *case) for case in VIT],
             "inplace": [attempt(inplace_case, *case) for case in INPLACE],
             "front": attempt(front_case), "sparse": attempt(sparse_case), "modes": attempt(modes_case),
-            "targets": attempt(targets_case)}
+            "shared": attempt(shared_case), "targets": attempt(targets_case)}
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +223,9 @@ def test_an_evaluation_pass_before_training_draws_what_training_at_once_draws(re
 def test_targets_of_another_batch_size_are_refused_on_every_rank(results: list) -> None:
     for value in results:
         assert value["targets"] is not None and "targets have batch size 4 but inputs have 8" in value["targets"]
+
+
+def test_a_cut_through_a_shared_parameter_is_refused_on_every_rank_as_gpipe_refuses_it(results: list) -> None:
+    with pytest.raises(ValueError, match="shared parameters cannot cross partitions") as local:
+        GPipe(tied_model(), balance=[2, 3], chunks=2)
+    assert [value["shared"] for value in results] == [str(local.value)] * 2

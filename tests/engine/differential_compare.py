@@ -32,7 +32,7 @@ def differences(case: Case, got: Observed, want: Observed) -> list[str]:
         elif not torch.allclose(a.double(), b.double(), rtol=tol, atol=tol):
             out.append(f"{name}: max difference {(a.double() - b.double()).abs().max().item():.3g}")
 
-    for key in ("loss",):
+    for key in ("loss", "norm"):
         if key in want:
             close(key, got.get(key), want[key])
     for i, (a, b) in enumerate(zip(got.get("outputs", []), want.get("outputs", []))):
@@ -44,6 +44,8 @@ def differences(case: Case, got: Observed, want: Observed) -> list[str]:
             close(f"{kind}[{name}]", got[kind].get(name), b)  # type: ignore[union-attr]
     for i, (a, b) in enumerate(zip(got["input_grad"], want["input_grad"])):  # type: ignore[arg-type]
         close(f"input_grad[{i}]", a, b)
+    if got.get("sparse") != want.get("sparse"):
+        out.append(f"sparse gradients: engine {got.get('sparse')}, plain {want.get('sparse')}")
     if got["probe"] != want["probe"]:
         out.append(f"(is_checkpointing, is_recomputing): engine {got['probe']}, torchgpipe's rule {want['probe']}")
     return out

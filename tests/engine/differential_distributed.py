@@ -7,16 +7,28 @@ parts into what a user of the whole pipeline observes.
 
 from __future__ import annotations
 
-from differential_cases import Case
-from differential_run import Observed, run_engine
+from differential_cases import BALANCES, Case, balance_of
+from differential_run import ERRORS, Observed, run_engine
 
 from gpipe_lab.pipeline.distributed.launch import run_local
 
 PER_LAUNCH = 100  # cases per launch of K processes (each launch within ``timeout``)
 
 
-def worker(rank: int, world: int, recipes: list[str]) -> list[tuple[Observed, Observed]]:
+def worker(rank: int, world: int, recipes: list[str], balances: dict) -> list[tuple[Observed, Observed]]:
+    BALANCES.update(balances)  # the parent's cuts: a measured one (``time``) differs between processes
     return [(run_engine(Case.parse(r)), run_engine(Case.parse(r))) for r in recipes]
+
+
+def _balances(cases: list[Case]) -> dict:
+    """The zoo cases' cuts, computed here (a cut that fails to compute fails on each rank alike)."""
+    for case in cases:
+        if case.model != "lab":
+            try:
+                balance_of(case)
+            except ERRORS:
+                pass
+    return dict(BALANCES)
 
 
 def merge(parts: list[Observed]) -> Observed:
@@ -26,7 +38,8 @@ def merge(parts: list[Observed]) -> Observed:
     if errors:
         return {"error": errors[0]}
     out: Observed = {"probe": sorted(x for p in parts for x in p["probe"])}  # type: ignore[attr-defined]
-    for key in ("loss", "outputs"):
+    out["sparse"] = sorted({n for p in parts for n in p["sparse"]})  # type: ignore[attr-defined]
+    for key in ("loss", "norm", "outputs"):
         found = [p[key] for p in parts if key in p]
         if key == "outputs" and found:
             found = [[next((o[i] for o in found if o[i] is not None), None) for i in range(len(found[0]))]]
@@ -45,7 +58,10 @@ def merge(parts: list[Observed]) -> Observed:
 
 
 def run_distributed(cases: list[Case], timeout: float = 600) -> dict[Case, tuple[Observed, Observed]]:
-    """Every case's two runs, one launch of K processes per K (per ``PER_LAUNCH`` cases).
+    """Every case's two runs, one launch of K processes per K (per ``PER_LAUNCH`` cases). A case
+    that fails mid-step leaves its launch's process group unusable (``failure``'s docstring): the
+    launch's next pipe then blocks in its link set-up until ``timeout``, so a launch holds only
+    cases expected to pass or to be refused before their first step.
 
     Raises:
         RuntimeError: a rank failed or hung (its error text and the launch's recipes).
@@ -56,7 +72,7 @@ def run_distributed(cases: list[Case], timeout: float = 600) -> dict[Case, tuple
         same = [c for c in cases if c.K == K]
         launches += [same[i:i + PER_LAUNCH] for i in range(0, len(same), PER_LAUNCH)]
     for group in launches:
-        ranks = run_local(worker, group[0].K, args=([c.recipe() for c in group],), timeout=timeout)
+        ranks = run_local(worker, group[0].K, args=([c.recipe() for c in group], _balances(group)), timeout=timeout)
         failed = [r for r in ranks if r.exitcode != 0]
         if failed:
             recipes = "\n".join(c.recipe() for c in group)

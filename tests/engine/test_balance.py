@@ -174,3 +174,19 @@ def test_time_cost_profiles_in_training_mode_and_leaves_no_trace(mode: str) -> N
     assert_same(before, model)
     assert recorder.forwards and all(training and grad for training, grad in recorder.forwards)
     assert recorder.backwards == len(recorder.forwards)
+
+
+def test_time_cost_times_in_place_layers_as_their_model_runs_them() -> None:
+    # each layer is timed alone on a leaf input that needs a gradient; an in-place layer writes
+    # into it, as it writes into its input in the model (torchvision's ReLU(inplace=True))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8),
+                          nn.Hardswish(inplace=True), nn.Linear(8, 4))
+    sample = torch.randn(16, 8)
+    kept = sample.clone()
+    before = snapshot(model)
+    costs = layer_costs(model, "time", sample)
+    assert len(costs) == len(model) and all(c > 0 for c in costs)
+    assert_same(before, model)
+    assert torch.equal(sample, kept)  # the in-place first layer wrote into a copy
+    assert sum(balance_by_time(model, sample, 3)) == len(model)

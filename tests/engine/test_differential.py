@@ -1,7 +1,8 @@
 """The differential harness: every combination of the engine's axes against plain PyTorch.
 
 Axes and the model: ``differential_cases``; the two runs and what is compared:
-``differential_run``. CI runs a fixed-seed pairwise sample; ``GPIPE_DIFFERENTIAL=full``
+``differential_run``. CI runs a fixed-seed pairwise sample of the lab model's axes and one of
+the zoo's (``tests/helpers/zoo.py``), and the combinations that found defects; ``GPIPE_DIFFERENTIAL=full``
 runs the whole product (or ``=N``, a sample of N); ``GPIPE_DIFFERENTIAL_CASE=<recipe>`` runs one case (the line a
 failing case prints). Each case also runs twice and must be bitwise equal.
 """
@@ -15,22 +16,27 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from differential_cases import Case, DictHead, all_cases, loss_fn, pairwise, random_cases
+from differential_cases import (
+    SEED,
+    ZOO_AXES,
+    Case,
+    DictHead,
+    all_cases,
+    loss_fn,
+    make_zoo_batch,
+    pairwise,
+    random_cases,
+    valid,
+    zoo_product,
+)
 from differential_distributed import run_distributed
-from differential_run import Observed, judge, run_engine
+from differential_run import MAX_NORM, Observed, judge, run_engine, run_reference, whole_model
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe
+from helpers import zoo
 
 SAMPLE_DISTRIBUTED = 4
-
-
-def defect_of(case: Case) -> int | None:
-    """The defect a combination hits while it is not fixed (none open now; FOUND lists the
-    combinations that found the fixed ones). Defect 8, fixed: ``DistributedGPipe.train_step``
-    returned a float64 model's loss as float32 (the verdict's all-reduce vector was float32)."""
-    del case
-    return None
 
 
 def check(case: Case) -> None:
@@ -44,10 +50,8 @@ def check(case: Case) -> None:
 def _params(cases: list[Case]) -> list:
     out = []
     for case in cases:
-        defect = defect_of(case)
-        marks = [pytest.mark.xfail(strict=True, reason=f"issue 27 defect {defect}")] if defect else []
-        if case.transport == "distributed":  # one worker holds the module's one launch (``_distributed``)
-            marks.append(pytest.mark.xdist_group("differential_distributed"))
+        # one worker holds the module's one launch (``_distributed``)
+        marks = [pytest.mark.xdist_group("differential_distributed")] if case.transport == "distributed" else []
         out.append(pytest.param(case, id=case.recipe(), marks=marks))
     return out
 
@@ -55,7 +59,8 @@ def _params(cases: list[Case]) -> list:
 def _selected() -> list[Case]:
     """The cases of this run: one (``GPIPE_DIFFERENTIAL_CASE``), all (``GPIPE_DIFFERENTIAL=full``),
     a fixed-seed sample of N (``GPIPE_DIFFERENTIAL=N``), or CI's: local cases in which every two
-    axes take every pair of their values (``pairwise``), and a few distributed ones in one launch (K=2). ``GPIPE_DIFFERENTIAL_SHARD=i/n`` keeps every n-th
+    axes take every pair of their values (``pairwise``: the lab model's axes, then the zoo's), and a
+    few distributed ones of each in one launch (K=2). ``GPIPE_DIFFERENTIAL_SHARD=i/n`` keeps every n-th
     case from the i-th (0-based), to spread the full product over n jobs."""
     if os.environ.get("GPIPE_DIFFERENTIAL_CASE"):
         return [Case.parse(os.environ["GPIPE_DIFFERENTIAL_CASE"])]
@@ -66,7 +71,9 @@ def _selected() -> list[Case]:
         shard = os.environ.get("GPIPE_DIFFERENTIAL_SHARD", "0/1")
         i, n = (int(v) for v in shard.split("/"))
         return chosen[i::n]
-    return pairwise(27, "local") + random_cases(27, SAMPLE_DISTRIBUTED, transport="distributed", K=2)
+    zoo_distributed = random_cases(45, SAMPLE_DISTRIBUTED, axes=ZOO_AXES, transport="distributed", K=2)
+    return (pairwise(27, "local") + random_cases(27, SAMPLE_DISTRIBUTED, transport="distributed", K=2)
+            + pairwise(45, "local", axes=ZOO_AXES) + zoo_distributed)
 
 
 SELECTED = _selected()
@@ -75,7 +82,8 @@ SELECTED = _selected()
 @functools.cache
 def _distributed() -> dict[Case, tuple[Observed, Observed]]:
     """The selected distributed cases' two runs, and FOUND's, launched once for the module."""
-    cases = dict.fromkeys(c for c in [*SELECTED, *map(Case.parse, FOUND)] if c.transport == "distributed")
+    found = map(Case.parse, FOUND + FOUND_45)
+    cases = dict.fromkeys(c for c in [*SELECTED, *found] if c.transport == "distributed")
     return run_distributed(list(cases))
 
 
@@ -110,9 +118,57 @@ FOUND = [
 ]
 
 
+# the combinations that found issue 45's defects 1 to 6 and the harness's 7 and 8, kept in CI whatever
+# the sample draws (each must pass: every one is fixed)
+_ZOO = "autocast=none,frozen=False,dtype=float32,output=tensor,track_memory=True"
+FOUND_45 = [
+    # 1: the positional embedding's gradient, gpipe-bw, one-sample micro-batches, .grad None at the start
+    f"door=train_step,K=1,M=4,batch=4,checkpoint=except_last,schedule=gpipe-bw,bn=none,rand=none,inputs=tensor,"
+    f"{_ZOO},transport=local,model=vit,transition=none,grads=none,cost=params",
+    f"door=train_step,K=2,M=4,batch=4,checkpoint=never,schedule=gpipe-bw,bn=none,rand=none,inputs=tensor,"
+    f"{_ZOO},transport=distributed,model=vit,transition=none,grads=none,cost=params",
+    # 2: an eval forward before the first training step, attention dropout
+    f"door=train_step,K=2,M=3,batch=4,checkpoint=except_last,schedule=gpipe,bn=none,rand=dropout,inputs=tensor,"
+    f"{_ZOO},transport=local,model=vit,transition=eval_train_eval,grads=none,cost=params",
+    # 3: a stage starting with an in-place ReLU (output_bytes cuts before one; re-materialized)
+    f"door=train_step,K=2,M=3,batch=4,checkpoint=except_last,schedule=gpipe,bn=plain,rand=none,inputs=tensor,"
+    f"{_ZOO},transport=local,model=resnet,transition=none,grads=none,cost=output_bytes",
+    f"door=backward,K=3,M=4,batch=4,checkpoint=always,schedule=gpipe,bn=none,rand=dropout,inputs=grad_input,"
+    f"{_ZOO},transport=local,model=squeezenet,transition=none,grads=none,cost=inplace",
+    # 4: the input is part of the caller's graph (a trainable front end), M > 1
+    f"door=train_step,K=2,M=3,batch=4,checkpoint=except_last,schedule=gpipe,bn=none,rand=none,inputs=tensor,"
+    f"{_ZOO},transport=local,model=front,transition=none,grads=none,cost=params",
+    # 5: sparse gradients (the non-finite check; clipping)
+    f"door=train_step,K=2,M=3,batch=4,checkpoint=except_last,schedule=gpipe,bn=none,rand=none,inputs=tensor,"
+    f"{_ZOO},transport=local,model=sparse,transition=none,grads=none,cost=params",
+    f"door=backward,K=2,M=3,batch=4,checkpoint=except_last,schedule=gpipe,bn=none,rand=none,inputs=tensor,"
+    f"{_ZOO},transport=local,model=sparse,transition=none,grads=none,cost=params",
+    # 6: targets of another batch size (3 inputs, 1 target: MSE broadcasts silently)
+    f"door=train_step,K=1,M=1,batch=3,checkpoint=except_last,schedule=gpipe,bn=none,rand=none,inputs=tensor,"
+    f"{_ZOO},transport=local,model=shared,transition=short_targets,grads=none,cost=params",
+    f"door=train_step,K=2,M=1,batch=3,checkpoint=except_last,schedule=gpipe,bn=none,rand=none,inputs=tensor,"
+    f"{_ZOO},transport=distributed,model=front,transition=short_targets,grads=none,cost=params",
+    # 7: the automatic balance by time on a model with in-place layers
+    f"door=train_step,K=2,M=3,batch=4,checkpoint=except_last,schedule=gpipe,bn=plain,rand=none,inputs=tensor,"
+    f"{_ZOO},transport=local,model=resnet,transition=none,grads=none,cost=time",
+    # 8: a cut through a shared parameter, accepted across processes (GPipe refuses it)
+    f"door=train_step,K=2,M=3,batch=4,checkpoint=except_last,schedule=gpipe,bn=none,rand=none,inputs=tensor,"
+    f"{_ZOO},transport=distributed,model=shared,transition=none,grads=none,cost=params",
+]
+
+
 @pytest.mark.parametrize("case", _params([Case.parse(r) for r in FOUND]))
 def test_the_combinations_that_found_issue_27s_defects(case: Case) -> None:
     check(case)
+
+
+@pytest.mark.parametrize("case", _params([Case.parse(r) for r in FOUND_45]))
+def test_the_combinations_that_found_issue_45s_defects(case: Case) -> None:
+    check(case)
+
+
+def test_every_found_combination_is_in_the_full_product() -> None:
+    assert all(valid(Case.parse(r)) for r in FOUND + FOUND_45)
 
 
 @pytest.mark.parametrize("case", _params(SELECTED))
@@ -139,3 +195,43 @@ def test_a_dict_output_is_joined_only_where_the_caller_asks_for_outputs() -> Non
     assert torch.allclose(loss, F.mse_loss(model(x)["y"], y), atol=1e-6)
     with pytest.raises(TypeError, match=r"last partition's output \(micro-batch 0\) is a dict; .*return_outputs"):
         pipe.train_step(x, y, loss_fn, return_outputs=True)
+
+
+@pytest.mark.parametrize("model", ["resnet", "vit", "tagger", "sparse", "front", "shared"])
+def test_the_zoo_reference_is_one_plain_pytorch_step_with_one_micro_batch(model: str) -> None:
+    # the harness's reference (micro-batches, stage generators, the script) reduces to plain PyTorch
+    case = Case.parse(f"door=train_step,K=1,M=1,batch=4,checkpoint=never,schedule=gpipe,"
+                      f"bn={'plain' if model in zoo.WITH_BATCH_NORM else 'none'},rand=none,autocast=none,"
+                      f"inputs=tensor,frozen=False,dtype=float32,output=tensor,track_memory=True,transport=local,"
+                      f"model={model},transition=none,grads=none,cost=params")
+    want = run_reference(case)
+    plain = zoo.build(model, SEED, dropout=False)
+    x, y = make_zoo_batch(case, plain)
+    loss = zoo.plain_step(plain, x, y)
+    norm = torch.nn.utils.clip_grad_norm_(plain.layers.parameters(), MAX_NORM)
+    torch.testing.assert_close(want["loss"], loss.reshape(1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(want["norm"], norm, rtol=1e-6, atol=1e-6)
+    params = dict(whole_model(plain).named_parameters())
+    assert set(want["grads"]) == set(params)
+    for name, p in params.items():
+        torch.testing.assert_close(want["grads"][name], p.grad.to_dense(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_zoo_gradient_off_by_more_than_the_tolerance_fails_loudly() -> None:
+    case = Case.parse("door=train_step,K=1,M=3,batch=4,checkpoint=except_last,schedule=gpipe,bn=none,rand=none,"
+                      "autocast=none,inputs=grad_input,frozen=False,dtype=float32,output=tensor,track_memory=True,"
+                      "transport=local,model=shared,transition=freeze,grads=accumulated,cost=params")
+    got = run_engine(case)
+    assert judge(case, got, got) == []
+    got["grads"]["layers.0.weight"][0, 0] += 2e-5
+    got["input_grad"][0][0, 0] += 2e-5
+    problems = judge(case, got, got)
+    assert [p.split(":")[0] for p in problems] == ["grads[layers.0.weight]", "input_grad[0]"]
+
+
+@pytest.mark.parametrize("model", ["front", "vit"])
+def test_the_zoo_product_holds_every_valid_case_the_axes_allow(model: str) -> None:
+    # the product narrows each model's axes before judging (speed); a valid draw must be in it
+    product = {c for c in zoo_product((model,), (1,)) if valid(c)}
+    drawn = random_cases(3, 40, axes=ZOO_AXES, model=model, K=1)
+    assert drawn and set(drawn) <= product

@@ -18,6 +18,10 @@ CASES = [Case.parse(r) for r in (
     "autocast=none,inputs=tensor,frozen=False,dtype=float32,output=dict,track_memory=True,transport=local",  # must refuse
     "door=nograd_train,K=3,M=4,batch=12,checkpoint=never,schedule=gpipe,bn=deferred,rand=functional,"
     "autocast=bf16,inputs=tuple,frozen=True,dtype=float32,output=tensor,track_memory=True,transport=local",
+    # a zoo model's case: the new axes in the recipe, the log and the summary
+    "door=train_step,K=2,M=3,batch=4,checkpoint=never,schedule=1f1b,bn=none,rand=none,autocast=none,"
+    "inputs=tensor,frozen=False,dtype=float32,output=tensor,track_memory=True,transport=local,model=tagger,"
+    "transition=freeze,grads=zero,cost=flops",
 )]
 
 
@@ -35,12 +39,12 @@ def test_shards_judge_every_case_once_and_resume_judging_only_what_failed(tmp_pa
     monkeypatch.setattr(full, "all_cases", lambda: CASES)
     assert full.run_shard(tmp_path, 0, 2) == 0 and full.run_shard(tmp_path, 1, 2) == 0
     rows = _rows(tmp_path)
-    assert sorted(tuple(r) for row in rows for r in row["passed"]) == [(0, 2), (1, 1)]
+    assert sorted(tuple(r) for row in rows for r in row["passed"]) == [(0, 2), (1, 3)]
     assert {row["engine"] for row in rows} == {full.engine_digest()}
     assert {row["commit"] for row in rows} == {source_commit()}
     assert all(row["failed"] == [] and row["seconds"] >= 0 for row in rows)
     assert full.summary(tmp_path) == 0
-    assert "3 of 3 combinations judged" in (tmp_path / "summary.md").read_text()
+    assert "4 of 4 combinations judged" in (tmp_path / "summary.md").read_text()
 
     # a case recorded as failed (a launch that died, say) is judged again; passed ones are not
     path = tmp_path / "shard-0-of-2.jsonl"
@@ -62,7 +66,7 @@ def test_a_judgement_of_another_engine_does_not_count(tmp_path: Path, monkeypatc
     (tmp_path / "shard-0-of-1.jsonl").write_text(json.dumps(old) + "\n")
     assert full.summary(tmp_path) == 2
     out = capsys.readouterr().out
-    assert f"0 of 3 combinations judged at engine {full.engine_digest()}" in out
+    assert f"0 of 4 combinations judged at engine {full.engine_digest()}" in out
     assert "not counted: 3 judgements at engine 000000000000 (1 failed, 0.00 shard-hours)" in out
     assert "not counted: 3 judgements at engine 000000000000" in (tmp_path / "summary.md").read_text()
     assert full.run_shard(tmp_path, 0, 1, limit=1) == 0  # judges case 0 again, not from the old line
@@ -74,7 +78,7 @@ def test_summary_says_cases_remain_and_a_bad_shard_is_refused(tmp_path: Path, mo
     monkeypatch.setattr(full, "all_cases", lambda: CASES)
     full.run_shard(tmp_path, 0, 3)
     assert full.summary(tmp_path) == 2
-    assert f"1 of 3 combinations judged at engine {full.engine_digest()}, 1 passed, 0 failed" in \
+    assert f"2 of 4 combinations judged at engine {full.engine_digest()}, 2 passed, 0 failed" in \
         capsys.readouterr().out
     with pytest.raises(SystemExit):
         full.main(["--shard", "2/2", "--log", str(tmp_path)])
@@ -99,4 +103,4 @@ def test_shards_of_another_n_take_over_only_what_is_left(tmp_path: Path, monkeyp
     assert json.loads((tmp_path / "shard-0-of-2.jsonl").read_text())["passed"] == [[2, 2]]
     assert full.run_shard(tmp_path, 1, 2) == 0
     assert full.summary(tmp_path) == 0
-    assert "3 of 3 combinations judged" in capsys.readouterr().out
+    assert "4 of 4 combinations judged" in capsys.readouterr().out

@@ -6,8 +6,9 @@ refuses an in-place write into a leaf that requires grad; a checkpointed micro-b
 first forward, which builds no graph, would write unseen into the input its
 re-materialization replays from. So a stage that writes its input runs each forward:
 
-- with a graph (a first forward or a re-materialization): on ``_Alias`` of each input
-  leaf, a non-leaf sharing the leaf's memory (no copy) whose gradient is the leaf's;
+- with a graph (a first forward or a re-materialization): on the alias of each input
+  leaf (``gpipe_lab.inplace.writable``): a non-leaf sharing the leaf's memory (no copy)
+  whose gradient is the leaf's;
 - a checkpointed first forward: on a copy of its inputs, so the kept ones stay as they came.
 
 Whether a stage writes its input is learned at its first training forward, which runs
@@ -18,27 +19,9 @@ compares the counters (an int per input) and raises if a later forward wrote aft
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from torch import Tensor
 
-
-class _Alias(torch.autograd.Function):
-    """The identity as a graph node: its output is no leaf, so a layer may write into it in place."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:  # noqa: D102
-        return x.detach()  # shares memory and version counter with x; autograd sees no view
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:  # noqa: D102
-        return grad
-
-
-def writable(inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """``inputs`` with each leaf that requires grad replaced by its ``_Alias`` (others as they are)."""
-    return tuple(_Alias.apply(t) if t.requires_grad and t.is_leaf else t for t in inputs)
+from gpipe_lab.inplace import writable
 
 
 class InputWrites:

@@ -45,6 +45,7 @@ from gpipe_lab.pipeline.forwarding import forwarded
 from gpipe_lab.pipeline.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import PipelineOptions, merged_options
+from gpipe_lab.pipeline.partition import split_module
 from gpipe_lab.pipeline.stage import StageRuntime
 from gpipe_lab.pipeline.timeline import Event, Timeline
 
@@ -68,7 +69,8 @@ class DistributedGPipe(PipelineCore):
         TypeError: ``module`` is not an ``nn.Sequential``.
         OptionError: an option outside its allowed values (the message names the key).
         ValueError: world size not divisible by K (both numbers named), a balance
-            inconsistent with the module.
+            inconsistent with the module, or one that puts a shared parameter's layers in two
+            chunks (on every rank, before any step).
     """
 
     def __init__(self, module: nn.Module | Callable[[], nn.Module], balance: Sequence[int] | None = None,
@@ -90,6 +92,7 @@ class DistributedGPipe(PipelineCore):
             torch.set_num_threads(opts.threads_per_stage)  # this process is one stage
         bind_device(self.device)  # the main thread's collectives run on this rank's GPU, not cuda:0
         self.balance = balance = agreed_balance(balance, self.device)
+        split_module(full, balance)  # refuses a parameter shared across chunks, as GPipe; every rank alike
         connect_links(topo, self.device)
         connect_groups(topo, self.device)
         if self.device.type == "cpu" and opts.retain_cpu_memory:
