@@ -18,9 +18,10 @@ disk) through ``trainer.save_checkpoint`` at the end of a training batch only:
 A batch-end checkpoint is what Lightning 2.6 resumes exactly: with the training loader's
 position (``gpipe_lab.data.ResumableDataLoader``) it continues at the next batch of the
 same epoch. The global RNG states (torch, CUDA, ``random``, numpy) are saved too and
-restored when training starts, and so is the intra-op thread count of the CPU stages
-(``THREADS_KEY``; kernels reduce in an order that depends on it, and the default follows the
-machine's load): ``resumed_options`` gives it back unless ``threads_per_stage`` is set; the pipeline's per-(step, stage, micro-batch) generators
+restored when training starts. So is the intra-op thread count of the CPU stages
+(``THREADS_KEY``): kernels reduce in an order that depends on it, and its default follows the
+machine's load, so ``resumed_options`` gives the resumed run the recorded count unless
+``threads_per_stage`` is set. The pipeline's per-(step, stage, micro-batch) generators
 follow from Lightning's restored batch counter (``pipeline_runner``). Together: the same
 losses as an uninterrupted run, bitwise on CPU with the same K and M.
 
