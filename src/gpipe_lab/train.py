@@ -41,7 +41,7 @@ from gpipe_lab.evaluation import check_test_set, evaluate_checkpoint, evaluates,
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
-from gpipe_lab.lightning.resume import BestCheckpoint, ResumableCheckpoint
+from gpipe_lab.lightning.resume import BestCheckpoint, ResumableCheckpoint, resumed_options
 from gpipe_lab.lightning.wandb_run import build_wandb_logger, job_run_name
 from gpipe_lab.models import build, preset_costs
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
@@ -243,6 +243,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if plan is not None:
         extra.update(plan.summary())
     metrics = PipelineMetrics(output_dir, extra_summary=extra, derived=plan.compare if plan is not None else None)
+    options = resumed_options(options, ckpt_path)  # the run's thread count: a bitwise continuation
     trainer = build_trainer(cfg, options, module, output_dir, metrics)
     fit(cfg, trainer, module, datamodule, metrics, ckpt_path)
     if trainer.is_global_zero:

@@ -42,6 +42,7 @@ APP = [
     f"data.num_train={8 * STEPS_PER_EPOCH}", "data.num_val=8", "data.batch_size=8",
     "model.num_filters=8", "data.image_size=8", "model.image_size=8",
     "pipeline.partitions=2", "pipeline.chunks=4", "seed=3",
+    "pipeline.threads_per_stage=1",  # runs compared bitwise: not the default, which follows the load
     "callbacks.checkpoint_every_n_steps=3", "callbacks.keep_checkpoints=-1",
 ]
 #: The interruption tests follow the app's steps on its progress bar.

@@ -26,6 +26,8 @@ COMMON = [
     "callbacks.checkpoint_every_n_steps=null", f"trainer.max_steps={STEPS}", "seed=7",
     "pipeline.partitions=2", "pipeline.chunks=4", "data.batch_size=16", f"data.num_train={16 * STEPS}",
     "data.num_val=16",
+    # the same count on every rank and stage, whatever the load when each transport builds its pipeline
+    "pipeline.threads_per_stage=1",
 ]
 MODELS = {
     "amoebanet_d_tiny": ["model=amoebanet_d_tiny", "data=synthetic_images"],

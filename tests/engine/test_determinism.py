@@ -51,8 +51,10 @@ def pipelined_losses(build, partitions: int | None, chunks: int, checkpoint: str
                      schedule: str = "gpipe", seed: int = 5, deferred_batch_norm: bool = False,
                      balance: list[int] | None = None) -> list[float]:
     model = build()
+    # one thread per stage: the default follows the machine's load, and the thread count changes
+    # the reduction order, so two runs compared bitwise must not leave it to the default
     pipe = GPipe(model, partitions=partitions, balance=balance, chunks=chunks, checkpoint=checkpoint,
-                 schedule=schedule, seed=seed, deferred_batch_norm=deferred_batch_norm)
+                 schedule=schedule, seed=seed, deferred_batch_norm=deferred_batch_norm, threads_per_stage=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     out = []
     for x, y in batches():

@@ -89,7 +89,7 @@ def fit(ckpt_dir: Path, max_steps: int, ckpt_path: Path | None = None, validate:
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=2 if validate else 0, max_steps=max_steps,
-        accumulate_grad_batches=accumulate, strategy=GPipeStrategy(partitions=2, chunks=2, seed=7),
+        accumulate_grad_batches=accumulate, strategy=GPipeStrategy(partitions=2, chunks=2, seed=7, threads_per_stage=1),
         callbacks=[ResumableCheckpoint(ckpt_dir, every_n_train_steps=every, save_top_k=-1), *callbacks])
     torch.manual_seed(123)  # the global RNG differs between runs unless the checkpoint restores it
     torch.randn(int(ckpt_path is not None) + 1)

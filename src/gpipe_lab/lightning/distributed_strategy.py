@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distributed"):
     """``GPipeStrategy`` with ``transport="distributed"`` (see ``GPipeStrategy`` for the arguments)."""
 
+    _cpu_threads: int | None = None  # set in setup_environment
+
     def transport_arguments(self, process_group_backend: str | None) -> dict[str, Any]:
         """The process group's backend and timeout (the pipeline's, at least a minute)."""
         return {"process_group_backend": process_group_backend,
@@ -91,9 +93,14 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
             # reduce in an order that depends on the thread count, so unequal ranks drift from the local run.
             threads = self.options.threads_per_stage or default_threads(self.num_processes)
             torch.set_num_threads(threads)
+            self._cpu_threads = threads
             if self.local_rank == 0:
                 warn_if_oversubscribed(self.num_processes, threads)
         super().setup_environment()
+
+    @property
+    def cpu_threads(self) -> int | None:
+        return self._cpu_threads
 
     def model_to_device(self) -> None:
         """The engine placed this rank's layers (the others stay on meta); the rest goes to the root device."""

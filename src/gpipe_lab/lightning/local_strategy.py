@@ -43,6 +43,12 @@ class LocalGPipeStrategy(GPipeStrategy, transport="local"):
         assert self.pipe is not None, "the engine is built in setup()"
         return cast(GPipe, self.pipe)
 
+    @property
+    def cpu_threads(self) -> int | None:
+        if self.pipe is None or all(d.type != "cpu" for d in self.engine.devices):
+            return None
+        return self.engine.threads_per_stage
+
     def local_devices(self) -> list[torch.device] | None:
         """One device per stage: ``stage_devices``, else the Trainer's GPUs, else the engine's choice.
 

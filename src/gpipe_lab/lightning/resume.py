@@ -18,7 +18,10 @@ disk) through ``trainer.save_checkpoint`` at the end of a training batch only:
 A batch-end checkpoint is what Lightning 2.6 resumes exactly: with the training loader's
 position (``gpipe_lab.data.ResumableDataLoader``) it continues at the next batch of the
 same epoch. The global RNG states (torch, CUDA, ``random``, numpy) are saved too and
-restored when training starts; the pipeline's per-(step, stage, micro-batch) generators
+restored when training starts. So is the intra-op thread count of the CPU stages
+(``THREADS_KEY``): kernels reduce in an order that depends on it, and its default follows the
+machine's load, so ``resumed_options`` gives the resumed run the recorded count unless
+``threads_per_stage`` is set. The pipeline's per-(step, stage, micro-batch) generators
 follow from Lightning's restored batch counter (``pipeline_runner``). Together: the same
 losses as an uninterrupted run, bitwise on CPU with the same K and M.
 
@@ -48,8 +51,22 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from gpipe_lab.lightning.init_from import load_initial_weights
 from gpipe_lab.lightning.rng_states import RNG_KEY, rng_states, set_rng_states
+from gpipe_lab.pipeline.options import PipelineOptions
 
-__all__ = ["BestCheckpoint", "ResumableCheckpoint", "load_initial_weights", "resolve_ckpt_path", "resume_command"]
+__all__ = ["THREADS_KEY", "BestCheckpoint", "ResumableCheckpoint", "load_initial_weights", "resolve_ckpt_path",
+           "resume_command", "resumed_options"]
+
+THREADS_KEY = "gpipe_lab_threads_per_stage"
+
+
+def resumed_options(options: PipelineOptions, ckpt_path: str | None) -> PipelineOptions:
+    """``options`` with the thread count the checkpoint's CPU stages ran with, so the continuation
+    computes as the run did; as given where ``threads_per_stage`` is set, without ``ckpt_path``,
+    or where the checkpoint recorded none (GPU stages, an older checkpoint)."""
+    if ckpt_path is None or options.threads_per_stage is not None:
+        return options
+    threads = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False).get(THREADS_KEY)
+    return options if threads is None else options.replace(threads_per_stage=int(threads))
 
 
 class ResumableCheckpoint(ModelCheckpoint):
@@ -85,6 +102,7 @@ class ResumableCheckpoint(ModelCheckpoint):
                            checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
         checkpoint[RNG_KEY] = rng_states()
+        checkpoint[THREADS_KEY] = getattr(trainer.strategy, "cpu_threads", None)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

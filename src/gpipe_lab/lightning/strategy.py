@@ -157,6 +157,12 @@ class GPipeStrategy(OptionViews, PipelineRunnerMixin, ParallelStrategy):
         return 1
 
     @property
+    def cpu_threads(self) -> int | None:
+        """The intra-op threads each CPU stage of this process runs with (None: no CPU stage,
+        or not set up yet); a resumed run reuses it (``gpipe_lab.lightning.resume``)."""
+        return None
+
+    @property
     def timeline(self) -> Timeline | None:
         """The timeline of the last pipeline call (this rank's events in distributed)."""
         return None if self.pipe is None else self.pipe.timeline
