@@ -112,7 +112,8 @@ class Moment(nn.Module):
 
 
 def hook_all_reduce(store: dist.TCPStore, data_parallel: bool, victim: bool) -> None:
-    """The first all-reduce on the world (loss sharing) or a data-parallel group: the focal
+    """The step's first all-reduce on the world (loss sharing) or a data-parallel group (hooked
+    after the pipe is built, whose groups' warm-up collectives come first): the focal
     survivor announces it, the victim waits for that announcement and dies instead."""
     real, first = dist.all_reduce, [True]
 
@@ -143,14 +144,14 @@ def moment_worker(rank: int, world: int, moment: str) -> dict:
     if moment == "receive" and rank == victim:  # stage 0 dies before sending anything
         holds[0] = die
     when = 1 - stage if moment == "send" else 0
-    if moment in ("loss", "gradients") and rank in (victim, focal):
-        hook_all_reduce(store, moment == "gradients", rank == victim)
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for k in range(K):
         layers += [nn.Linear(4, 4), nn.Tanh(), Moment(when, holds[k] if k == stage else None)]
     pipe = DistributedGPipe(nn.Sequential(*layers), balance=[3] * K, chunks=4, checkpoint="never", seed=0,
                             timeout=TIMEOUT, nonfinite="raise" if world == 2 else "skip")
+    if moment in ("loss", "gradients") and rank in (victim, focal):  # the step's, not construction's
+        hook_all_reduce(store, moment == "gradients", rank == victim)
     g = torch.Generator().manual_seed(1)
     try:
         pipe.train_step(torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g), F.mse_loss)
