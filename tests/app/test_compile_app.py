@@ -29,7 +29,8 @@ SMALL_MODEL = ["model.num_layers=1", "model.d_model=16", "model.ffn_dim=32", "mo
 COMPILE = "pipeline.compile={backend:aot_eager}"
 COMMON = [
     "model=transformer_tiny", *SMALL_MODEL, "data=synthetic_translation", "logger=csv", "trainer.enable_progress_bar=false",
-    "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0", "+trainer.enable_model_summary=false",
+    "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0", "trainer.limit_test_batches=0",
+    "+trainer.enable_model_summary=false",
     "trainer.enable_checkpointing=false", "callbacks.checkpoint_every_n_steps=null", f"trainer.max_steps={STEPS}",
     "seed=7", "pipeline.partitions=2", "pipeline.chunks=4", "data.batch_size=8", f"data.num_train={8 * STEPS}",
     "data.num_val=8", "data.min_len=6", "data.max_len=6",  # one sequence length: no recompile for a new one

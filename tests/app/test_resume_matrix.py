@@ -5,8 +5,11 @@
   and the distributed transport's checkpoint names each weight as the local one does (the
   model's own layer names: the preset's layers, narrowed to a few channels, built on ``meta``).
 - The matrix (slow: a distributed launch costs tens of seconds on two busy cores), for the
-  two tiny presets: a 2-step run per transport (K=2) keeps its step-1 checkpoint; each
-  checkpoint is resumed to step 2 locally and distributed, at K=2 and at another K. Where
+  two tiny presets: a 2-step run per transport (K=2) keeps its step-1 checkpoint, resumed to
+  step 2 locally and distributed, at K=2 and at another K. Each preset runs four of the eight
+  (checkpoint's transport, resuming transport, K) cases, which hold every pair of those values
+  (each transport resumes and is resumed at either K, from either transport) and both bitwise
+  promises; the default model also resumes across transports at the same K. Where
   the README promises bitwise equality (the same transport, K and M) the resumed run's
   weights are bitwise the uninterrupted run's; elsewhere the resumed step's loss and the
   weights agree to float rounding (``docs/reliability.md``, Determinism). Test ids read
@@ -102,7 +105,14 @@ def test_a_checkpoint_numbering_its_layers_still_resumes_bitwise(tmp_path):
     assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items())
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+# (checkpoint's transport, resuming transport, same K): every pair of values, the bitwise cases among them
+COVERING = [("local", "local", True), ("distributed", "distributed", True),
+            ("local", "distributed", False), ("distributed", "local", False)]
+ACROSS = [("local", "distributed", True), ("distributed", "local", True)]
+MATRIX = [(m, *case) for m in sorted(MODELS) for case in COVERING + (ACROSS if m == "amoebanet_d_tiny" else [])]
+
+
+@pytest.fixture(scope="module")
 def uninterrupted(request, tmp_path_factory) -> tuple[str, Path, dict[str, Path]]:
     """The model, a scratch folder and one uninterrupted K=2 run per transport (checkpoints at steps 1, 2)."""
     tmp = tmp_path_factory.mktemp(request.param)
@@ -112,10 +122,8 @@ def uninterrupted(request, tmp_path_factory) -> tuple[str, Path, dict[str, Path]
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("source", "transport"), [(s, t) for s in ("local", "distributed")
-                                                   for t in ("local", "distributed")],
-                         ids=lambda v: v if v == "local" else "distributed")
-@pytest.mark.parametrize("same_k", [True, False], ids=["same-K", "other-K"])
+@pytest.mark.parametrize(("uninterrupted", "source", "transport", "same_k"), MATRIX, indirect=["uninterrupted"],
+                         ids=[f"{m}-{'same' if k else 'other'}-K-{s}-{t}" for m, s, t, k in MATRIX])
 def test_every_checkpoint_resumes_on_either_transport_at_any_k(uninterrupted, source, transport, same_k):
     model, tmp, reference = uninterrupted
     k = K if same_k else OTHER_K[transport]
@@ -136,6 +144,7 @@ def test_every_checkpoint_resumes_on_either_transport_at_any_k(uninterrupted, so
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("uninterrupted", sorted(MODELS), indirect=True)
 @pytest.mark.parametrize("transport", ["local", "distributed"])
 def test_every_transports_checkpoint_exports_as_the_unpipelined_model(uninterrupted, transport):
     """``gpipe-export``'s file loads strictly into the model as gpipe-train builds it, unpipelined
