@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpipe_lab import GPipe
-from gpipe_lab.pipeline import step_policy
+from gpipe_lab.pipeline import nonfinite, step_policy
 from gpipe_lab.pipeline.nonfinite import gradient_flag
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -18,8 +18,10 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 @pytest.fixture
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """The number of tensors each call of the fused kernel judged."""
+    """The number of tensors each call of the fused kernel judged (the fused path taken on the
+    CPU too, which otherwise reads each tensor with aminmax: ``nonfinite.FUSED_DEVICE_TYPES``)."""
     calls: list[int] = []
+    monkeypatch.setattr(nonfinite, "FUSED_DEVICE_TYPES", {"cpu", "cuda"})
     original = torch._foreach_norm
 
     def counted(tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -98,3 +100,18 @@ def test_ignore_checks_nothing_and_reads_nothing(fused_calls, monkeypatch) -> No
     assert loss.item() == pytest.approx(F.mse_loss(pipe.module(x), y).item(), abs=1e-6)
     pipe(x).sum().backward()  # the pipe(x) path ends the step the same way
     assert fused_calls == [] and reads == [] and not pipe.last_step_skipped
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [None, float("inf"), -float("inf"), float("nan")])
+def test_cpu_gradients_are_read_by_aminmax_and_keep_every_bit(dtype, bad, monkeypatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "_foreach_norm", lambda tensors, *a, **k: calls.append(len(tensors)))
+    gs = grads(dtype, bad)
+    before = [(g.clone(), g._version) for g in gs]
+    found = gradient_flag(gs)
+    assert found is not None and (found.item() > 0) == (bad is not None)
+    assert calls == []  # the CPU's fast read-only pass, not foreach_norm's slow CPU kernel
+    for g, (b, v) in zip(gs, before, strict=True):
+        torch.testing.assert_close(g, b, rtol=0, atol=0, equal_nan=True)
+        assert g._version == v

@@ -68,14 +68,20 @@ def nonfinite_flag(tensors: Iterable[Tensor | None]) -> Tensor | None:
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+#: where ``torch._foreach_norm`` of order inf is one fast fused kernel; on the CPU it is not, and
+#: ``nonfinite_flag``'s aminmax pass per tensor is the fast read-only check there
+#: (``python -m benchmarks.probes.nonfinite_check`` times both)
+FUSED_DEVICE_TYPES = {"cuda"}
+
+
 def gradient_flag(grads: Iterable[Tensor | None]) -> Tensor | None:
     """A 0-d float64 tensor, > 0 if some element of some gradient is NaN/inf; without a host sync.
 
     One fused kernel per device and dtype (``torch._foreach_norm`` of order inf: each gradient's
     largest magnitude, NaN or inf when some element is; it reads the gradients without writing
     them, as ``GradScaler``'s check at scale one would, and cannot overflow since it sums
-    nothing). Gradients it cannot take (other dtypes, sparse ones, the meta device) are
-    judged by ``nonfinite_flag``. The flag is on the first gradient's device (a flag from another
+    nothing). Gradients it cannot take (other dtypes, sparse ones, devices outside
+    ``FUSED_DEVICE_TYPES``, the CPU's among them) are judged by ``nonfinite_flag``. The flag is on the first gradient's device (a flag from another
     device reaches a CPU one by a blocking copy); ``None`` entries and empty tensors are skipped;
     returns ``None`` when nothing is left.
     """
@@ -84,7 +90,7 @@ def gradient_flag(grads: Iterable[Tensor | None]) -> Tensor | None:
     for g in grads:
         if g is None or g.numel() == 0:
             continue
-        if g.dtype in _FUSED_DTYPES and g.layout == torch.strided and not g.is_meta:
+        if g.dtype in _FUSED_DTYPES and g.layout == torch.strided and g.device.type in FUSED_DEVICE_TYPES:
             groups.setdefault((g.device, g.dtype), []).append(g)
         else:
             rest.append(g)
