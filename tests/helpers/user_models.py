@@ -1,11 +1,14 @@
 """Small models of the shapes users bring (issue 45), shared by the engine's and the distributed
-transport's tests: a ViT front, attention drawing dropout, an in-place first layer, a sparse embedding."""
+transport's tests: a ViT front, attention drawing dropout, an in-place first layer, a sparse embedding.
+The ViT's class token and positional embedding are the zoo's (``helpers.zoo``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from helpers.zoo import ClassToken, PositionEmbedding
 
 
 class Patches(nn.Module):
@@ -15,24 +18,6 @@ class Patches(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(x)
-
-
-class ClassToken(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.token = nn.Parameter(torch.randn(1, 1, 8))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.cat([self.token.expand(x.shape[0], -1, -1), x], dim=1)
-
-
-class Position(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Parameter(torch.randn(1, 5, 8))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.embedding
 
 
 class ClassHead(nn.Module):
@@ -46,7 +31,7 @@ class ClassHead(nn.Module):
 
 def vit() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(Patches(), ClassToken(), Position(), nn.Linear(8, 8), nn.Tanh(), ClassHead())
+    return nn.Sequential(Patches(), ClassToken(), PositionEmbedding(5), nn.Linear(8, 8), nn.Tanh(), ClassHead())
 
 
 class Attention(nn.Module):
