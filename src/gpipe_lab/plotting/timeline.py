@@ -74,20 +74,24 @@ def plot_timeline(timeline: Timeline, path: str | Path | None = None, title: str
     longest = max(t.wall for _, t in panels)
     scale = 1e3 if 0 < longest < 10 else 1.0
     xmax = max(longest * scale, 1e-9) * 1.02
-    height = 0.9 + sum(0.45 * t.num_stages + 0.6 for _, t in panels)
+    top, bottom = 0.75, 0.95  # inches: title and legend above, time axis and caption below
+    height = top + bottom + sum(0.45 * t.num_stages + 0.45 for _, t in panels)
     fig = Figure(figsize=(11, height))
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    # fixed margins, not tight_layout: laying out by measured text extents draws the figure once more
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False,
+                        gridspec_kw={"left": 0.08, "right": 0.99, "top": 1 - top / height,
+                                     "bottom": bottom / height, "hspace": 0.45})[:, 0]
     for ax, (name, t) in zip(axes, panels):
         _draw(ax, t, name, scale, xmax)
     axes[-1].set_xlabel("time (ms)" if scale == 1e3 else "time")
     drawn = {e.kind for _, t in panels for e in t.events}
     handles = [Patch(facecolor=COLORS[k], edgecolor="black", label=LABELS[k]) for k in COLORS if k in drawn]
-    fig.legend(handles=handles, loc="upper right", ncol=max(1, len(handles)), fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="upper right", ncol=max(1, len(handles)), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.99, 1 - 0.3 / height))
     if title:
-        fig.suptitle(title, x=0.01, ha="left", fontsize=10)
-    fig.text(0.01, 0.01, CAPTION, ha="left", va="bottom", fontsize=7)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.93))
+        fig.suptitle(title, x=0.01, y=1 - 0.08 / height, ha="left", va="top", fontsize=10)
+    fig.text(0.01, 0.05 / height, CAPTION, ha="left", va="bottom", fontsize=7)
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
