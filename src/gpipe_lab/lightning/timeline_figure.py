@@ -1,15 +1,12 @@
 """The pipeline timeline as a Gantt picture: the measured step above the step the simulator
 predicts for the same schedule from that step's own action times (the plotting package's
-figure, or a plain fallback without the prediction)."""
+figure)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from gpipe_lab.pipeline import Timeline, get_schedule
-
-_COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green", "R": "tab:purple"}
 
 
 def predicted_timeline(measured: Timeline, schedule: str, chunks: int, checkpoint: str) -> Timeline | None:
@@ -33,30 +30,10 @@ def predicted_timeline(measured: Timeline, schedule: str, chunks: int, checkpoin
 def save_timeline_figure(timeline: Timeline, path: str | Path, title: str | None = None,
                          predicted: Timeline | None = None) -> Path:
     """Draw ``timeline`` (and ``predicted`` below it) to ``path`` (PNG) and return the path."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    from gpipe_lab.plotting.timeline import plot_timeline  # matplotlib: loaded when first drawn
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure: Any
-    try:
-        from gpipe_lab.plotting.timeline import plot_timeline
-
-        figure = plot_timeline(timeline, title=title, predicted=predicted)
-    except ImportError:
-        figure, ax = plt.subplots(figsize=(10, 0.6 * timeline.num_stages + 1.2))
-        for e in timeline.shifted():
-            if e.kind in _COLORS:
-                ax.barh(e.stage, e.duration, left=e.start, color=_COLORS[e.kind], edgecolor="black", linewidth=0.3)
-                ax.text(e.start + e.duration / 2, e.stage, f"{e.kind}{e.microbatch}", ha="center",
-                        va="center", fontsize=6)
-        ax.set_yticks(range(timeline.num_stages))
-        ax.set_yticklabels([f"stage {k}" for k in range(timeline.num_stages)])
-        ax.invert_yaxis()
-        ax.set_xlabel("seconds")
-        ax.set_title(title or f"bubble {timeline.measured_bubble():.2f}")
-    figure.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(figure)
+    # plot_timeline draws on its own Agg canvas (no pyplot state to close) and lays itself out
+    plot_timeline(timeline, title=title, predicted=predicted).savefig(path, dpi=100)
     return path
