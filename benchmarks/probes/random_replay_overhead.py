@@ -27,8 +27,8 @@ import torch
 from benchmarks.bench_common import SIZES, make_workload, prepare_process
 from gpipe_lab.bench import Workload, WorkloadSpec, time_rounds
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.pipeline.dropout_kernel import fused_dropout
-from gpipe_lab.pipeline.replay_policy import GUARD, NONE, StageReplay
+from gpipe_lab.pipeline.stage.dropout_kernel import fused_dropout
+from gpipe_lab.pipeline.stage.replay_policy import GUARD, NONE, StageReplay
 
 SETTINGS = {"auto": "auto", "True": True, "False": False}
 CHUNKS = 4

@@ -16,7 +16,7 @@ from torch import nn
 
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.pipeline import DeferredBatchNorm, GPipe, PipelineCore, PipelineOptions, balance_by_cost
-from gpipe_lab.pipeline.distributed.launch import run_local
+from gpipe_lab.pipeline.distributed.spawn import run_local
 from helpers.strategy import TinyData, TinyRegressor, trainer
 
 #: one value per field, none of them the default; layouts for an 8-layer model, K=2, v=2

@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpipe_lab import GPipe
-from gpipe_lab.pipeline import nonfinite, step_policy
-from gpipe_lab.pipeline.nonfinite import gradient_flag
+from gpipe_lab.pipeline.step import nonfinite, step_policy
+from gpipe_lab.pipeline.step.nonfinite import gradient_flag
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
