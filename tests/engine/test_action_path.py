@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpipe_lab import GPipe
-from gpipe_lab.pipeline.stage.backward_call import stage_backward
+from gpipe_lab.pipeline.stage.runtime import stage_backward
 from gpipe_lab.pipeline.step import step_state
 from gpipe_lab.pipeline.step.mailbox import Mailbox
 

@@ -41,10 +41,9 @@ from gpipe_lab.pipeline.distributed.state_dict import (
     local_state_dict,
 )
 from gpipe_lab.pipeline.distributed.topology import barrier, build_topology, connect_groups, connect_links
-from gpipe_lab.pipeline.forwarding import forwarded
 from gpipe_lab.pipeline.measuring.timeline import Event, Timeline
 from gpipe_lab.pipeline.microbatch import Value
-from gpipe_lab.pipeline.options import PipelineOptions, merged_options
+from gpipe_lab.pipeline.options import PipelineOptions, forwarded, merged_options
 from gpipe_lab.pipeline.partitioning.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.partitioning.partition import split_module
 from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline.stage.context import current_generator, current_watch
-from gpipe_lab.pipeline.stage.dropout_kernel import fused_dropout
+from gpipe_lab.pipeline.stage.random_replay import fused_dropout
 
 
 class StageDropout(nn.Module):

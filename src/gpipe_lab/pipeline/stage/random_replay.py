@@ -14,7 +14,7 @@ below autograd and:
 - sends ``rand``/``randn``/``randint``/``randperm``/``*_like`` to their
   ``.generator`` overloads with that generator;
 - runs ``native_dropout`` (the fused dropout of accelerators) as a dropout that
-  takes that generator (``dropout_kernel``: one kernel on CUDA);
+  takes that generator (``fused_dropout``: one kernel on CUDA);
 - runs any other seeded op (fused attention kernels with dropout, which read
   the device's default generator) with the device's default generator reseeded
   from the micro-batch, under a lock (``replay_policy`` moves the shared default
@@ -41,9 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpipe_lab.pipeline.stage.dropout_kernel import fused_dropout
-
-__all__ = ["RandomReplay", "UnreplayableRandomError", "device_seed", "generator_argument"]
+__all__ = ["RandomReplay", "UnreplayableRandomError", "device_seed", "fused_dropout", "generator_argument"]
 
 _MASK = (1 << 63) - 1
 _SEEDED = torch.Tag.nondeterministic_seeded
@@ -247,3 +245,22 @@ def _key(device: torch.device) -> tuple[str, int]:
 
 def _mix(seed: int, part: int) -> int:
     return (seed * 6364136223846793005 + 1442695040888963407 + part) & _MASK
+
+
+# Inverted dropout with a named generator (``StageDropout`` and the replayed ``native_dropout``), in as
+# few full-size passes as the device allows. On CUDA, ``torch._fused_dropout`` draws the mask and scales in one kernel and takes a
+# generator (``native_dropout``, the kernel behind ``F.dropout``, only reads the default one);
+# its backward saves the one-byte mask. Elsewhere the mask is drawn straight into a bool
+# tensor (the same numbers as ``bernoulli_`` on a float tensor: one draw per element) and
+# applied by ``where``, whose backward saves only that bool mask, then scaled in place.
+def fused_dropout(x: Tensor, p: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """``(x`` with each element zeroed with probability ``p`` and the rest scaled by ``1/(1-p)``,
+    the bool keep mask``)``; the mask is drawn from ``generator`` (the default one if ``None``).
+
+    ``p`` must be in ``[0, 1)`` (callers check it).
+    """
+    if x.is_cuda and x.numel() > 0:
+        out, keep = torch._fused_dropout(x, 1.0 - p, generator)  # its p is the keep probability
+        return out, keep.view(torch.bool)  # a 0/1 byte mask: the same bytes read as bool
+    keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p, generator=generator)
+    return torch.where(keep, x, x.new_zeros(())).mul_(1.0 / (1.0 - p)), keep

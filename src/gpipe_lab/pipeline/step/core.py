@@ -5,14 +5,26 @@ are this class plus a transport endpoint (``channel.Endpoint``). The core owns t
 step: its micro-batching (min(chunks, batch) micro-batches), the loss weights, the
 schedule (cached per micro-batch count), running the hosted ranks' action lists
 through the one executor (``executor.Executor``), the non-finite policy with its
-deferred-BatchNorm commit, and the timeline. ``pipe(x)``'s differentiable path
-(``autograd_forward``) runs through the public ``forward_half`` / ``backward_half``
-(``half_steps``), so it gets the same policy as ``train_step``.
+deferred-BatchNorm commit, and the timeline.
+
+``pipe(x)``'s differentiable path (``autograd_forward``) runs the step in two halves, through
+the public ``forward_half`` and ``backward_half``, so it gets the same policy as ``train_step``:
+``forward_half`` runs fill-drain's forward half with graphs kept (or re-materialized later, per
+``checkpoint``) and returns a ``HalfStep``; ``backward_half`` runs the backward half from the
+caller's output gradients, then ends the step as ``train_step`` does. The step is counted at the
+forward: a ``pipe(x)`` never back-propagated still draws fresh random numbers on the next call.
+
+What ends a step is the same on every rank: each process builds its verdict vector
+(``nonfinite``), the endpoint sums it over every rank, and all ranks raise ``NonFiniteError`` or
+skip the step together. Under ``nonfinite="ignore"`` nothing is checked; a process holding every
+stage then builds no vector and reads nothing from the device. Deferred BatchNorm statistics are
+committed after a good step and dropped after a failed or skipped one.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -22,6 +34,7 @@ from gpipe_lab.pipeline.measuring.timeline import Timeline
 from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, unwrap
 from gpipe_lab.pipeline.options import OptionViews, PipelineOptions, compile_kwargs
 from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs
+from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.stage.compiling import CompiledStage, split_backward_error
 from gpipe_lab.pipeline.stage.replay_policy import StageReplay, generator_owners
 from gpipe_lab.pipeline.stage.runtime import StageRuntime
@@ -30,14 +43,20 @@ from gpipe_lab.pipeline.step.batching import (
     Normalizer,
     checkpointed_microbatches,
     input_gradients,
+    input_leaves,
     loss_weights,
     make_feed,
     microbatch_count,
 )
-from gpipe_lab.pipeline.step.channel import Endpoint, StepFeed
+from gpipe_lab.pipeline.step.channel import Endpoint, StepFeed, Values
 from gpipe_lab.pipeline.step.executor import Executor, StepRecord
-from gpipe_lab.pipeline.step.half_steps import HalfSteps
-from gpipe_lab.pipeline.step.step_policy import StepPolicy
+from gpipe_lab.pipeline.step.nonfinite import (
+    NonFiniteError,
+    describe_problem,
+    loss_dtype,
+    read_verdict,
+    verdict_vector,
+)
 
 
 class _Scheduled(NamedTuple):
@@ -49,7 +68,18 @@ class _Scheduled(NamedTuple):
     weight_runs: dict[int, dict[int, tuple[int, ...]]]  # ``schedules.weight_runs`` of the hosted ranks
 
 
-class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
+class HalfStep(NamedTuple):
+    """A ``pipe(x)`` step whose forward half ran (``PipelineCore.forward_half``)."""
+
+    outputs: Value
+    output_was_tensor: bool
+    plan: StepPlan
+    leaves: list[tuple[Tensor, ...]]  # each micro-batch's inputs, as leaves on the first stage's device
+    sizes: list[int]  # each micro-batch's output batch size
+    generation: int
+
+
+class PipelineCore(OptionViews, nn.Module):
     """The step shared by every front door; a front door calls ``_start_core`` once built."""
 
     options: PipelineOptions
@@ -118,6 +148,10 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
     def _last(self) -> StageRuntime | None:
         """The last (virtual) stage, if this process holds it."""
         return self.runtimes.get(self._num_virtual - 1)
+
+    @property
+    def _num_virtual(self) -> int:
+        return self._num_ranks * self.options.virtual_stages
 
     # ------------------------------------------------------------ the step
     def _num_microbatches(self, inputs: object, targets: object) -> int:
@@ -252,3 +286,94 @@ class PipelineCore(HalfSteps, StepPolicy, OptionViews, nn.Module):
         self._commit_batch_norm()  # a training-mode forward is one mini-batch, as for nn.BatchNorm
         return outputs
 
+    # ------------------------------------------------------------ pipe(x): the step in two halves
+    def forward_half(self, inputs: tuple[Tensor, ...], was_tensor: bool) -> HalfStep:
+        """``pipe(x)``'s forward: fill-drain's forward half with graphs kept (or re-materialized
+        later, per ``checkpoint``); deferred BatchNorm statistics are committed here, as
+        ``nn.BatchNorm``'s move in the forward. Finish it with ``backward_half``.
+
+        Raises:
+            TypeError, ValueError: inputs that are not tensors or cannot be split.
+            Exception: whatever a layer raised, with its stage and micro-batch in the message.
+        """
+        M = self._num_microbatches(inputs, None)
+        plan = StepPlan(self.step_count, M, checkpointed_microbatches(self.options.checkpoint, M))
+        # each micro-batch's input is a leaf of its own, so stage 0 hands back its gradient
+        leaves = input_leaves(inputs, M, self.runtimes[0].device)
+        with torch.enable_grad():
+            _, outputs = self._execute(StepFeed(leaves, was_tensor), plan, "forward", keep_outputs=True)
+        self._commit_batch_norm()
+        self.step_count += 1  # counted at the forward: a call never back-propagated still draws fresh numbers
+        last = self._last
+        assert last is not None and outputs is not None  # a local pipeline holds its last stage
+        sizes = [last.outputs[i][0][0].shape[0] for i in range(M)]
+        return HalfStep(outputs, last.outputs[0][1], plan, leaves, sizes, self.generation)
+
+    def backward_half(self, half: HalfStep, output_grads: Sequence[Values]) -> None:
+        """The backward half of ``half`` from the gradient of each micro-batch's outputs: fills the
+        parameters' gradients and the ``.grad`` of ``half.leaves``; then the non-finite policy, as
+        after ``train_step``.
+
+        Raises:
+            RuntimeError: another step began after ``half``'s forward.
+            NonFiniteError: a NaN/inf gradient under ``nonfinite="raise"``.
+            Exception: whatever a layer raised, with its stage and micro-batch in the message.
+        """
+        if self.generation != half.generation:
+            raise RuntimeError("the pipeline ran another step (pipe(x) or train_step) before this output's "
+                               "backward; back-propagate each pipe(x) output before the next call")
+        feed = StepFeed(None, False, output_grads=output_grads)
+        self._execute(feed, half.plan, "backward", keep_outputs=False, fresh=False)
+        self._judge(None, half.plan.step)
+
+    # ------------------------------------------------------------ the end of a step, on every rank alike
+    def _judge(self, loss: Tensor | None, step: int | None = None) -> Tensor:
+        """Share the loss and the non-finite verdict over every rank, then apply the policy to all
+        alike; returns the full-batch loss (zero when there is none). ``step`` names the step in
+        the error (default: ``step_count``).
+
+        Raises:
+            NonFiniteError: a NaN/inf loss or gradient under ``nonfinite="raise"``.
+        """
+        device = next(iter(self.runtimes.values())).device if loss is None else loss.device
+        check = self.options.nonfinite != "ignore"
+        if not check and self.channel.holds_all_stages:  # nothing to judge, nothing to share: no read
+            self.last_step_skipped = False
+            return loss if loss is not None else torch.zeros((), device=device)
+        modules = {j: r.step_walk().parameters for j, r in self.runtimes.items()}
+        shared = self.channel.share(verdict_vector(loss, modules, self._num_virtual, self._dp_size, check,
+                                                   device))
+        values = read_verdict(shared)  # the step's one device-to-host read
+        whole = self.channel.holds_all_stages and loss is not None
+        self._apply_policy(describe_problem(values, self._num_ranks, self.options.virtual_stages,
+                                            loss if whole else None), step)
+        if whole:
+            return loss  # type: ignore[return-value]
+        return shared[0].to(loss_dtype(values))
+
+    def _apply_policy(self, problem: str | None, step: int | None = None) -> None:
+        """Raise, or skip the step (drop the gradients), on every rank alike."""
+        self.last_step_skipped = False
+        if problem is None:
+            return
+        self._reset_batch_norm()
+        if self.options.nonfinite == "raise":
+            raise NonFiniteError(f"step {self.step_count if step is None else step}: {problem} "
+                                 "(set nonfinite='skip' to skip such steps)")
+        for runtime in self.runtimes.values():
+            runtime.module.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        self.last_step_skipped = True
+
+    def _batch_norms(self) -> list[DeferredBatchNorm]:
+        found = {id(m): m for r in self.runtimes.values() for m in r.step_walk().modules
+                 if isinstance(m, DeferredBatchNorm)}
+        return list(found.values())
+
+    def _commit_batch_norm(self) -> None:
+        for m in self._batch_norms():
+            m.commit()
+
+    def _reset_batch_norm(self) -> None:
+        for m in self._batch_norms():
+            m.reset_accumulators()
