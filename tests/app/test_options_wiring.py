@@ -44,7 +44,7 @@ def check_engine(pipe: PipelineCore, expected: PipelineOptions, batch_norm: bool
     the model has BatchNorm layers, which ``deferred_batch_norm`` converts)."""
     assert pipe.options == expected
     for runtime in pipe.runtimes.values():
-        assert runtime.track_memory is False and runtime.replay_random is False
+        assert runtime.track_memory is False and runtime.replay.setting is False
         assert runtime.compiled is not None
     converted = [m for r in pipe.runtimes.values() for m in r.module.modules() if isinstance(m, DeferredBatchNorm)]
     assert bool(converted) == batch_norm

@@ -3,9 +3,9 @@
 PyTorch's CPU tensors come straight from ``malloc``. With glibc's defaults a
 step's activations (megabytes each) are handed back to the kernel when they
 are freed, so the next step page-faults them in again; worker threads are hit
-hardest, because an empty per-thread heap is unmapped as a whole. Measured on
-the issue's MLP stage (2-core VM, one thread, 8 micro-batches): 26k page
-faults per step and element-wise kernels 1.5-3x slower than on warm memory.
+hardest, because an empty per-thread heap is unmapped as a whole. Every step
+then pays page faults for its activations, and its element-wise kernels run
+on cold memory, slower than on memory the process kept.
 
 ``retain_freed_memory`` sets, once per process, the three ``mallopt`` knobs
 that stop this: large blocks come from the heap instead of private mappings,

@@ -100,11 +100,6 @@ class Timeline:
                 "events": [asdict(e) for e in self.shifted()]}
 
     @classmethod
-    def from_dict(cls, data: dict) -> Timeline:
-        events = [Event(**e) for e in data["events"]]
-        return cls(data["num_stages"], 0.0, data["wall"], events)
-
-    @classmethod
     def merge(cls, timelines: list[Timeline]) -> Timeline:
         """Join per-rank timelines (one stage each) into one; clocks must be comparable."""
         merged = cls(max(t.num_stages for t in timelines),

@@ -7,9 +7,8 @@ bias) the weight gradients are ``dW = g^T x`` and ``db = sum(g)``: the same
 products autograd forms. Done here directly they save an engine call per layer
 and the temporary gradient (``addmm_`` accumulates in place), and several
 micro-batches are stacked into one GEMM whose inner dimension is the whole
-batch instead of one micro-batch (measured on the issue's MLP, 2-core Xeon:
-the step's weight-gradient GEMMs at 128 rows cost ~9% of the step more than
-at 1024; ``benchmarks/probes/weight_grad_batching.py``).
+batch instead of one micro-batch: a GEMM over more rows costs less per row
+(``benchmarks/probes/weight_grad_batching.py`` measures it).
 
 Under autocast (bf16 or fp16) the parameters reach the GEMM through a cast;
 the product is then formed in the 16-bit dtype and cast to the parameter's, as

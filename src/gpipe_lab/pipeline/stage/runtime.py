@@ -107,11 +107,6 @@ class StageRuntime:
         self._saved = {}
         self.live_bytes = 0
 
-    @property
-    def replay_random(self) -> bool | str:
-        """The ``random_replay`` setting this stage runs with (False for a compiled stage)."""
-        return self.replay.setting
-
     def live_microbatches(self) -> int:
         """Micro-batches whose forward state this stage still holds (awaiting their backward)."""
         return len(self._saved)

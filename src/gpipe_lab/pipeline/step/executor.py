@@ -100,9 +100,8 @@ class Executor:
 
         One local CPU stage of several intra-op threads runs on the caller's thread instead:
         libgomp gives every thread that starts a parallel region a team of its own, and a stage
-        team beside the caller's slows each small parallel region of the stage (AmoebaNet-D(18, 32),
-        K=1, M=4, two threads: a step took 2.5x as long after the caller's first multi-threaded
-        op). Such a step has no neighbour to wait for, so only a computation that never returns
+        team beside the caller's slows each small parallel region of the stage (once the caller has
+        run a multi-threaded op, the two teams contend for the same cores). Such a step has no neighbour to wait for, so only a computation that never returns
         could hold it, as it would hold plain PyTorch; with one thread (no team) the stage keeps
         its worker, and a stuck computation is reported after ``timeout``.
         """
@@ -233,12 +232,6 @@ class Executor:
 
     def _stage_of(self, schedule: Schedule, k: int) -> int:
         return schedule[k][0].stage if schedule[k] else k
-
-
-def step_timeline(runtimes: Mapping[int, StageRuntime], num_ranks: int, start: float,
-                  num_microbatches: int) -> Timeline:
-    """The events of the step that began at ``start``, per pipeline rank (chunk j on rank j mod K)."""
-    return StepRecord(runtimes, num_ranks, start, num_microbatches).timeline()
 
 
 class StepRecord:
