@@ -269,7 +269,7 @@ class PipelineCore(OptionViews, nn.Module):
         if not self.last_step_skipped:
             self._commit_batch_norm()
         self.step_count += 1
-        return (total, outputs) if return_outputs else total  # type: ignore[return-value]
+        return (total, outputs) if return_outputs else total
 
     def forward_only(self, inputs: Value | None) -> Value | None:
         """The pipelined output without building a graph (on the rank holding the last stage).
