@@ -29,7 +29,7 @@ def worker(rank: int, world: int) -> dict:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from gpipe_lab.pipeline.distributed import DistributedGPipe
-    from gpipe_lab.pipeline.measuring.timeline import Event
+    from gpipe_lab.pipeline.measuring.step_timeline import Event
     from gpipe_lab.pipeline.stage.runtime import StageRuntime
 
     log: list[tuple] = []

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpipe_lab.pipeline.devices.placement import move_target, to_device
+from gpipe_lab.pipeline.devices.assignment import move_target, to_device
 from gpipe_lab.pipeline.microbatch import to_device as tuple_to_device
 from gpipe_lab.pipeline.step.nonfinite import nonfinite_flag, verdict_vector
 

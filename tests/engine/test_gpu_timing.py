@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.pipeline.measuring.timeline import Event, Timeline
+from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
 
 
 def test_a_cpu_step_has_no_device_clock() -> None:

@@ -3,7 +3,7 @@
 from gpipe_lab.pipeline.devices.allocator import retain_freed_memory
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.gpipe import GPipe
-from gpipe_lab.pipeline.measuring.timeline import Event, Timeline
+from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
 from gpipe_lab.pipeline.options import CHECKPOINT_MODES, NONFINITE_POLICIES, OptionError, PipelineOptions
 from gpipe_lab.pipeline.partitioning.materialize import seeded_init
 from gpipe_lab.pipeline.partitioning.partition import balance_by_cost, layer_costs

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from gpipe_lab.pipeline.devices.allocator import retain_freed_memory
+from gpipe_lab.pipeline.devices.assignment import resolve_devices
 from gpipe_lab.pipeline.devices.cpu_share import default_threads, usable_cores, warn_if_oversubscribed
-from gpipe_lab.pipeline.devices.placement import resolve_devices
 from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import (
     CHECKPOINT_MODES,

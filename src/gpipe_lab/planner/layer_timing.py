@@ -30,7 +30,7 @@ from contextlib import nullcontext
 import torch
 
 from gpipe_lab.bench import WorkloadSpec
-from gpipe_lab.pipeline.measuring.timeline import Timeline
+from gpipe_lab.pipeline.measuring.step_timeline import Timeline
 from gpipe_lab.pipeline.stage.context import microbatch_context
 
 #: Seconds a timing thread waits for its twin at a phase boundary before giving up.

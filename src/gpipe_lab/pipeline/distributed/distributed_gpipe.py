@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline.devices.allocator import retain_freed_memory
-from gpipe_lab.pipeline.devices.placement import move_target
+from gpipe_lab.pipeline.devices.assignment import move_target
 from gpipe_lab.pipeline.distributed.failure import AbortChannel
 from gpipe_lab.pipeline.distributed.grad_sync import BUCKET_BYTES, GradientSync
 from gpipe_lab.pipeline.distributed.p2p_channel import P2PChannel
@@ -41,7 +41,7 @@ from gpipe_lab.pipeline.distributed.state_dict import (
     local_state_dict,
 )
 from gpipe_lab.pipeline.distributed.topology import barrier, build_topology, connect_groups, connect_links
-from gpipe_lab.pipeline.measuring.timeline import Event, Timeline
+from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
 from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import PipelineOptions, forwarded, merged_options
 from gpipe_lab.pipeline.partitioning.materialize import InitFn, build_module, local_chunks

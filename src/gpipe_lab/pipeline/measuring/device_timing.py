@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from gpipe_lab.pipeline.measuring.timeline import Event
+from gpipe_lab.pipeline.measuring.step_timeline import Event
 
 
 class DeviceClock:

@@ -25,7 +25,7 @@ from torch.overrides import has_torch_function
 
 from gpipe_lab.pipeline.measuring.device_timing import DeviceClock
 from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes, storage_keys
-from gpipe_lab.pipeline.measuring.timeline import Event
+from gpipe_lab.pipeline.measuring.step_timeline import Event
 from gpipe_lab.pipeline.microbatch import as_tuple, final_output, unwrap
 from gpipe_lab.pipeline.stage.batchnorm import running_stat_layers, running_stats_untouched
 from gpipe_lab.pipeline.stage.checkpointing import autocast_as, autocast_state, checkpointing

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from gpipe_lab.pipeline.devices.placement import to_device
+from gpipe_lab.pipeline.devices.assignment import to_device
 from gpipe_lab.pipeline.stage.checkpointing import AutocastState
 from gpipe_lab.pipeline.stage.replay_policy import OFF
 from gpipe_lab.pipeline.stage.weight_gradients import SplitPlan

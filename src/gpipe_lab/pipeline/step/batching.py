@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from gpipe_lab.pipeline.devices.placement import to_device
+from gpipe_lab.pipeline.devices.assignment import to_device
 from gpipe_lab.pipeline.microbatch import as_tuple, batch_size, split, unwrap
 from gpipe_lab.pipeline.options import CHECKPOINT_MODES
 from gpipe_lab.pipeline.step.channel import StepFeed

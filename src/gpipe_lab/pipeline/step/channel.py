@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from gpipe_lab.pipeline.devices.placement import move_target
+from gpipe_lab.pipeline.devices.assignment import move_target
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.microbatch import to_device
 from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule

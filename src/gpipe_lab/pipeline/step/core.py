@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from gpipe_lab.pipeline.measuring.timeline import Timeline
+from gpipe_lab.pipeline.measuring.step_timeline import Timeline
 from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, unwrap
 from gpipe_lab.pipeline.options import OptionViews, PipelineOptions, compile_kwargs
 from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs

@@ -34,7 +34,7 @@ from functools import partial
 import torch
 
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
-from gpipe_lab.pipeline.measuring.timeline import Event, Timeline
+from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
 from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule
 from gpipe_lab.pipeline.stage.checkpointing import autocast_as
 from gpipe_lab.pipeline.stage.runtime import StageRuntime

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from gpipe_lab.pipeline.devices.placement import to_device
+from gpipe_lab.pipeline.devices.assignment import to_device
 
 
 class NonFiniteError(FloatingPointError):
