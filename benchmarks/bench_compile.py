@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from gpipe_lab.bench import md_table, time_rounds
-from gpipe_lab.models.costs import example_input
+from gpipe_lab.models import example_input
 from gpipe_lab.models.losses import translation_loss
 from gpipe_lab.models.registry import build
 from gpipe_lab.pipeline import GPipe

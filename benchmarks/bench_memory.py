@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from gpipe_lab.bench import Workload
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.saved_bytes import SavedBytes, storage_keys
+from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes, storage_keys
 
 K = 2
 
@@ -36,7 +36,7 @@ def _nbytes(values: Sequence[Tensor]) -> int:
 
 def saved_bytes(part: nn.Module, inputs: object, last: bool, work: Workload, target: Tensor) -> int:
     """Activation bytes autograd saves when ``part`` (+ loss if ``last``) runs, by the engine's rule
-    (``gpipe_lab.saved_bytes``: parameters excluded, each distinct view once by its own elements)."""
+    (``gpipe_lab.pipeline.measuring.saved_bytes``: parameters excluded, each distinct view once by its own elements)."""
     counter = SavedBytes(storage_keys(part.parameters()))
     with torch.enable_grad(), counter.hooks():
         out = part(inputs)

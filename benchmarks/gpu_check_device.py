@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from benchmarks.gpu_check_engine import Context
 from benchmarks.gpu_check_probes import busy_seconds, mlp_model, relative_gradient_error
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.pipeline.device_timing import DeviceClock
-from gpipe_lab.pipeline.streams import Mark
-from gpipe_lab.pipeline.timeline import Event
+from gpipe_lab.pipeline.devices.streams import Mark
+from gpipe_lab.pipeline.measuring.device_timing import DeviceClock
+from gpipe_lab.pipeline.measuring.step_timeline import Event
 
 #: copies per hand-over: a link slower than one device-to-device copy
 COPY_REPEATS = 4

@@ -170,7 +170,7 @@ def replay_modes(ctx: Context) -> dict[str, Any]:
     bitwise equal: the re-materialized forwards drew what the first ones drew), with the replay
     modes each case's forwards took (``StageReplay.first_kind``). On a GPU FORK, GUARD and DISPATCH
     must each have run; the CPU (dry run) has no forking stage, only PROBE, GUARD and DISPATCH."""
-    from gpipe_lab.pipeline.replay_policy import DISPATCH, FORK, GUARD, StageReplay
+    from gpipe_lab.pipeline.stage.replay_policy import DISPATCH, FORK, GUARD, StageReplay
 
     kinds: dict[str, list[str]] = {}
     failures: list[str] = []

@@ -29,7 +29,7 @@ from torch import nn
 
 from benchmarks.gpu_check_engine import Context, relative_grad_error
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.pipeline.distributed.launch import run_local
+from gpipe_lab.pipeline.distributed.spawn import run_local
 
 STEPS, M = 5, 4
 #: seconds the two-rank links run may take before its ranks are killed (the section's cap is above it)
@@ -59,7 +59,7 @@ def link_worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from gpipe_lab.pipeline.distributed import DistributedGPipe
-    from gpipe_lab.pipeline.stage import StageRuntime
+    from gpipe_lab.pipeline.stage.runtime import StageRuntime
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")

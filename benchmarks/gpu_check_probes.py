@@ -20,8 +20,8 @@ from torch import nn
 from benchmarks.gpu_check_engine import Context
 from gpipe_lab.bench.workloads import mlp_module
 from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.measuring.step_timeline import Event
 from gpipe_lab.pipeline.options import PipelineOptions
-from gpipe_lab.pipeline.timeline import Event
 
 #: seconds ``pipe(x).backward()`` gets before the probe calls it a hang (its section's cap is 65 s)
 BACKWARD_PROBE_SECONDS = 55.0

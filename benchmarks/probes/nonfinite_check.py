@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from gpipe_lab.pipeline.nonfinite import gradient_flag
+from gpipe_lab.pipeline.step.nonfinite import gradient_flag
 
 
 def median_ms(fn, repeat: int) -> float:

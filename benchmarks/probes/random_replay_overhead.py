@@ -8,7 +8,7 @@ nothing), alternated in the same rounds, on models that draw nothing (the 8-bloc
 with dropout 0.1 (draws only through ``nn.Dropout``), at the yardstick's quick sizes.
 Step times are also taken in this process's CPU time (steadier on a loaded machine), and the
 guard's own cost per forward is timed alone. Then the dropout kernel alone, forward and backward: the float-mask way ``StageDropout``
-drew before (float mask, bool copy, ``where``, scale) against ``dropout_kernel.fused_dropout``.
+drew before (float mask, bool copy, ``where``, scale) against ``random_replay.fused_dropout``.
 
     python -m benchmarks.probes.random_replay_overhead [rounds]
 """
@@ -27,8 +27,8 @@ import torch
 from benchmarks.bench_common import SIZES, make_workload, prepare_process
 from gpipe_lab.bench import Workload, WorkloadSpec, time_rounds
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.pipeline.dropout_kernel import fused_dropout
-from gpipe_lab.pipeline.replay_policy import GUARD, NONE, StageReplay
+from gpipe_lab.pipeline.stage.random_replay import fused_dropout
+from gpipe_lab.pipeline.stage.replay_policy import GUARD, NONE, StageReplay
 
 SETTINGS = {"auto": "auto", "True": True, "False": False}
 CHUNKS = 4

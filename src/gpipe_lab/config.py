@@ -24,7 +24,7 @@ from gpipe_lab.config_schema import ConfigError, check_positive  # also register
 from gpipe_lab.evaluation import validate_mode
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
-from gpipe_lab.pipeline.partition import check_layer_count
+from gpipe_lab.pipeline.partitioning.partition import check_layer_count
 from gpipe_lab.plan_config import engine_section, validate_planner
 
 LOGGERS = ("wandb", "csv", "none")
@@ -95,7 +95,7 @@ def validate_pipeline(cfg: DictConfig) -> PipelineOptions:
         options.check(prefix="pipeline.")
     except OptionError as exc:
         raise ConfigError(str(exc)) from None
-    from gpipe_lab.models import COST_KINDS
+    from gpipe_lab.pipeline.measuring.costs import COST_KINDS
 
     if isinstance(options.cost, str) and options.cost not in COST_KINDS:
         raise ConfigError(f"pipeline.cost: must be one of {list(COST_KINDS)} or a list of per-layer costs, "

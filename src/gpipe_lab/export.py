@@ -46,7 +46,7 @@ def unpipelined_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
             indices and no saved config to name them.
     """
     from gpipe_lab.lightning.resume_checks import read_checkpoint
-    from gpipe_lab.pipeline.distributed.state import named_after
+    from gpipe_lab.pipeline.distributed.state_dict import named_after
 
     saved = read_checkpoint(ckpt, key="checkpoint")["state_dict"]
     state = {k[len(PREFIX):]: v.detach().clone().contiguous() for k, v in saved.items() if k.startswith(PREFIX)}

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gpipe_lab.config import ConfigError, validate, validate_layer_count
 from gpipe_lab.models import build
-from gpipe_lab.pipeline.devices import resolve_devices
+from gpipe_lab.pipeline.devices.assignment import resolve_devices
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import PipelineOptions
 

@@ -43,11 +43,12 @@ from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
 from gpipe_lab.lightning.resume import BestCheckpoint, ResumableCheckpoint, resumed_options
 from gpipe_lab.lightning.wandb_run import build_wandb_logger, job_run_name
-from gpipe_lab.models import build, preset_costs
+from gpipe_lab.models import build
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.plan_config import validate_planner
 from gpipe_lab.plan_run import choose_plan
+from gpipe_lab.planner.preset_costs import preset_costs
 from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
 from gpipe_lab.provenance import source_commit
 from gpipe_lab.run_console import (

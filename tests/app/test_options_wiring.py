@@ -16,7 +16,7 @@ from torch import nn
 
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.pipeline import DeferredBatchNorm, GPipe, PipelineCore, PipelineOptions, balance_by_cost
-from gpipe_lab.pipeline.distributed.launch import run_local
+from gpipe_lab.pipeline.distributed.spawn import run_local
 from helpers.strategy import TinyData, TinyRegressor, trainer
 
 #: one value per field, none of them the default; layouts for an 8-layer model, K=2, v=2
@@ -44,7 +44,7 @@ def check_engine(pipe: PipelineCore, expected: PipelineOptions, batch_norm: bool
     the model has BatchNorm layers, which ``deferred_batch_norm`` converts)."""
     assert pipe.options == expected
     for runtime in pipe.runtimes.values():
-        assert runtime.track_memory is False and runtime.replay_random is False
+        assert runtime.track_memory is False and runtime.replay.setting is False
         assert runtime.compiled is not None
     converted = [m for r in pipe.runtimes.values() for m in r.module.modules() if isinstance(m, DeferredBatchNorm)]
     assert bool(converted) == batch_norm

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from gpipe_lab.lightning.resume_checks import differing_keys
 from gpipe_lab.models import build
-from gpipe_lab.pipeline.distributed.state import by_index, by_name
+from gpipe_lab.pipeline.distributed.state_dict import by_index, by_name
 from gpipe_lab.preflight import model_overrides
 from helpers.app import CONF, gpipe_train, make_config, numbered_copy
 

@@ -1,6 +1,6 @@
 """A resumed run keeps the thread count its CPU stages started with, whatever the machine's load.
 
-The default threads per CPU stage follow the free cores (``gpipe_lab.pipeline.cpu_share``), and
+The default threads per CPU stage follow the free cores (``gpipe_lab.pipeline.devices.cpu_share``), and
 kernels reduce in an order that depends on the thread count: a K=1 run started on an idle machine
 (two threads) and resumed on a busy one (where the default is one) must still continue bitwise like
 the uninterrupted run. The load is injected (``cpu_share.busy_elsewhere``), the runs are
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpipe_lab.pipeline import cpu_share
+from gpipe_lab.pipeline.devices import cpu_share
 from helpers.app import SMALL, cli_here
 
 #: K=1 on two cores (two threads when idle); SGD with momentum: a state the resume restores

@@ -17,7 +17,7 @@ from torch import nn
 
 from gpipe_lab.pipeline import PipelineOptions
 from gpipe_lab.pipeline.distributed import DistributedGPipe, seeded_init
-from gpipe_lab.pipeline.distributed.launch import run_local
+from gpipe_lab.pipeline.distributed.spawn import run_local
 
 # one worker runs the module: test_grid_equals_unpipelined reaches the launches by name
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240), pytest.mark.xdist_group("test_distributed")]

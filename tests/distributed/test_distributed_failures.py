@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpipe_lab.pipeline.distributed import DistributedGPipe
-from gpipe_lab.pipeline.distributed.launch import run_local
+from gpipe_lab.pipeline.distributed.spawn import run_local
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 # generous: a loaded machine must not turn a slow start into a timeout; raising and killed

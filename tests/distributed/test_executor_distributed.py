@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gpipe_lab.pipeline.distributed.launch import run_local
+from gpipe_lab.pipeline.distributed.spawn import run_local
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 GAVE_UP = "test/stage-1-gave-up"

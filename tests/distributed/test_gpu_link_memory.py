@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gpipe_lab.pipeline.distributed.launch import run_local
+from gpipe_lab.pipeline.distributed.spawn import run_local
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 M, MAX_NORM = 4, 0.05
@@ -29,8 +29,8 @@ def worker(rank: int, world: int) -> dict:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from gpipe_lab.pipeline.distributed import DistributedGPipe
-    from gpipe_lab.pipeline.stage import StageRuntime
-    from gpipe_lab.pipeline.timeline import Event
+    from gpipe_lab.pipeline.measuring.step_timeline import Event
+    from gpipe_lab.pipeline.stage.runtime import StageRuntime
 
     log: list[tuple] = []
     held: dict[str, object] = {}

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpipe_lab.pipeline.distributed import DistributedGPipe, topology
-from gpipe_lab.pipeline.distributed.launch import run_local
+from gpipe_lab.pipeline.distributed.spawn import run_local
 
 
 def _model(seed: int) -> nn.Sequential:

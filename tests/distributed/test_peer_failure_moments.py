@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpipe_lab.pipeline.distributed import DistributedGPipe, PeerFailedError
-from gpipe_lab.pipeline.distributed.launch import run_local
+from gpipe_lab.pipeline.distributed.spawn import run_local
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150),
               pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs Linux pidfds")]

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpipe_lab.pipeline.distributed import DistributedGPipe
-from gpipe_lab.pipeline.distributed.launch import run_local
+from gpipe_lab.pipeline.distributed.spawn import run_local
 
 pytestmark = [pytest.mark.distributed]
 TIMEOUT = 6.0

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.distributed import DistributedGPipe
-from gpipe_lab.pipeline.distributed.launch import run_local
+from gpipe_lab.pipeline.distributed.spawn import run_local
 from helpers.user_models import (
     ScaleInPlace,
     TorchAttention,

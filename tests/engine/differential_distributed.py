@@ -10,7 +10,7 @@ from __future__ import annotations
 from differential_cases import BALANCES, Case, balance_of
 from differential_run import ERRORS, Observed, run_engine
 
-from gpipe_lab.pipeline.distributed.launch import run_local
+from gpipe_lab.pipeline.distributed.spawn import run_local
 
 PER_LAUNCH = 100  # cases per launch of K processes (each launch within ``timeout``)
 

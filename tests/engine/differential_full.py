@@ -39,7 +39,6 @@ from differential_cases import Case, all_cases  # noqa: E402
 from differential_distributed import run_distributed  # noqa: E402
 from differential_run import judge, run_engine  # noqa: E402
 
-import gpipe_lab.measure  # noqa: E402
 import gpipe_lab.pipeline  # noqa: E402
 from gpipe_lab.provenance import source_commit  # noqa: E402
 
@@ -50,11 +49,10 @@ DEFAULT_LOG = HERE.parents[1] / "results" / "differential"
 
 
 def engine_digest() -> str:
-    """What a judgement depends on: every engine source file and ``gpipe_lab.measure``, the
-    harness's (the zoo's models included), torch's and torchvision's versions."""
+    """What a judgement depends on: every engine source file (its measuring of the automatic balances'
+    costs included), the harness's (the zoo's models included), torch's and torchvision's versions."""
     engine = Path(gpipe_lab.pipeline.__file__).parent
-    # the automatic balances' costs come from gpipe_lab.measure, outside the engine's folder
-    files = sorted(engine.rglob("*.py")) + [Path(gpipe_lab.measure.__file__)] + [HERE / name for name in HARNESS]
+    files = sorted(engine.rglob("*.py")) + [HERE / name for name in HARNESS]
     h = hashlib.sha256(torch.__version__.encode() + torchvision.__version__.encode())
     for path in files:
         h.update(path.name.encode() + b"\0" + path.read_bytes())

@@ -37,8 +37,8 @@ from differential_compare import bitwise_differences, differences
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe, checkpointed_microbatches, convert_dropout
-from gpipe_lab.pipeline.context import microbatch_context, microbatch_seed
 from gpipe_lab.pipeline.distributed import DistributedGPipe
+from gpipe_lab.pipeline.stage.context import microbatch_context, microbatch_seed
 from helpers import zoo
 
 Observed = dict[str, object]

@@ -11,9 +11,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpipe_lab import GPipe
-from gpipe_lab.pipeline import step_state
-from gpipe_lab.pipeline.backward_call import stage_backward
-from gpipe_lab.pipeline.mailbox import Mailbox
+from gpipe_lab.pipeline.stage.runtime import stage_backward
+from gpipe_lab.pipeline.step import step_state
+from gpipe_lab.pipeline.step.mailbox import Mailbox
 
 pytestmark = pytest.mark.timeout(60)
 

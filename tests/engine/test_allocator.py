@@ -11,7 +11,8 @@ import platform
 
 import pytest
 
-from gpipe_lab.pipeline import allocator, retain_freed_memory
+from gpipe_lab.pipeline import retain_freed_memory
+from gpipe_lab.pipeline.devices import allocator
 
 
 class FakeLibc:

@@ -148,7 +148,7 @@ class Tick(nn.Module):
 
 
 def test_time_cost_is_the_median_after_a_warm_up_of_forward_and_backward(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpipe_lab import measure
+    from gpipe_lab.pipeline.measuring import costs as measure
 
     clock = [0.0]
     monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])

@@ -21,12 +21,12 @@ from torch import nn
 from torch._dynamo import reset as reset_dynamo
 from torch._dynamo.utils import counters
 
-from gpipe_lab.models.costs import example_input
+from gpipe_lab.models import example_input
 from gpipe_lab.models.losses import translation_loss
 from gpipe_lab.models.registry import build
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.options import OptionError
-from gpipe_lab.pipeline.random_replay import UnreplayableRandomError
+from gpipe_lab.pipeline.stage.random_replay import UnreplayableRandomError
 from helpers.models import grads, mlp
 
 AOT = {"backend": "aot_eager"}

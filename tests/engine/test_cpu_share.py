@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
-from gpipe_lab.pipeline import GPipe, cpu_share
-from gpipe_lab.pipeline.cpu_share import default_threads, free_cores, oversubscription
+from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.devices import cpu_share
+from gpipe_lab.pipeline.devices.cpu_share import default_threads, free_cores, oversubscription
 
 
 @pytest.mark.parametrize("cores,busy,stages,threads", [

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from gpipe_lab import GPipe
 from gpipe_lab.pipeline import DeferredBatchNorm, commit_forward
-from gpipe_lab.pipeline.context import microbatch_context
+from gpipe_lab.pipeline.stage.context import microbatch_context
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -134,7 +134,7 @@ def _no_dropout(model: nn.Sequential) -> nn.Sequential:
 @pytest.mark.timeout(60)
 def test_dropout_mask_seed_rule_is_per_step_stage_and_microbatch():
     """Same (seed, step, stage, micro-batch) -> same mask, whatever thread or run draws it."""
-    from gpipe_lab.pipeline.context import microbatch_seed
+    from gpipe_lab.pipeline.stage.context import microbatch_seed
 
     seeds = {microbatch_seed(5, step, stage, mb) for step in range(4) for stage in range(4) for mb in range(8)}
     assert len(seeds) == 4 * 4 * 8

@@ -15,7 +15,7 @@ from benchmarks import gpu_check
 from benchmarks.gpu_check_engine import Context, record_case
 from benchmarks.gpu_check_probes import order_violations
 
-from gpipe_lab.pipeline.timeline import Event
+from gpipe_lab.pipeline.measuring.step_timeline import Event
 from gpipe_lab.provenance import source_commit
 
 

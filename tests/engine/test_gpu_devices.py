@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.pipeline.devices import move_target, normalize_device, resolve_devices
+from gpipe_lab.pipeline.devices.assignment import move_target, normalize_device, resolve_devices
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from gpipe_lab.pipeline.devices import move_target, to_device
+from gpipe_lab.pipeline.devices.assignment import move_target, to_device
 from gpipe_lab.pipeline.microbatch import to_device as tuple_to_device
-from gpipe_lab.pipeline.nonfinite import nonfinite_flag, verdict_vector
+from gpipe_lab.pipeline.step.nonfinite import nonfinite_flag, verdict_vector
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe, NonFiniteError, all_finite
-from gpipe_lab.pipeline.nonfinite import nonfinite_flag
+from gpipe_lab.pipeline.step.nonfinite import nonfinite_flag
 
 # every Python-level way to read a tensor's value on the host (each one a sync on CUDA)
 _READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_lab.pipeline.materialize import init_layer, place_layers, seeded_init
+from gpipe_lab.pipeline.partitioning.materialize import init_layer, place_layers, seeded_init
 
 
 def test_cpu_initialization_leaves_cuda_generators_alone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpipe_lab.pipeline import DeferredBatchNorm, StageDropout
-from gpipe_lab.pipeline.random_replay import RandomReplay
+from gpipe_lab.pipeline.stage.random_replay import RandomReplay
 
 
 def saved_bytes(fn: Any, x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.dtype, int]]]:

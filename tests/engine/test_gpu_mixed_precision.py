@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.pipeline import weight_gradients as wg
+from gpipe_lab.pipeline.stage import weight_gradients as wg
 
 
 def mlp() -> nn.Sequential:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.pipeline.streams import CudaStreams, NoStreams, streams_for
+from gpipe_lab.pipeline.devices.streams import CudaStreams, NoStreams, streams_for
 
 needs_two_cuda = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.pipeline.timeline import Event, Timeline
+from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
 
 
 def test_a_cpu_step_has_no_device_clock() -> None:
@@ -73,7 +73,7 @@ class _FakeEvent:
 def test_device_times_are_anchored_when_an_event_runs_not_when_it_is_queued(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The stream is still busy with 2 s of earlier work when the step's actions are queued."""
-    from gpipe_lab.pipeline import device_timing
+    from gpipe_lab.pipeline.measuring import device_timing
 
     gpu = _FakeGpu()
     compute = _FakeStream(gpu)

@@ -8,7 +8,6 @@ import threading
 import pytest
 
 from gpipe_lab.pipeline.distributed.links import message_plan
-from gpipe_lab.pipeline.mailbox import Mailbox, Stopped, Undelivered, WaitTimeout
 from gpipe_lab.pipeline.schedules import (
     Action,
     dependency,
@@ -18,6 +17,7 @@ from gpipe_lab.pipeline.schedules import (
     incoming,
     outgoing,
 )
+from gpipe_lab.pipeline.step.mailbox import Mailbox, Stopped, Undelivered, WaitTimeout
 
 
 def test_each_wait_has_its_own_limit_and_what_came_is_handed_out() -> None:

@@ -14,8 +14,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes
 from gpipe_lab.pipeline.options import OptionError
-from gpipe_lab.saved_bytes import SavedBytes
 
 
 def _bn_net() -> nn.Sequential:

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from gpipe_lab.models.registry import build
-from gpipe_lab.pipeline.module_walk import walk
+from gpipe_lab.pipeline.stage.module_walk import walk
 
 
 class Tied(nn.Module):

@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpipe_lab import GPipe
-from gpipe_lab.pipeline import nonfinite, step_policy
-from gpipe_lab.pipeline.nonfinite import gradient_flag
+from gpipe_lab.pipeline.step import core, nonfinite
+from gpipe_lab.pipeline.step.nonfinite import gradient_flag
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -83,8 +83,8 @@ def pipeline(policy: str) -> GPipe:
 @pytest.mark.parametrize("policy", ["raise", "skip"])
 def test_a_step_judges_each_stage_with_one_kernel_and_one_read(policy, fused_calls, monkeypatch) -> None:
     reads: list[int] = []
-    original = step_policy.read_verdict
-    monkeypatch.setattr(step_policy, "read_verdict", lambda v: reads.append(1) or original(v))
+    original = core.read_verdict
+    monkeypatch.setattr(core, "read_verdict", lambda v: reads.append(1) or original(v))
     pipe = pipeline(policy)
     pipe.train_step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss)
     assert fused_calls == [4, 4, 4] and len(reads) == 1  # 3 stages, 2 layers (4 tensors) each
@@ -92,7 +92,7 @@ def test_a_step_judges_each_stage_with_one_kernel_and_one_read(policy, fused_cal
 
 def test_ignore_checks_nothing_and_reads_nothing(fused_calls, monkeypatch) -> None:
     reads: list[int] = []
-    monkeypatch.setattr(step_policy, "read_verdict", lambda v: reads.append(1) or [])
+    monkeypatch.setattr(core, "read_verdict", lambda v: reads.append(1) or [])
     pipe = pipeline("ignore")
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     loss = pipe.train_step(x, y, F.mse_loss)

@@ -148,7 +148,7 @@ def test_caller_autocast_reaches_the_stage_threads():
 
 
 def test_each_schedule_is_built_once_per_microbatch_count(monkeypatch):
-    from gpipe_lab.pipeline import core
+    from gpipe_lab.pipeline.step import core
 
     built = []
     real = core.get_schedule

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpipe_lab import GPipe
-from gpipe_lab.pipeline.context import microbatch_context
-from gpipe_lab.pipeline.random_replay import UnreplayableRandomError
+from gpipe_lab.pipeline.stage.context import microbatch_context
+from gpipe_lab.pipeline.stage.random_replay import UnreplayableRandomError
 
 pytestmark = pytest.mark.timeout(300)
 WIDTH = 16
@@ -208,7 +208,7 @@ def distributed_worker(rank: int, world: int) -> list:
 def test_distributed_transport_replays_like_the_local_one() -> None:
     """K=2 on two gloo ranks (``auto``: each reseeds its own default generator per micro-batch):
     recompute replays, and the draws equal the local transport's (probe, then the per-op mode)."""
-    from gpipe_lab.pipeline.distributed.launch import run_local
+    from gpipe_lab.pipeline.distributed.spawn import run_local
 
     results = run_local(distributed_worker, 2, timeout=200)
     for r in results:
@@ -262,7 +262,7 @@ class SometimesNoisy(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-        from gpipe_lab.pipeline.context import is_recomputing
+        from gpipe_lab.pipeline.stage.context import is_recomputing
 
         draws = bool(x[0, 0] > 0)
         self.calls.append((is_recomputing(), draws, _get_current_dispatch_mode() is not None))

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from gpipe_lab import GPipe
 from gpipe_lab.pipeline import DeferredBatchNorm, PipelineTimeoutError
-from gpipe_lab.pipeline.context import is_recomputing
+from gpipe_lab.pipeline.stage.context import is_recomputing
 from helpers.faults import CHUNKS, NUM_STAGES, SEED, Fault, InjectedFault
 from helpers.threads import busy_stage_threads, wait_for_stage_threads
 

@@ -24,9 +24,9 @@ from gpipe_lab.pipeline import (
     UnreplayableRandomError,
     convert_dropout,
 )
-from gpipe_lab.pipeline.context import current_generator, microbatch_context, microbatch_seed
-from gpipe_lab.pipeline.random_replay import RandomReplay
-from gpipe_lab.pipeline.replay_policy import ALL, DISPATCH, FORK, GUARD, NONE, PROBE, StageReplay
+from gpipe_lab.pipeline.stage.context import current_generator, microbatch_context, microbatch_seed
+from gpipe_lab.pipeline.stage.random_replay import RandomReplay
+from gpipe_lab.pipeline.stage.replay_policy import ALL, DISPATCH, FORK, GUARD, NONE, PROBE, StageReplay
 
 pytestmark = pytest.mark.timeout(120)
 SEED, BALANCE, CHUNKS = 17, [3, 3], 4

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpipe_lab.measure import layer_costs
 from gpipe_lab.pipeline import GPipe, balance_by_cost
-from gpipe_lab.pipeline.nonfinite import gradient_flag, nonfinite_flag
+from gpipe_lab.pipeline.measuring.costs import layer_costs
+from gpipe_lab.pipeline.step.nonfinite import gradient_flag, nonfinite_flag
 from helpers.user_models import (
     Attention,
     ScaleInPlace,

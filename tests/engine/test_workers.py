@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpipe_lab import GPipe
-from gpipe_lab.pipeline.workers import StageWorker, StageWorkers
+from gpipe_lab.pipeline.step.workers import StageWorker, StageWorkers
 
 
 class ThreadProbe(nn.Module):

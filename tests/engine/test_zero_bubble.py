@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from gpipe_lab import GPipe
 from gpipe_lab.pipeline import PipelineTimeoutError
-from gpipe_lab.pipeline.weight_gradients import input_backward, plan_split, split_weight_backward
+from gpipe_lab.pipeline.stage.weight_gradients import input_backward, plan_split, split_weight_backward
 from helpers.models import grads, mlp, reference_step, tuple_model
 from helpers.threads import wait_for_stage_threads
 
@@ -208,7 +208,7 @@ def _split_steps(model: nn.Module, xs: list[torch.Tensor], gs: list[torch.Tensor
 
 def test_linear_weight_pass_is_direct_and_exact():
     """nn.Linear (with and without bias) takes the direct W (no engine call), accumulating exactly."""
-    from gpipe_lab.pipeline.linear_weights import linear_weight_grads
+    from gpipe_lab.pipeline.stage.linear_weights import linear_weight_grads
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16, bias=False))
@@ -243,7 +243,7 @@ def test_parameter_hooks_keep_the_autograd_weight_pass():
 
 def test_batched_weight_pass_equals_per_microbatch_autograd():
     """All micro-batches' W at once: one GEMM per Linear, per micro-batch for the rest (a conv)."""
-    from gpipe_lab.pipeline.weight_gradients import batched_weight_backward
+    from gpipe_lab.pipeline.stage.weight_gradients import batched_weight_backward
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Unflatten(1, (1, 16)), nn.Conv1d(1, 2, 3, padding=1), nn.Flatten(),

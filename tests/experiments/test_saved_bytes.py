@@ -1,11 +1,11 @@
-"""The one saved-activation counting rule (``gpipe_lab.saved_bytes``) and the places that count with it."""
+"""The one saved-activation counting rule (``gpipe_lab.pipeline.measuring.saved_bytes``) and the places that count with it."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from gpipe_lab.saved_bytes import SavedBytes, storage_keys
+from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes, storage_keys
 
 
 def _count(fn, *args, excluded=frozenset(), boundary=()) -> SavedBytes:
@@ -55,7 +55,7 @@ def test_meta_counts_like_cpu():
 def test_layer_costs_and_the_memory_benchmark_count_alike():
     from benchmarks import bench_common, bench_memory
 
-    from gpipe_lab.measure import layer_costs
+    from gpipe_lab.pipeline.measuring.costs import layer_costs
 
     work = bench_common.make_workload("mlp", bench_common.SIZES["smoke"])
     part = work.module[:3]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpipe_lab.pipeline.context import current_generator, is_recomputing, microbatch_seed
+from gpipe_lab.pipeline.stage.context import current_generator, is_recomputing, microbatch_seed
 
 SEED = 11
 NUM_STAGES = 3

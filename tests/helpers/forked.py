@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from gpipe_lab.pipeline.distributed.launch import add_preload as _add_preload
+from gpipe_lab.pipeline.distributed.spawn import add_preload as _add_preload
 
 # what the app imports, but not the module it runs (``python -m`` runs that fresh), nor wandb (its import
 # makes a temporary folder that the first run to exit would remove for all)

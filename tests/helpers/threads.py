@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from gpipe_lab.pipeline.workers import StageWorker
+from gpipe_lab.pipeline.step.workers import StageWorker
 
 
 def busy_stage_threads() -> list[StageWorker]:

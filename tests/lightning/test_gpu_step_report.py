@@ -54,7 +54,7 @@ def test_a_distributed_run_reports_only_the_steps_it_logs(tmp_path: Path, monkey
 def test_the_metrics_log_the_device_timeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU, host times are launch times: the bubble and busy times come from
     ``Timeline.on_device`` (here a stand-in device timeline: 1 s, stage 1 idle for its first half)."""
-    from gpipe_lab.pipeline.timeline import Event, Timeline
+    from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
 
     def on_device(self: Timeline) -> Timeline:
         t0 = self.start

@@ -94,7 +94,7 @@ def test_config_key_is_validated_and_reaches_the_strategy(tmp_path: Path, monkey
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_distributed_ranks_agree_on_raise_and_skip() -> None:
-    from gpipe_lab.pipeline.distributed.launch import run_local
+    from gpipe_lab.pipeline.distributed.spawn import run_local
 
     results = run_local(nonfinite_worker, 2, timeout=100)  # in helpers.faults: the workers skip Lightning
     for r in results:

@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from gpipe_lab.lightning import GPipeStrategy
-from gpipe_lab.pipeline import cpu_share
+from gpipe_lab.pipeline.devices import cpu_share
 
 
 def _setup(monkeypatch, processes: int, cores: int, busy: float, **options) -> int:

@@ -6,7 +6,9 @@ import sys
 import pytest
 import torch
 
-from gpipe_lab.models import COST_KINDS, PRESETS, build, preset_costs, preset_options
+from gpipe_lab.models import PRESETS, build, preset_options
+from gpipe_lab.pipeline.measuring.costs import COST_KINDS
+from gpipe_lab.planner.preset_costs import preset_costs
 
 
 def test_every_preset_builds_on_meta():
@@ -65,8 +67,8 @@ def test_flops_of_a_linear_layer_stack_are_exact():
 @pytest.mark.parametrize("name", ["amoebanet_d_tiny", "transformer_tiny"])
 def test_flops_are_counted_as_in_training_mode_and_the_modes_are_left_as_they_were(name):
     """The count runs in eval mode (cheaper meta BatchNorm): the same FLOPs as a training-mode count."""
-    from gpipe_lab.measure import measure_layers
     from gpipe_lab.models import example_input
+    from gpipe_lab.pipeline.measuring.costs import measure_layers
 
     model = build(name, device="meta")
     model.train()
@@ -104,8 +106,8 @@ def test_costs_on_a_given_batch_leave_the_model_as_it_was():
 
 
 def test_one_measuring_implementation():
-    import gpipe_lab.measure as measure
-    import gpipe_lab.models.costs as model_costs
+    import gpipe_lab.pipeline.measuring.costs as measure
+    import gpipe_lab.planner.preset_costs as model_costs
     from gpipe_lab.pipeline import layer_costs as engine_layer_costs
 
     assert engine_layer_costs is measure.layer_costs
@@ -126,7 +128,8 @@ def test_models_do_not_import_the_engine():
 
 
 def test_preset_time_costs_run_the_real_model_and_refuse_the_meta_device() -> None:
-    from gpipe_lab.models import build, preset_costs
+    from gpipe_lab.models import build
+    from gpipe_lab.planner.preset_costs import preset_costs
 
     model = build("transformer_tiny")
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from gpipe_lab.bench.workloads import Workload, WorkloadSpec, mse
 from gpipe_lab.pipeline import balance_by_cost
-from gpipe_lab.pipeline.forwarding import forwarded
+from gpipe_lab.pipeline.options import forwarded
 
 
 class _Sleep(torch.autograd.Function):

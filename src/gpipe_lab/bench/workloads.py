@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpipe_lab.models import build, example_input, preset_costs, translation_loss
+from gpipe_lab.models import build, example_input, translation_loss
 from gpipe_lab.pipeline import balance_by_cost
+from gpipe_lab.planner.preset_costs import preset_costs
 
 Inputs = Tensor | tuple[Tensor, ...]
 

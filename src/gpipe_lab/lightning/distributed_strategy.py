@@ -25,11 +25,11 @@ from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.lightning.placement import place_outside
 from gpipe_lab.lightning.scaling import agreeing_precision
 from gpipe_lab.lightning.strategy import GPipeStrategy
-from gpipe_lab.pipeline.clipping import clip_grad_norm_
-from gpipe_lab.pipeline.cpu_share import default_threads, warn_if_oversubscribed
+from gpipe_lab.pipeline.devices.cpu_share import default_threads, warn_if_oversubscribed
 from gpipe_lab.pipeline.distributed.resolve import nccl_failure_settings
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.pipeline.step.clipping import clip_grad_norm_
 
 if TYPE_CHECKING:
     from gpipe_lab.pipeline.distributed import DistributedGPipe

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline import GPipe, Timeline
-from gpipe_lab.pipeline.materialize import InitFn
 from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.pipeline.partitioning.materialize import InitFn
 
 LossFn = Callable[[Any, Any], Tensor]
 

@@ -16,7 +16,7 @@ from gpipe_lab.lightning.engine import PipelineEngine, build_local_engine
 from gpipe_lab.lightning.placement import place_outside
 from gpipe_lab.lightning.strategy import GPipeStrategy
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.pipeline.devices import normalize_device
+from gpipe_lab.pipeline.devices.assignment import normalize_device
 from gpipe_lab.pipeline.options import PipelineOptions
 
 

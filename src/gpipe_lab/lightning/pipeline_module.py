@@ -28,8 +28,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from gpipe_lab.pipeline.distributed.state import named_after
-from gpipe_lab.pipeline.materialize import reset_layer
+from gpipe_lab.pipeline.distributed.state_dict import named_after
+from gpipe_lab.pipeline.partitioning.materialize import reset_layer
 
 LossFn = Callable[[Any, Any], Tensor]
 #: One ``self.log`` call: name, value, positional and keyword options.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpipe_lab.pipeline.materialize import reset_module
+from gpipe_lab.pipeline.partitioning.materialize import reset_module
 
 
 def place_outside(root: nn.Module, inner: nn.Module, device: torch.device) -> None:

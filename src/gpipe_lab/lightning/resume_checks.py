@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gpipe_lab.config import ConfigError
-from gpipe_lab.pipeline.distributed.state import named_after
+from gpipe_lab.pipeline.distributed.state_dict import named_after
 
 #: The config keys that decide the weights' names and shapes.
 MODEL_SECTIONS = ("model",)

@@ -29,9 +29,8 @@ from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.lightning.pipeline_runner import PipelineRunnerMixin
 from gpipe_lab.lightning.scaling import engine_nonfinite
 from gpipe_lab.pipeline import Timeline
-from gpipe_lab.pipeline.forwarding import forwarded
-from gpipe_lab.pipeline.materialize import is_meta
-from gpipe_lab.pipeline.options import TRANSPORTS, OptionViews, PipelineOptions
+from gpipe_lab.pipeline.options import TRANSPORTS, OptionViews, PipelineOptions, forwarded
+from gpipe_lab.pipeline.partitioning.materialize import is_meta
 
 OPTION_NAMES = frozenset(f.name for f in fields(PipelineOptions))
 

@@ -1,21 +1,13 @@
 """The GPipe engine: pure PyTorch (+ torch.distributed); no Lightning, Hydra or wandb."""
 
-from gpipe_lab.pipeline.allocator import retain_freed_memory
-from gpipe_lab.pipeline.batching import checkpointed_microbatches
-from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm, commit_forward
-from gpipe_lab.pipeline.checkpointing import is_checkpointing
-from gpipe_lab.pipeline.clipping import clip_grad_norm_
-from gpipe_lab.pipeline.context import is_recomputing
-from gpipe_lab.pipeline.core import PipelineCore
-from gpipe_lab.pipeline.dropout import StageDropout, convert_dropout
+from gpipe_lab.pipeline.devices.allocator import retain_freed_memory
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.gpipe import GPipe
-from gpipe_lab.pipeline.materialize import seeded_init
-from gpipe_lab.pipeline.nonfinite import NonFiniteError, all_finite
+from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
 from gpipe_lab.pipeline.options import CHECKPOINT_MODES, NONFINITE_POLICIES, OptionError, PipelineOptions
-from gpipe_lab.pipeline.partition import balance_by_cost, layer_costs
-from gpipe_lab.pipeline.profiling import balance_by_size, balance_by_time
-from gpipe_lab.pipeline.random_replay import UnreplayableRandomError
+from gpipe_lab.pipeline.partitioning.materialize import seeded_init
+from gpipe_lab.pipeline.partitioning.partition import balance_by_cost, layer_costs
+from gpipe_lab.pipeline.partitioning.profiling import balance_by_size, balance_by_time
 from gpipe_lab.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -26,7 +18,15 @@ from gpipe_lab.pipeline.schedules import (
     register_schedule,
     validate_schedule,
 )
-from gpipe_lab.pipeline.timeline import Event, Timeline
+from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm, commit_forward
+from gpipe_lab.pipeline.stage.checkpointing import is_checkpointing
+from gpipe_lab.pipeline.stage.context import is_recomputing
+from gpipe_lab.pipeline.stage.dropout import StageDropout, convert_dropout
+from gpipe_lab.pipeline.stage.random_replay import UnreplayableRandomError
+from gpipe_lab.pipeline.step.batching import checkpointed_microbatches
+from gpipe_lab.pipeline.step.clipping import clip_grad_norm_
+from gpipe_lab.pipeline.step.core import PipelineCore
+from gpipe_lab.pipeline.step.nonfinite import NonFiniteError, all_finite
 
 __all__ = [
     "CHECKPOINT_MODES", "NONFINITE_POLICIES", "NonFiniteError", "OptionError", "PipelineCore",

@@ -20,19 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_lab.pipeline.allocator import retain_freed_memory
-from gpipe_lab.pipeline.autograd_forward import pipeline_forward
-from gpipe_lab.pipeline.batching import checkpointed_microbatches
-from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
-from gpipe_lab.pipeline.clipping import clip_grad_norm_
-from gpipe_lab.pipeline.core import PipelineCore
-from gpipe_lab.pipeline.cpu_share import default_threads, usable_cores, warn_if_oversubscribed
-from gpipe_lab.pipeline.devices import resolve_devices
-from gpipe_lab.pipeline.dropout import convert_dropout
-from gpipe_lab.pipeline.local import LocalChannel
-from gpipe_lab.pipeline.materialize import InitFn, build_module, place_layers
+from gpipe_lab.pipeline.devices.allocator import retain_freed_memory
+from gpipe_lab.pipeline.devices.assignment import resolve_devices
+from gpipe_lab.pipeline.devices.cpu_share import default_threads, usable_cores, warn_if_oversubscribed
 from gpipe_lab.pipeline.microbatch import Value
-from gpipe_lab.pipeline.nonfinite import NonFiniteError
 from gpipe_lab.pipeline.options import (
     CHECKPOINT_MODES,
     NONFINITE_POLICIES,
@@ -40,8 +31,17 @@ from gpipe_lab.pipeline.options import (
     PipelineOptions,
     merged_options,
 )
-from gpipe_lab.pipeline.partition import resolve_balance, split_module
-from gpipe_lab.pipeline.stage import StageRuntime
+from gpipe_lab.pipeline.partitioning.materialize import InitFn, build_module, place_layers
+from gpipe_lab.pipeline.partitioning.partition import resolve_balance, split_module
+from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
+from gpipe_lab.pipeline.stage.dropout import convert_dropout
+from gpipe_lab.pipeline.stage.runtime import StageRuntime
+from gpipe_lab.pipeline.step.autograd_forward import pipeline_forward
+from gpipe_lab.pipeline.step.batching import checkpointed_microbatches
+from gpipe_lab.pipeline.step.clipping import clip_grad_norm_
+from gpipe_lab.pipeline.step.core import PipelineCore
+from gpipe_lab.pipeline.step.local_channel import LocalChannel
+from gpipe_lab.pipeline.step.nonfinite import NonFiniteError
 
 __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "GPipe", "NonFiniteError", "checkpointed_microbatches",
            "resolve_devices"]

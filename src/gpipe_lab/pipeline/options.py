@@ -12,11 +12,11 @@ import inspect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
+from operator import attrgetter
 from typing import Any
 
 import torch
 
-from gpipe_lab.pipeline.forwarding import forwarded
 from gpipe_lab.pipeline.schedules import SCHEDULES
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -207,7 +207,21 @@ def merged_options(options: PipelineOptions | None, overrides: dict[str, Any]) -
 
 
 __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "TRANSPORTS", "OptionError", "PipelineOptions",
-           "compile_kwargs", "merged_options"]
+           "compile_kwargs", "forwarded", "merged_options"]
+
+
+# Read-only properties over another object's fields (the engine's options, a rank's topology, the
+# strategy's options), so that each such attribute is one line, not a block.
+def forwarded(path: str, doc: str | None = None) -> property:
+    """A read-only property returning ``self.<path>`` (``path`` may be dotted).
+
+    Raises:
+        ValueError: ``path`` is empty.
+    """
+    if not path:
+        raise ValueError("forwarded: path must name an attribute, got ''")
+    get = attrgetter(path)
+    return property(lambda self: get(self), doc=doc or f"``self.{path}`` (read-only).")
 
 
 class OptionViews:

@@ -24,9 +24,9 @@ import heapq
 import time
 from collections.abc import Sequence
 
-from gpipe_lab.pipeline.batching import checkpointed_microbatches
-from gpipe_lab.pipeline.partition import balance_by_cost
+from gpipe_lab.pipeline.partitioning.partition import balance_by_cost
 from gpipe_lab.pipeline.schedules import get_schedule
+from gpipe_lab.pipeline.step.batching import checkpointed_microbatches
 from gpipe_lab.planner.cost_model import CostModel
 from gpipe_lab.planner.memory_size import format_bytes
 from gpipe_lab.planner.plan_types import Candidate, NoPlanFits, PlanResult, Scored

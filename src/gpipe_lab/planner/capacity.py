@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpipe_lab.pipeline.partition import balance_by_cost
+from gpipe_lab.pipeline.partitioning.partition import balance_by_cost
 from gpipe_lab.planner.layer_memory import LayerMemory, layer_records
 
 __all__ = ["LayerMemory", "PartitionMemory", "Plan", "GiB", "layer_records", "partition_bytes", "plan_memory",

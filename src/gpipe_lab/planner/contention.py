@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from gpipe_lab.pipeline.measuring.step_timeline import Timeline
 from gpipe_lab.pipeline.schedules import Schedule
-from gpipe_lab.pipeline.timeline import Timeline
 from gpipe_lab.planner.simulator import Prediction, StageCosts, by_rank, predict_step, simulate_stages
 
 Key = tuple[int, str, int]

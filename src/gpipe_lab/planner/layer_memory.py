@@ -1,7 +1,7 @@
 """Per-layer memory records, measured on the ``meta`` device: what the capacity planner counts.
 
 A ``saved_tensors_hooks`` pack hook sees every tensor autograd keeps for backward; they are
-counted by the lab's one rule (``gpipe_lab.saved_bytes``: parameters and buffers excluded, each
+counted by the lab's one rule (``gpipe_lab.pipeline.measuring.saved_bytes``: parameters and buffers excluded, each
 distinct view once) and split by storage into the layer's saved inputs, saved outputs and other
 internals, per sample (one-sample batches). Nothing is allocated. Records are cached by (layer
 structure, input shapes); a Transformer measures one layer, AmoebaNet one cell per distinct shape
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpipe_lab.models import build, example_input, preset_options
-from gpipe_lab.saved_bytes import SavedBytes, storage_key, storage_keys
+from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes, storage_key, storage_keys
 
 __all__ = ["LayerMemory", "layer_records"]
 

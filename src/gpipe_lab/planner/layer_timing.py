@@ -30,8 +30,8 @@ from contextlib import nullcontext
 import torch
 
 from gpipe_lab.bench import WorkloadSpec
-from gpipe_lab.pipeline.context import microbatch_context
-from gpipe_lab.pipeline.timeline import Timeline
+from gpipe_lab.pipeline.measuring.step_timeline import Timeline
+from gpipe_lab.pipeline.stage.context import microbatch_context
 
 #: Seconds a timing thread waits for its twin at a phase boundary before giving up.
 BARRIER_TIMEOUT_S = 600.0

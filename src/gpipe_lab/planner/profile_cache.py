@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from gpipe_lab.bench import WorkloadSpec
-from gpipe_lab.measure import measure_layers, untouched
 from gpipe_lab.models import example_input
+from gpipe_lab.pipeline.measuring.costs import measure_layers, untouched
 from gpipe_lab.planner import layer_timing
 from gpipe_lab.planner.capacity import LayerMemory, layer_records
 from gpipe_lab.planner.cost_model import CostModel

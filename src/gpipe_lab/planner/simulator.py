@@ -27,8 +27,8 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
 from gpipe_lab.pipeline.schedules import Action, Schedule, dependency, walk
-from gpipe_lab.pipeline.timeline import Event, Timeline
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A stage's memory is its parameter state plus its peak live activation bytes:
 
 - parameter state: parameters x ``bytes_per_param`` (weights, gradients and optimizer slots: 16 for
   Adam in float32, 12 for SGD with momentum, 8 without);
-- activations, counted as the engine counts them (``StageRuntime``, ``gpipe_lab.saved_bytes``): a
+- activations, counted as the engine counts them (``StageRuntime``, ``gpipe_lab.pipeline.measuring.saved_bytes``): a
   forward ``F`` of micro-batch i keeps the stage's boundary inputs (I bytes per sample) and, unless i is
   checkpointed, what autograd saves inside the stage (S per sample); a replay ``R`` before a
   checkpointed micro-batch's ``B`` adds S again; ``B`` frees both, or the following ``W`` does when the
@@ -21,8 +21,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from gpipe_lab.pipeline.batching import checkpointed_microbatches
 from gpipe_lab.pipeline.schedules import Schedule
+from gpipe_lab.pipeline.step.batching import checkpointed_microbatches
 from gpipe_lab.planner.capacity import LayerMemory, partition_bytes
 
 __all__ = ["StageMemoryModel", "activation_peaks"]

@@ -21,7 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from gpipe_lab.pipeline.timeline import Timeline
+from gpipe_lab.pipeline.measuring.step_timeline import Timeline
 
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "R": "#8172b3", "wait": "#d9d9d9"}
 LABELS = {"F": "forward", "B": "backward", "W": "weight grad", "R": "recompute",

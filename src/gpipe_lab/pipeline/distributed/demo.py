@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gpipe_lab.pipeline.cpu_share import default_threads
+from gpipe_lab.pipeline.devices.cpu_share import default_threads
 from gpipe_lab.pipeline.distributed.distributed_gpipe import DistributedGPipe
 from gpipe_lab.pipeline.distributed.resolve import (
     local_rank_device,

@@ -19,12 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe_lab.pipeline.allocator import retain_freed_memory
-from gpipe_lab.pipeline.autograd_forward import refuse_backward, wants_graph
-from gpipe_lab.pipeline.batchnorm import DeferredBatchNorm
-from gpipe_lab.pipeline.clipping import clip_grad_norm_
-from gpipe_lab.pipeline.core import PipelineCore
-from gpipe_lab.pipeline.devices import move_target
+from gpipe_lab.pipeline.devices.allocator import retain_freed_memory
+from gpipe_lab.pipeline.devices.assignment import move_target
 from gpipe_lab.pipeline.distributed.failure import AbortChannel
 from gpipe_lab.pipeline.distributed.grad_sync import BUCKET_BYTES, GradientSync
 from gpipe_lab.pipeline.distributed.p2p_channel import P2PChannel
@@ -38,16 +34,24 @@ from gpipe_lab.pipeline.distributed.resolve import (
     stage_device,
     to_cpu,
 )
-from gpipe_lab.pipeline.distributed.state import by_index, by_name, gather_full_state_dict, local_state_dict
+from gpipe_lab.pipeline.distributed.state_dict import (
+    by_index,
+    by_name,
+    gather_full_state_dict,
+    local_state_dict,
+)
 from gpipe_lab.pipeline.distributed.topology import barrier, build_topology, connect_groups, connect_links
-from gpipe_lab.pipeline.dropout import convert_dropout
-from gpipe_lab.pipeline.forwarding import forwarded
-from gpipe_lab.pipeline.materialize import InitFn, build_module, local_chunks
+from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
 from gpipe_lab.pipeline.microbatch import Value
-from gpipe_lab.pipeline.options import PipelineOptions, merged_options
-from gpipe_lab.pipeline.partition import split_module
-from gpipe_lab.pipeline.stage import StageRuntime
-from gpipe_lab.pipeline.timeline import Event, Timeline
+from gpipe_lab.pipeline.options import PipelineOptions, forwarded, merged_options
+from gpipe_lab.pipeline.partitioning.materialize import InitFn, build_module, local_chunks
+from gpipe_lab.pipeline.partitioning.partition import split_module
+from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
+from gpipe_lab.pipeline.stage.dropout import convert_dropout
+from gpipe_lab.pipeline.stage.runtime import StageRuntime
+from gpipe_lab.pipeline.step.autograd_forward import refuse_backward, wants_graph
+from gpipe_lab.pipeline.step.clipping import clip_grad_norm_
+from gpipe_lab.pipeline.step.core import PipelineCore
 
 
 class DistributedGPipe(PipelineCore):

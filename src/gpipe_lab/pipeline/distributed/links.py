@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from gpipe_lab.pipeline.distributed.wire import recv_values
-from gpipe_lab.pipeline.mailbox import Mailbox
 from gpipe_lab.pipeline.schedules import MessageKey, Schedule, expected_messages, outgoing
+from gpipe_lab.pipeline.step.mailbox import Mailbox
 
 LinkKey = tuple[str, int, int]     # ("act" | "grad", source rank, destination rank)
 

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gpipe_lab.pipeline.channel import RankDevices, Values
 from gpipe_lab.pipeline.distributed.failure import AbortChannel, PeerFailedError, PeerTimeoutError, wait_works
 from gpipe_lab.pipeline.distributed.grad_sync import GradientSync
 from gpipe_lab.pipeline.distributed.links import LinkKey, LinkStreams, accept, message_plan, start_receivers
@@ -35,9 +34,10 @@ from gpipe_lab.pipeline.distributed.sends import InFlightSends
 from gpipe_lab.pipeline.distributed.topology import Topology
 from gpipe_lab.pipeline.distributed.wire import send_values
 from gpipe_lab.pipeline.errors import annotate, describe
-from gpipe_lab.pipeline.mailbox import Mailbox
 from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule
-from gpipe_lab.pipeline.stage import StageRuntime
+from gpipe_lab.pipeline.stage.runtime import StageRuntime
+from gpipe_lab.pipeline.step.channel import RankDevices, Values
+from gpipe_lab.pipeline.step.mailbox import Mailbox
 
 
 class P2PChannel:

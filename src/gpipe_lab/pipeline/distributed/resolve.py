@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpipe_lab.pipeline.devices import normalize_device
+from gpipe_lab.pipeline.devices.assignment import normalize_device
 from gpipe_lab.pipeline.distributed.topology import Topology, check_world
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
-from gpipe_lab.pipeline.partition import resolve_balance
+from gpipe_lab.pipeline.partitioning.partition import resolve_balance
 
 
 def resolve_stages(module: nn.Sequential, options: PipelineOptions,

@@ -91,11 +91,6 @@ class Topology:
         base = self.dp_rank * self.num_stages
         return list(range(base, base + self.num_stages))
 
-    @property
-    def dp_ranks(self) -> list[int]:
-        """Global ranks holding the same stage in every replica."""
-        return list(range(self.stage_index, self.world_size, self.num_stages))
-
     def rank_of(self, virtual_stage: int) -> int:
         """Global rank that runs a virtual stage (chunk) of this rank's pipeline."""
         return self.pp_ranks[virtual_stage % self.num_stages]

@@ -12,10 +12,7 @@ from gpipe_lab.pipeline.schedules.actions import (
     check_sizes,
     weight_runs,
 )
-from gpipe_lab.pipeline.schedules.fill_drain import analytic_bubble, gpipe_schedule, looped_gpipe_schedule
-from gpipe_lab.pipeline.schedules.interleaved import interleaved_1f1b_schedule
-from gpipe_lab.pipeline.schedules.one_f_one_b import one_f_one_b_schedule
-from gpipe_lab.pipeline.schedules.registry import (
+from gpipe_lab.pipeline.schedules.catalog import (
     FILL_DRAIN,
     SCHEDULES,
     VIRTUAL_FORMS,
@@ -23,6 +20,9 @@ from gpipe_lab.pipeline.schedules.registry import (
     rank_schedule,
     register_schedule,
 )
+from gpipe_lab.pipeline.schedules.fill_drain import analytic_bubble, gpipe_schedule, looped_gpipe_schedule
+from gpipe_lab.pipeline.schedules.interleaved import interleaved_1f1b_schedule
+from gpipe_lab.pipeline.schedules.one_f_one_b import one_f_one_b_schedule
 from gpipe_lab.pipeline.schedules.walker import (
     MessageKey,
     dependency,

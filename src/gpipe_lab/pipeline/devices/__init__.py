@@ -1,0 +1,1 @@
+"""Devices and host resources: which device each rank uses, streams, CPU threads, freed memory."""

@@ -1,0 +1,82 @@
+"""Per-thread state of the stage that is running: its generator, recompute flag.
+
+Each stage runs in its own worker thread (local transport) or process
+(distributed transport). Layers that need to know about the pipeline (the
+deterministic dropout, the deferred BatchNorm) read this state; outside a
+pipeline it is empty and they behave like their ``torch.nn`` originals.
+Inside ``microbatch_context`` the stage's draws come from the micro-batch's generators
+(how: ``replay_policy``), so a re-materialized forward draws the same.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from gpipe_lab.pipeline.stage.random_replay import RandomReplay
+
+_state = threading.local()
+
+_MASK = (1 << 63) - 1
+
+
+def microbatch_seed(base_seed: int, step: int, stage: int, microbatch: int) -> int:
+    """A seed that depends only on (base seed, step, stage, micro-batch), never on timing."""
+    seed = base_seed & _MASK
+    for part in (step, stage, microbatch):
+        seed = (seed * 6364136223846793005 + 1442695040888963407 + part) & _MASK
+    return seed
+
+
+def current_generator() -> torch.Generator | None:
+    """The generator of the running micro-batch, or ``None`` outside a pipeline."""
+    return getattr(_state, "generator", None)
+
+
+def current_watch() -> Any:
+    """The running probe's draw watch (``replay_policy.DrawWatch``), or ``None``: a layer that
+    draws from ``current_generator()`` by name calls its ``before``/``after`` around the draw."""
+    return getattr(_state, "watch", None)
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed micro-batch's forward is being replayed."""
+    return getattr(_state, "recomputing", False)
+
+
+class microbatch_context:  # noqa: N801 - used like a function: ``with microbatch_context(gen):``
+    """Run a stage's forward with its own generator (and the recompute flag).
+
+    With a generator and ``replay``, every random op inside draws from it (see
+    ``RandomReplay``, which raises ``UnreplayableRandomError`` for a draw it cannot
+    repeat) and the context yields the mode (its ``draws`` count what was drawn);
+    without ``replay`` only layers that read ``current_generator()`` do, and it yields None.
+    ``watch`` is what ``current_watch()`` returns inside. (A class, not a generator context
+    manager: it wraps every forward of every micro-batch.)
+    """
+
+    def __init__(self, generator: torch.Generator | None, recomputing: bool = False, replay: bool = True,
+                 watch: Any = None) -> None:
+        self.state = (generator, recomputing, watch)
+        self.mode = RandomReplay(generator) if generator is not None and replay else None
+
+    def __enter__(self) -> RandomReplay | None:
+        self.previous = (getattr(_state, "generator", None), getattr(_state, "recomputing", False),
+                         getattr(_state, "watch", None))
+        _state.generator, _state.recomputing, _state.watch = self.state
+        if self.mode is not None:
+            try:
+                self.mode.__enter__()
+            except BaseException:
+                _state.generator, _state.recomputing, _state.watch = self.previous
+                raise
+        return self.mode
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            if self.mode is not None:
+                self.mode.__exit__(*exc_info)
+        finally:
+            _state.generator, _state.recomputing, _state.watch = self.previous
