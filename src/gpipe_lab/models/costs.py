@@ -43,10 +43,10 @@ def _meta_model(model: nn.Sequential) -> nn.Sequential:
     spec = getattr(model, "spec", None)
     if spec is None:
         return model
-    from gpipe_lab.models.registry import build
+    from gpipe_lab.models.registry import build, preset_options
 
-    defaults = build(spec.name, device="meta")
-    overrides = {k: v for k, v in spec.options.items() if defaults.spec.options.get(k) != v}
+    defaults = preset_options(spec.name)  # what build(spec.name).spec.options holds
+    overrides = {k: v for k, v in spec.options.items() if defaults.get(k) != v}
     replica = build(spec.name, device="meta", **{k: v for k, v in overrides.items() if k != "genotype"})
     replica.train(model.training)
     return replica
