@@ -25,8 +25,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from gpipe_lab.lightning.callbacks import PipelineMetrics
 from gpipe_lab.lightning.resume import ResumableCheckpoint, resume_command
-from gpipe_lab.pipeline.gpipe import resolve_balance
 from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.pipeline.partitioning.partition import resolve_balance
 
 
 def stage_summary(options: PipelineOptions, layers: Any) -> str:

@@ -15,7 +15,8 @@ the exact next batch (its order depends only on (seed, epoch)).
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Sized
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -37,7 +38,7 @@ class Augmented(Dataset):
         self.cut = Cutout(cutout) if cutout else None
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(cast(Sized, self.dataset))  # a map-style dataset (torch's Dataset declares no __len__)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         image, label = self.dataset[index]
@@ -53,7 +54,7 @@ class EpochRandomSampler(RandomSampler):
     Trainer replaces it by a shuffling ``DistributedSampler`` as before.)"""
 
     def __init__(self, data_source: Dataset, seed: int = 0) -> None:
-        super().__init__(data_source)
+        super().__init__(cast(Sized, data_source))  # (as above: it has a length)
         self.seed, self.epoch = int(seed), 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -102,7 +103,7 @@ class ImageDataModule(pl.LightningDataModule):
     def _loader(self, dataset: Dataset | None, train: bool) -> DataLoader:
         if dataset is None:
             self.setup("fit")
-            dataset = self.train_set if train else self.val_set
+            dataset = cast(Dataset, self.train_set if train else self.val_set)  # both made by setup
         if self.data_parallel_size > 1:
             sampler: torch.utils.data.Sampler = DistributedSampler(
                 dataset, num_replicas=self.data_parallel_size, rank=self.data_parallel_rank,
@@ -111,7 +112,7 @@ class ImageDataModule(pl.LightningDataModule):
         elif train:
             sampler = EpochRandomSampler(dataset, seed=self.seed)
         else:
-            sampler = SequentialSampler(dataset)
+            sampler = SequentialSampler(cast(Sized, dataset))
         loader = (ResumableDataLoader if train else DataLoader)(
             dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
             drop_last=train and self.drop_last, persistent_workers=self.num_workers > 0,

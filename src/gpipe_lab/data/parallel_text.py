@@ -63,7 +63,7 @@ class ParallelTextDataModule(TranslationDataModule):
         }
         if (test_src is None) != (test_ref is None):
             raise ValueError("give both test_src and test_ref (sacrebleu-format plain text files) or neither")
-        if test_src is not None:
+        if test_src is not None and test_ref is not None:  # (both or neither, checked above)
             test_hint = "Set data.test_src and data.test_ref to existing plain-text files."
             self.files[("test", "src")] = require_path(test_src, "test source", test_hint)
             self.files[("test", "tgt")] = require_path(test_ref, "test reference", test_hint)

@@ -83,7 +83,7 @@ class CIFARDataModule(ImageDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        kw = dict(image_size=self.image_size, random_flip=self.random_flip)
+        kw: dict[str, Any] = dict(image_size=self.image_size, random_flip=self.random_flip)
         try:
             self.train_set = self.dataset_cls(
                 str(self.root), train=True, transform=cifar_transform(True, random_crop=self.random_crop, cutout=self.cutout, **kw)

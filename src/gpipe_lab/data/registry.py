@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from functools import partial
+from typing import cast
 
 import lightning.pytorch as pl
 
@@ -51,7 +52,7 @@ def accepted_arguments(name: str) -> list[str]:
     """
     factory = DATAMODULES[name]
     fixed = factory.keywords if isinstance(factory, partial) else {}
-    cls = factory.func if isinstance(factory, partial) else factory
+    cls = cast(type, factory.func if isinstance(factory, partial) else factory)  # each entry: a class or its partial
     names: list[str] = []
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")

@@ -21,8 +21,8 @@ the workers may differ for the rest of that epoch (their per-worker RNG streams 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader
@@ -32,9 +32,10 @@ def _set_epoch(loader: DataLoader, epoch: int) -> None:
     """``set_epoch`` on the loader's sampler and batch sampler (as Lightning does)."""
     seen: set[int] = set()
     for obj in (loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None)):
-        if obj is not None and id(obj) not in seen and callable(getattr(obj, "set_epoch", None)):
+        set_epoch = getattr(obj, "set_epoch", None)
+        if obj is not None and id(obj) not in seen and callable(set_epoch):
             seen.add(id(obj))
-            obj.set_epoch(epoch)
+            set_epoch(epoch)
 
 
 def _epoch_of(loader: DataLoader) -> int:
@@ -48,17 +49,17 @@ def _epoch_of(loader: DataLoader) -> int:
 class _Skip:
     """The index sampler without its first ``count`` items (batches, with automatic batching)."""
 
-    def __init__(self, inner: Iterable, count: int) -> None:
+    def __init__(self, inner: Iterable[Any], count: int) -> None:
         self.inner, self.count = inner, count
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[Any]:
         it = iter(self.inner)
         for _ in range(self.count):
             next(it, None)
         yield from it
 
     def __len__(self) -> int:
-        return len(self.inner)  # type: ignore[arg-type]
+        return len(cast(Sized, self.inner))  # asked only of a sampler with a length
 
 
 class ResumableDataLoader(DataLoader):
@@ -79,7 +80,8 @@ class ResumableDataLoader(DataLoader):
         base = super()._index_sampler
         return _Skip(base, self._skip_now) if self._skip_now else base
 
-    def __iter__(self) -> Iterator[Any]:
+    # torch annotates DataLoader.__iter__ with its private iterator class; any iterator serves
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         skip, self._pending_skip = self._pending_skip, 0
         if self.seed is not None:
             self.generator = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + _epoch_of(self) + 17)

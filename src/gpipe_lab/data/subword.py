@@ -36,6 +36,7 @@ def cache_path(folder: Path, kind: str, vocab_size: int, files: Sequence[Path]) 
 
 def _new_tokenizer(kind: str, vocab_size: int) -> tuple[Tokenizer, trainers.Trainer]:
     unk = SPECIAL_TOKENS[UNK_ID]
+    trainer: trainers.Trainer
     if kind == "bpe":
         tok = Tokenizer(models.BPE(unk_token=unk))
         tok.pre_tokenizer = pre_tokenizers.Metaspace()

@@ -15,6 +15,7 @@ size, colours, stripe phase and angle, plus pixel noise. Prototypes come from
 from __future__ import annotations
 
 import math
+from typing import TypedDict
 
 import torch
 from torch.utils.data import Dataset
@@ -50,6 +51,16 @@ def _signed_distance(shape: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     if shape == 4:  # cross
         return torch.maximum(torch.minimum(0.3 - ax, 1 - ay), torch.minimum(0.3 - ay, 1 - ax))
     return 1.1 - (ax + ay)  # diamond
+
+
+class _Prototype(TypedDict):
+    """One class's look: shape index, foreground and background colours, stripe angle and frequency."""
+
+    shape: int
+    fg: torch.Tensor
+    bg: torch.Tensor
+    angle: float
+    freq: float
 
 
 class SyntheticImageDataset(Dataset):
@@ -102,7 +113,7 @@ class SyntheticImageDataset(Dataset):
             self._images = torch.stack([self.render(i % self.num_classes, i) for i in range(self.num_samples)])
         return self._images is not None
 
-    def _prototype(self, proto_id: int) -> dict[str, object]:
+    def _prototype(self, proto_id: int) -> _Prototype:
         g = torch.Generator().manual_seed(mix_seed(self.class_seed, proto_id, 7))
         fg = torch.rand(3, generator=g) * 0.8 + 0.1
         bg = torch.rand(3, generator=g) * 0.8 + 0.1

@@ -98,7 +98,9 @@ class TokenBucketBatchSampler(BatchSampler):
         self.rank, self.world_size = check_replica(rank, world_size)
         self.sizes = list(sizes)
         self.shuffle, self.seed, self.pad_shards, self.epoch = shuffle, int(seed), pad_shards, 0
-        self.sampler = self  # Lightning calls ``set_epoch`` on ``loader.batch_sampler.sampler``
+        # Lightning calls ``set_epoch`` on ``loader.batch_sampler.sampler``; torch types that attribute
+        # as an index sampler, and this one yields batches
+        self.sampler = self  # type: ignore[assignment]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -142,7 +142,7 @@ class TranslationDataModule(pl.LightningDataModule):
         if split not in ("val", "test"):
             raise ValueError(f"split must be 'val' or 'test', got {split!r}")
         self.setup("fit")
-        dataset = self._test_set() if split == "test" else self.val_set
+        dataset = self._test_set() if split == "test" else cast(TranslationDataset, self.val_set)  # made by setup
         return list(self.batch_sampler(dataset, train=False))
 
     def batch_references(self, split: str = "val") -> list[list[str]]:

@@ -86,7 +86,8 @@ def build(name: str, device: str | torch.device = "cpu", **overrides: Any) -> nn
         kwargs = {k: v for k, v in options.items() if k != "image_size"}
         with torch.device(device):
             model = build_amoebanet(**kwargs)
-        model.spec = ModelSpec(name, "amoebanet", options)
+        # torch types Module.__setattr__ for tensors and modules; a plain attribute is allowed too
+        model.spec = ModelSpec(name, "amoebanet", options)  # type: ignore[assignment]
         return model
     if name in TRANSFORMER_PRESETS:
         _check_overrides(name, overrides, TRANSFORMER_OVERRIDES)
@@ -96,6 +97,6 @@ def build(name: str, device: str | torch.device = "cpu", **overrides: Any) -> nn
         config = replace(TRANSFORMER_PRESETS[name][0], **overrides)
         with torch.device(device):
             model = build_transformer(config)
-        model.spec = ModelSpec(name, "transformer", {**vars(config), "seq_len": seq_len})
+        model.spec = ModelSpec(name, "transformer", {**vars(config), "seq_len": seq_len})  # type: ignore[assignment]
         return model
     raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from gpipe_lab.models.transformer_layers import (
+    Block,
     CausalLayer,
     DecoderLayer,
     Embedding,
@@ -90,7 +92,7 @@ def build_transformer(config: TransformerConfig) -> nn.Sequential:
     """
     config.validate()
     c = config
-    block_kwargs = dict(pre_norm=c.pre_norm, dropout=c.dropout, attention_dropout=c.attention_dropout,
+    block_kwargs: dict[str, Any] = dict(pre_norm=c.pre_norm, dropout=c.dropout, attention_dropout=c.attention_dropout,
                         relu_dropout=c.relu_dropout)
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     if c.layout == "encoder_decoder":
@@ -118,7 +120,7 @@ def build_transformer(config: TransformerConfig) -> nn.Sequential:
         scale = ffn_init_scale(c.num_layers)
         with torch.no_grad():
             for module in model.modules():
-                if hasattr(module, "ffn"):
+                if isinstance(module, Block):  # the layers with a feed-forward sub-layer
                     module.ffn.w1.weight.mul_(scale)
                     module.ffn.w2.weight.mul_(scale)
     return model

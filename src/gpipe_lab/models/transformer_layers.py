@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -101,12 +102,17 @@ class Block(nn.Module):
             return x + self.dropout(fn(self.norms[i](x)))
         return self.norms[i](x + self.dropout(fn(x)))
 
-    def forward(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
-                causal: bool = False) -> Tensor:
+    def sublayers(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
+                  causal: bool = False) -> Tensor:
+        """The block on ``x``: a plain ``Block``'s forward; each layer below runs it on its part of the state."""
         x = self._residual(x, 0, lambda y: self.self_attn(y, y, None if causal else mask, causal))
-        if self.cross_attn is not None:
-            x = self._residual(x, 1, lambda y: self.cross_attn(y, memory, mask))
+        cross = self.cross_attn
+        if cross is not None:
+            x = self._residual(x, 1, lambda y: cross(y, memory, mask))
         return self._residual(x, len(self.norms) - 1, self.ffn)
+
+    # typed as nn.Module's: each layer below has a forward of its own signature
+    forward: Callable[..., Any] = sublayers
 
 
 class Embedding(nn.Module):
@@ -136,21 +142,23 @@ class Embedding(nn.Module):
 
 
 class EncoderLayer(Block):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, cross_attention=False, **kwargs)  # type: ignore[misc]
+    def __init__(self, d_model: int, ffn_dim: int, num_heads: int, pre_norm: bool, dropout: float,
+                 attention_dropout: float, relu_dropout: float) -> None:
+        super().__init__(d_model, ffn_dim, num_heads, False, pre_norm, dropout, attention_dropout, relu_dropout)
 
-    def forward(self, state: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+    def forward(self, state: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         enc, dec, mask = state
-        return super().forward(enc, mask=mask), dec, mask
+        return self.sublayers(enc, mask=mask), dec, mask
 
 
 class DecoderLayer(Block):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, cross_attention=True, **kwargs)  # type: ignore[misc]
+    def __init__(self, d_model: int, ffn_dim: int, num_heads: int, pre_norm: bool, dropout: float,
+                 attention_dropout: float, relu_dropout: float) -> None:
+        super().__init__(d_model, ffn_dim, num_heads, True, pre_norm, dropout, attention_dropout, relu_dropout)
 
-    def forward(self, state: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+    def forward(self, state: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         enc, dec, mask = state
-        return enc, super().forward(dec, enc, mask, causal=True), mask
+        return enc, self.sublayers(dec, enc, mask, causal=True), mask
 
 
 class EncoderFinalNorm(nn.Module):
@@ -177,11 +185,12 @@ class TokenEmbedding(nn.Module):
 
 
 class CausalLayer(Block):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, cross_attention=False, **kwargs)  # type: ignore[misc]
+    def __init__(self, d_model: int, ffn_dim: int, num_heads: int, pre_norm: bool, dropout: float,
+                 attention_dropout: float, relu_dropout: float) -> None:
+        super().__init__(d_model, ffn_dim, num_heads, False, pre_norm, dropout, attention_dropout, relu_dropout)
 
-    def forward(self, h: Tensor) -> Tensor:  # type: ignore[override]
-        return super().forward(h, causal=True)
+    def forward(self, h: Tensor) -> Tensor:
+        return self.sublayers(h, causal=True)
 
 
 class OutputHead(nn.Module):

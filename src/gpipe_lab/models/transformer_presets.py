@@ -31,12 +31,13 @@ layers, so the vocabulary is 32,000.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from gpipe_lab.models.transformer import TransformerConfig
 
 __all__ = ["TRANSFORMER_PRESETS", "TRANSFORMER_L_PAPER", "transformer_param_count", "describe_presets"]
 
-_NMT = dict(d_model=1024, vocab_size=64000)
+_NMT: dict[str, Any] = dict(d_model=1024, vocab_size=64000)
 TRANSFORMER_PRESETS: dict[str, tuple[TransformerConfig, str]] = {
     "transformer_big": (TransformerConfig(num_layers=6, ffn_dim=8192, num_heads=16, **_NMT), "400M"),
     "transformer_deep": (TransformerConfig(num_layers=24, ffn_dim=8192, num_heads=16, **_NMT), "1.3B"),

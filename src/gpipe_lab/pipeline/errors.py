@@ -27,8 +27,8 @@ def annotate(exc: BaseException, stage: int, action: Action | None) -> BaseExcep
         exc.args = (where,)
     if hasattr(exc, "add_note"):
         exc.add_note(f"GPipe: raised {where}")
-    exc.gpipe_stage = stage  # type: ignore[attr-defined]
-    exc.gpipe_microbatch = None if action is None else action.microbatch  # type: ignore[attr-defined]
+    # attributes any exception can take (``BaseException`` declares none)
+    exc.__dict__.update(gpipe_stage=stage, gpipe_microbatch=None if action is None else action.microbatch)
     return exc
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from gpipe_lab.models import build, example_input
+from gpipe_lab.models import build, example_input, preset_options
 from gpipe_lab.pipeline.measuring.costs import (
     COST_KINDS,
     layer_costs,
@@ -35,8 +35,8 @@ def _meta_model(model: nn.Sequential) -> nn.Sequential:
     spec = getattr(model, "spec", None)
     if spec is None:
         return model
-    defaults = build(spec.name, device="meta")
-    overrides = {k: v for k, v in spec.options.items() if defaults.spec.options.get(k) != v}
+    defaults = preset_options(spec.name)  # what build(spec.name).spec.options holds
+    overrides = {k: v for k, v in spec.options.items() if defaults.get(k) != v}
     replica = build(spec.name, device="meta", **{k: v for k, v in overrides.items() if k != "genotype"})
     replica.train(model.training)
     return replica

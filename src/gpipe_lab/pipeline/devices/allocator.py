@@ -58,7 +58,7 @@ def _apply() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
+    ok: bool = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
     ok = mallopt(_M_TOP_PAD, _TOP_PAD) == 1 and ok
     ok = mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and ok
     return ok

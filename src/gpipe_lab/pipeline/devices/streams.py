@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -113,7 +113,7 @@ class CudaStreams:
     def compute(self, rank: int, device: torch.device) -> AbstractContextManager[Any]:
         if device.type != "cuda":
             return nullcontext()
-        return self.cuda.stream(self._streams(rank, device)[0])
+        return cast("AbstractContextManager[Any]", self.cuda.stream(self._streams(rank, device)[0]))
 
     def begin(self, ranks: Sequence[tuple[int, torch.device]]) -> None:
         for rank, device in ranks:

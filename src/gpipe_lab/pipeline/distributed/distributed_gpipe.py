@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -159,7 +159,7 @@ class DistributedGPipe(PipelineCore):
             box = [to_cpu(outputs) if self.is_last_stage else None]
             dist.broadcast_object_list(box, src=self.topo.last_rank, group=self.pp_group,
                                        device=self.device if self.device.type == "cuda" else None)
-            outputs = outputs if self.is_last_stage else move_target(box[0], self.device)
+            outputs = outputs if self.is_last_stage else cast("Value | None", move_target(box[0], self.device))
         if outputs is not None and wants_graph(self):
             outputs = refuse_backward(outputs, "DistributedGPipe cannot back-propagate pipe(x) across "
                                       "processes; use pipe.train_step(x, y, loss_fn)")

@@ -27,11 +27,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from typing import Protocol, cast
 
 import torch.distributed as dist
 
 from gpipe_lab.pipeline.distributed.liveness import PeerTable
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
+from gpipe_lab.pipeline.schedules import Action
 
 ABORT_KEY = "gpipe/abort"
 POLL_SECONDS = 0.05
@@ -57,8 +59,8 @@ class PeerTimeoutError(PipelineTimeoutError):
         TimeoutError.__init__(self, message)
         self.failed_rank = rank
         self.timeout = timeout
-        self.done: list = []
-        self.waiting: list = []
+        self.done: list[Action | None] = []
+        self.waiting: list[Action | None] = []
 
 
 def who(ranks: Sequence[int]) -> str:
@@ -83,7 +85,7 @@ class AbortChannel:
     """The ``gpipe/abort`` key of the default store, checked at most every ``POLL_SECONDS``,
     and the table of peer processes. ``stage`` (this rank's pipeline stage) only labels errors."""
 
-    def __init__(self, store: object, rank: int, stage: int | None = None) -> None:
+    def __init__(self, store: dist.Store | None, rank: int, stage: int | None = None) -> None:
         self.store = store
         self.rank = rank
         self.stage = stage
@@ -99,7 +101,7 @@ class AbortChannel:
             return
         self.message = message
         try:
-            self.store.set(ABORT_KEY, message)  # type: ignore[attr-defined]
+            self.store.set(ABORT_KEY, message)
         except Exception:  # noqa: BLE001 - the store host may be the rank that died
             self.store = None
 
@@ -108,9 +110,9 @@ class AbortChannel:
         if self.store is None:
             return None
         try:
-            if not self.store.check([ABORT_KEY]):  # type: ignore[attr-defined]
+            if not self.store.check([ABORT_KEY]):
                 return None
-            message = self.store.get(ABORT_KEY).decode()  # type: ignore[attr-defined]
+            message = self.store.get(ABORT_KEY).decode()
         except Exception:  # noqa: BLE001 - store unreachable: rely on link errors and deadlines
             self.store = None
             return None
@@ -191,7 +193,13 @@ def _completed(work: object) -> bool:
     return True if check is None else bool(check())
 
 
-def wait_works(works: Sequence[object], what: str, peer: int | Sequence[int] | None, timeout: float,
+class Waitable(Protocol):
+    """What ``wait_works`` waits for: a ``dist.Work``, a ``wire.PeerWork``, ``sends.InFlightSends``."""
+
+    def wait(self) -> object: ...
+
+
+def wait_works(works: Sequence[Waitable], what: str, peer: int | Sequence[int] | None, timeout: float,
                abort: AbortChannel) -> None:
     """Wait for Work handles without ever hanging.
 
@@ -206,12 +214,12 @@ def wait_works(works: Sequence[object], what: str, peer: int | Sequence[int] | N
     if not works:
         return
     done, given_up = threading.Event(), threading.Event()
-    failed: list[tuple[BaseException, object]] = []
+    failed: list[tuple[BaseException, Waitable]] = []
 
     def run() -> None:
         for w in works:
             try:
-                w.wait()  # type: ignore[attr-defined]
+                w.wait()
                 # NCCL's wait() only orders the current stream after the work and returns at
                 # once: poll its completion, so a stuck peer meets the deadline below
                 while not _completed(w) and not given_up.is_set():
@@ -223,7 +231,7 @@ def wait_works(works: Sequence[object], what: str, peer: int | Sequence[int] | N
 
     if peer is None:
         own = [getattr(w, "peer", None) for w in works]
-        peers = abort.others() if None in own else sorted(set(own))  # type: ignore[type-var]
+        peers = abort.others() if None in own else sorted(set(cast("list[int]", own)))
     else:
         peers = [peer] if isinstance(peer, int) else list(peer)
     where = abort.where(what)
@@ -245,6 +253,6 @@ def wait_works(works: Sequence[object], what: str, peer: int | Sequence[int] | N
     finally:
         given_up.set()  # the waiter thread stops polling a Work nobody waits for any more
     if failed:
-        exc, work = failed[0]
+        error, work = failed[0]
         culprit = getattr(work, "peer", None)
-        raise abort.explain(what, peers if culprit is None else [culprit], exc, where) from exc
+        raise abort.explain(what, peers if culprit is None else [culprit], error, where) from error

@@ -19,6 +19,7 @@ whose ``.grad`` is ``None`` is skipped), as with ``DistributedDataParallel``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ def layout(params: Sequence[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> 
     The same on every replica: it depends on the parameters, never on which have a gradient.
     """
     groups: list[list[nn.Parameter]] = []
-    open_bucket: dict[tuple, tuple[list[nn.Parameter], list[int]]] = {}
+    open_bucket: dict[tuple[torch.dtype, torch.device], tuple[list[nn.Parameter], list[int]]] = {}
     for p in reversed([p for p in params if p.requires_grad]):
         bucket, size = open_bucket.setdefault((p.dtype, p.device), ([], [0]))
         bucket.append(p)
@@ -60,7 +61,7 @@ class _Armed:
         self.waiting = len(params)
         self.launched = False
 
-    def accumulated(self, p: nn.Parameter) -> bool:
+    def accumulated(self, p: Tensor) -> bool:
         """Count one accumulation of ``p``; True when the whole bucket is complete."""
         left = self.left[id(p)] - 1
         self.left[id(p)] = left
@@ -72,7 +73,7 @@ class _Armed:
 def buckets(params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> list[list[nn.Parameter]]:
     """Group parameters with gradients into buckets of one dtype/device, ~``bucket_bytes`` each."""
     groups: list[list[nn.Parameter]] = []
-    open_bucket: dict[tuple, tuple[list[nn.Parameter], list[int]]] = {}
+    open_bucket: dict[tuple[torch.dtype, torch.device], tuple[list[nn.Parameter], list[int]]] = {}
     for p in params:
         if p.grad is None:
             continue
@@ -90,7 +91,7 @@ def buckets(params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) ->
 class GradientSync:
     """Bucketed all-reduce (mean) of gradients over a data-parallel group, overlapping the backward."""
 
-    def __init__(self, group: object, size: int, abort: AbortChannel, timeout: float,
+    def __init__(self, group: dist.ProcessGroup | None, size: int, abort: AbortChannel, timeout: float,
                  bucket_bytes: int = BUCKET_BYTES) -> None:
         self.group = group
         self.size = size
@@ -98,8 +99,8 @@ class GradientSync:
         self.timeout = timeout
         self.bucket_bytes = bucket_bytes
         self.peers = [r for r in dist.get_process_group_ranks(group) if r != abort.rank] if size > 1 else []
-        self._pending: list[tuple[object, Tensor, list[nn.Parameter]]] = []
-        self._abandoned: list[tuple[object, Tensor, list[nn.Parameter]]] = []
+        self._pending: list[tuple[dist.Work, Tensor, list[nn.Parameter]]] = []
+        self._abandoned: list[tuple[dist.Work, Tensor, list[nn.Parameter]]] = []
         self._layouts: dict[int, list[list[nn.Parameter]]] = {}
         self._hooked: set[int] = set()
         self._armed: dict[int, _Armed] = {}  # id(parameter) -> its bucket, this step
@@ -118,12 +119,12 @@ class GradientSync:
             for p in bucket:
                 self._armed[id(p)] = armed
                 if id(p) not in self._hooked:
-                    p.register_post_accumulate_grad_hook(self._accumulated)
+                    p.register_post_accumulate_grad_hook(self._accumulated)  # type: ignore[no-untyped-call]  # unannotated in torch
                     self._hooked.add(id(p))
 
     def _accumulated(self, p: Tensor) -> None:
         armed = self._armed.get(id(p))
-        if armed is not None and not armed.launched and armed.accumulated(p):  # type: ignore[arg-type]
+        if armed is not None and not armed.launched and armed.accumulated(p):
             self.launched_in_backward += 1
             self._launch(armed)
 
@@ -172,7 +173,7 @@ class GradientSync:
         wait_works([w for w, _, _ in pending], WHAT, self.peers, self.timeout, self.abort)
         for _, flat, bucket in pending:
             flat.div_(self.size)
-            grads = [p.grad for p in bucket]
+            grads = cast("list[Tensor]", [p.grad for p in bucket])  # a bucket's parameters have gradients
             torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))  # one launch per bucket
 
     def discard(self) -> None:

@@ -28,8 +28,9 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from gpipe_lab.pipeline.distributed.wire import recv_values
+from gpipe_lab.pipeline.distributed.wire import Values, recv_values
 from gpipe_lab.pipeline.schedules import MessageKey, Schedule, expected_messages, outgoing
 from gpipe_lab.pipeline.step.mailbox import Mailbox
 
@@ -63,7 +64,7 @@ def message_plan(ranks: Schedule, pp_ranks: list[int], num_virtual: int) -> dict
     return sent
 
 
-def accept(values: tuple, ready: object, device: torch.device) -> tuple:
+def accept(values: Values, ready: torch.cuda.Event | None, device: torch.device) -> Values:
     """Order the calling thread's stream after a received value's ``ready`` event.
 
     ``record_stream`` keeps the side stream's buffers from being reused while
@@ -72,14 +73,14 @@ def accept(values: tuple, ready: object, device: torch.device) -> tuple:
     if ready is None:
         return values
     stream = torch.cuda.current_stream(device)
-    stream.wait_event(ready)  # type: ignore[arg-type]
+    stream.wait_event(ready)
     for v in values:
         if v is not None:
             v.record_stream(stream)
     return values
 
 
-def _receive_stream(device: torch.device) -> object:
+def _receive_stream(device: torch.device) -> torch.cuda.Stream:
     """A stream from the high-priority pool: NCCL draws its own streams from the other one
     (unless told to use high priority), so a receive stream never aliases one of NCCL's."""
     return torch.cuda.Stream(device, priority=-1)
@@ -93,14 +94,14 @@ class LinkStreams:
     """
 
     def __init__(self, device: torch.device,
-                 factory: Callable[[torch.device], object] | None = None) -> None:
+                 factory: Callable[[torch.device], torch.cuda.Stream] | None = None) -> None:
         self.device = device
         self.factory = factory if factory is not None else (_receive_stream if device.type == "cuda" else None)
         self.made = 0
-        self._streams: dict[LinkKey, object] = {}
+        self._streams: dict[LinkKey, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
 
-    def get(self, link: LinkKey) -> object | None:
+    def get(self, link: LinkKey) -> torch.cuda.Stream | None:
         """The link's stream (``None`` without a factory)."""
         if self.factory is None:
             return None
@@ -110,17 +111,17 @@ class LinkStreams:
                 self.made += 1
             return self._streams[link]
 
-    def enter(self, stream: object | None) -> AbstractContextManager[Any]:
+    def enter(self, stream: torch.cuda.Stream | None) -> AbstractContextManager[Any]:
         """Make ``stream`` current for the receives (on a GPU only)."""
         if stream is None or self.device.type != "cuda":
             return nullcontext()
-        return torch.cuda.stream(stream)  # type: ignore[arg-type]
+        return torch.cuda.stream(stream)
 
 
-def start_receivers(plan: dict[LinkKey, list[MessageKey]], rank: int, links: dict[LinkKey, object],
+def start_receivers(plan: dict[LinkKey, list[MessageKey]], rank: int, links: dict[LinkKey, dist.ProcessGroup],
                     mailbox: Mailbox, device: torch.device, header_device: torch.device,
                     on_thread_start: Callable[[], None] | None = None,
-                    header_links: dict[LinkKey, object] | None = None,
+                    header_links: dict[LinkKey, dist.ProcessGroup] | None = None,
                     streams: LinkStreams | None = None) -> list[threading.Thread]:
     """One daemon thread per incoming link, receiving its messages in order.
 
@@ -147,11 +148,11 @@ def start_receivers(plan: dict[LinkKey, list[MessageKey]], rank: int, links: dic
                     with streams.enter(side):
                         values, was_tensor = recv_values(
                             src, links[link], seq, device, header_device,
-                            lambda work, _what: work.wait(), headers)  # type: ignore[attr-defined]
-                    ready = None
+                            lambda work, _what: work.wait(), headers)
+                    ready: torch.cuda.Event | None = None
                     if on_device:
                         ready = torch.cuda.Event()
-                        ready.record(side)  # type: ignore[arg-type]
+                        ready.record(side)
                     mailbox.put(key, (values, was_tensor, ready))
             except BaseException as exc:  # noqa: BLE001 - surfaces in the rank's wait (Undelivered)
                 mailbox.break_link(src, exc)

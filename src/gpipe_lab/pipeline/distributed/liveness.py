@@ -18,6 +18,10 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 PROC_KEY = "gpipe/proc/{}"
 _PF_EXITING = 0x4  # task flag: the process has begun to exit
@@ -61,14 +65,15 @@ def _gone_by_signal(pid: int) -> bool:
 class PeerTable:
     """The process ids of the ranks on this host, read from the store once all have registered."""
 
-    def __init__(self, store: object, rank: int, world_size: int) -> None:
+    def __init__(self, store: dist.Store | None, rank: int, world_size: int) -> None:
         self.store = store
         self.rank = rank
         self.host = host_id()
         self.pids: dict[int, int] = {}
         self._missing = [r for r in range(world_size) if r != rank]
         try:
-            store.set(PROC_KEY.format(rank), f"{os.getpid()} {self.host}")  # type: ignore[attr-defined]
+            if store is not None:
+                store.set(PROC_KEY.format(rank), f"{os.getpid()} {self.host}")
         except Exception:  # noqa: BLE001 - no store: failures are named by their link only
             self.store = None
 
@@ -78,10 +83,10 @@ class PeerTable:
             return
         keys = [PROC_KEY.format(r) for r in self._missing]
         try:
-            if not self.store.check(keys):  # type: ignore[attr-defined]
+            if not self.store.check(keys):
                 return
             for r, key in zip(self._missing, keys):
-                pid, _, host = self.store.get(key).decode().partition(" ")  # type: ignore[attr-defined]
+                pid, _, host = self.store.get(key).decode().partition(" ")
                 if host == self.host:
                     self.pids[r] = int(pid)
         except Exception:  # noqa: BLE001 - the store host may be gone: keep what is known

@@ -44,7 +44,7 @@ class P2PChannel:
     """The endpoint of this rank, for the virtual stages it holds (see ``channel.Endpoint``)."""
 
     holds_all_stages = False
-    threads_per_rank = None  # the process's intra-op threads, as a local stage of the same share
+    threads_per_rank: int | None = None  # the process's intra-op threads, as a local stage of the same share
 
     def __init__(self, topo: Topology, runtimes: dict[int, StageRuntime], device: torch.device,
                  abort: AbortChannel, timeout: float, grad_sync: GradientSync) -> None:
@@ -109,7 +109,7 @@ class P2PChannel:
         self.sends.add(send_values(values, was_tensor, dst, topo.links[link], n, self.header_device,
                                    topo.header_links.get(link)))
 
-    def receive(self, item: tuple, receiver: StageRuntime) -> tuple[Values, bool]:
+    def receive(self, item: tuple[Any, ...], receiver: StageRuntime) -> tuple[Values, bool]:
         values, was_tensor, ready = item
         return accept(values, ready, self.device), was_tensor
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -138,7 +139,13 @@ def local_rank_device(local_rank: str, device_count: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def process_group_device(backend: str) -> dict[str, torch.device]:
+class DeviceId(TypedDict, total=False):
+    """``init_process_group``'s keyword for the device (absent: no device bound)."""
+
+    device_id: torch.device
+
+
+def process_group_device(backend: str) -> DeviceId:
     """``init_process_group``'s ``device_id=`` under NCCL (``cuda:<LOCAL_RANK>``); nothing otherwise.
 
     With the device bound at start-up NCCL creates the world's communicator at once, on this

@@ -18,8 +18,10 @@ from __future__ import annotations
 import queue
 import threading
 
+from torch import Tensor
+
 from gpipe_lab.pipeline.distributed.failure import _NCCL_POLL_SECONDS, AbortChannel, _completed, wait_works
-from gpipe_lab.pipeline.distributed.wire import Pending
+from gpipe_lab.pipeline.distributed.wire import PeerWork, Pending
 
 WHAT = "sending activations/gradients"
 
@@ -28,10 +30,10 @@ class InFlightSends:
     """The sends of one step, released one by one as they complete."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[PeerWork, Tensor] | None] = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._outstanding = 0
-        self._failure: tuple[BaseException, object] | None = None
+        self._failure: tuple[BaseException, PeerWork] | None = None
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self.peer: int | None = None  # the failed send's rank, read by ``wait_works``
@@ -58,7 +60,7 @@ class InFlightSends:
                 if self._failure is None and not self._stopped.is_set():
                     on_device = getattr(tensor, "is_cuda", False)
                     if not on_device:
-                        work.wait()  # type: ignore[attr-defined]
+                        work.wait()
                     while not _completed(work) and not self._stopped.is_set():
                         self._stopped.wait(_NCCL_POLL_SECONDS)
                     if on_device and not self._stopped.is_set():

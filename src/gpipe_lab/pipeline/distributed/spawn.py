@@ -26,6 +26,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.context import BaseContext, ForkServerContext, SpawnContext
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -50,7 +52,7 @@ PRELOAD = ["torch", "torch.distributed", "gpipe_lab.pipeline.distributed"]
 START_METHODS = ("forkserver", "spawn")
 
 
-def _worker(rank: int, fn: Callable, world_size: int, args: Sequence[object], port: int, backend: str,
+def _worker(rank: int, fn: Callable[..., object], world_size: int, args: Sequence[object], port: int, backend: str,
             threads: int, outdir: str, pg_timeout: float, environ: dict[str, str], cwd: str) -> None:
     os.environ.clear()
     os.environ.update(environ)
@@ -77,16 +79,16 @@ def _worker(rank: int, fn: Callable, world_size: int, args: Sequence[object], po
     os._exit(code)
 
 
-def add_preload(ctx: object, modules: Sequence[str]) -> None:
+def add_preload(ctx: BaseContext, modules: Sequence[str]) -> None:
     """Add ``modules`` to the forkserver's preload list, read when the server starts (once per
     process). The list is process-wide: keep what others put there for their own forks."""
     from multiprocessing import forkserver
 
     current = list(getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or [])
-    ctx.set_forkserver_preload(current + [m for m in modules if m not in current])  # type: ignore[attr-defined]
+    ctx.set_forkserver_preload(current + [m for m in modules if m not in current])
 
 
-def run_local(fn: Callable, world_size: int, args: Sequence[object] = (), timeout: float = 120.0,
+def run_local(fn: Callable[..., object], world_size: int, args: Sequence[object] = (), timeout: float = 120.0,
               backend: str = "gloo", threads: int = 1, pg_timeout: float | None = None,
               start_method: str = "forkserver") -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` worker processes.
@@ -102,7 +104,7 @@ def run_local(fn: Callable, world_size: int, args: Sequence[object] = (), timeou
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {list(START_METHODS)}, got {start_method!r}")
     server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context(start_method)
+    ctx = cast("ForkServerContext | SpawnContext", mp.get_context(start_method))  # one of START_METHODS'
     if start_method == "forkserver":
         add_preload(ctx, PRELOAD)
     environ, cwd = dict(os.environ), os.getcwd()
@@ -128,7 +130,7 @@ def run_local(fn: Callable, world_size: int, args: Sequence[object] = (), timeou
             p.join(5)
         results = []
         for r, p in enumerate(procs):
-            record: dict = {}
+            record: dict[str, Any] = {}
             path = os.path.join(outdir, f"{r}.pkl")
             if os.path.exists(path):
                 with open(path, "rb") as f:

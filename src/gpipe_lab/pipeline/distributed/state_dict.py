@@ -13,6 +13,8 @@ of this transport names its weights as the unpipelined module (and the local tra
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,7 +29,7 @@ def renamed(part: nn.Sequential, first: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def gather_full_state_dict(chunks: dict[int, tuple[int, nn.Sequential]], pp_group: object,
+def gather_full_state_dict(chunks: dict[int, tuple[int, nn.Sequential]], pp_group: dist.ProcessGroup | None,
                            pp_ranks: list[int], dp_rank: int) -> dict[str, torch.Tensor] | None:
     """Collective over every rank: the full state dict on global rank 0, ``None`` elsewhere."""
     local: dict[str, torch.Tensor] = {}
@@ -42,8 +44,8 @@ def gather_full_state_dict(chunks: dict[int, tuple[int, nn.Sequential]], pp_grou
     if gathered is None:
         return None
     full: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        full.update(part)  # type: ignore[arg-type]
+    for got in cast("list[dict[str, torch.Tensor]]", gathered):  # every rank's part filled in
+        full.update(got)
     return dict(sorted(full.items(), key=lambda kv: _order(kv[0])))
 
 

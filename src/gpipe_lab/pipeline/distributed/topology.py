@@ -28,6 +28,7 @@ at a time, not from two threads at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -35,11 +36,11 @@ import torch.distributed as dist
 LinkKey = tuple[str, int, int]  # (kind "act" | "grad", source rank, destination rank): global ranks
 
 #: the groups ``_group`` made, by (role, ranks, backend), and the world they belong to
-_made: dict[tuple[tuple, tuple[int, ...], str | None], object] = {}
+_made: dict[tuple[tuple[str | int, ...], tuple[int, ...], str | None], object] = {}
 _made_in: list[object] = []
 
 
-def _group(role: tuple, ranks: list[int], backend: str | None = None) -> object:
+def _group(role: tuple[str | int, ...], ranks: list[int], backend: str | None = None) -> object:
     """``dist.new_group(ranks, backend=backend)`` for ``role`` (e.g. ``("act", 0, 1)``: two links between
     the same ranks are two groups), made once per world and then reused.
 
@@ -65,11 +66,11 @@ class Topology:
     rank: int
     num_stages: int
     virtual_stages: int = 1
-    pp_group: object = None
-    dp_group: object = None
-    links: dict[LinkKey, object] = field(default_factory=dict)
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    links: dict[LinkKey, dist.ProcessGroup] = field(default_factory=dict)
     #: the group each link's headers travel on (a CPU group under NCCL; else the link itself)
-    header_links: dict[LinkKey, object] = field(default_factory=dict)
+    header_links: dict[LinkKey, dist.ProcessGroup] = field(default_factory=dict)
     #: the links warmed with a send/receive pair before the first step, in the order warmed
     warmed: list[LinkKey] = field(default_factory=list)
 
@@ -153,11 +154,11 @@ def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size:
     for d in range(D):  # every rank creates every group, in the same order
         group = _group(("pipeline",), list(range(d * num_stages, (d + 1) * num_stages)))
         if d == topo.dp_rank:
-            topo.pp_group = group
+            topo.pp_group = cast("dist.ProcessGroup", group)  # a group of this rank's
     for k in range(num_stages):
         group = _group(("data",), list(range(k, world, num_stages)))
         if k == topo.stage_index:
-            topo.dp_group = group
+            topo.dp_group = cast("dist.ProcessGroup", group)
     for d in range(D):
         for kind, src, dst in _edges(num_stages, virtual_stages):
             a, b = d * num_stages + src, d * num_stages + dst
@@ -166,8 +167,8 @@ def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size:
             # so reading one never waits for the device
             header = _group((kind, a, b), sorted((a, b)), backend="gloo") if nccl else group
             if rank in (a, b):
-                topo.links[(kind, a, b)] = group
-                topo.header_links[(kind, a, b)] = header
+                topo.links[(kind, a, b)] = cast("dist.ProcessGroup", group)
+                topo.header_links[(kind, a, b)] = cast("dist.ProcessGroup", header)
     return topo
 
 
@@ -216,7 +217,7 @@ def connect_groups(topo: Topology, device: torch.device) -> None:
         torch.cuda.synchronize(on)
 
 
-def barrier(group: object, device: torch.device) -> None:
+def barrier(group: dist.ProcessGroup | None, device: torch.device) -> None:
     """``dist.barrier`` over ``group``, naming this rank's GPU under NCCL (without ``device_ids``
     NCCL guesses the device from the rank, which is wrong when ranks do not map to ``cuda:<rank>``)."""
     cuda = device.type == "cuda" and dist.get_backend() == "nccl"

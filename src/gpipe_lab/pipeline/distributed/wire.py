@@ -14,6 +14,7 @@ continues in a second message. Tags: message ``seq`` of a link uses
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -33,19 +34,19 @@ class PeerWork:
 
     __slots__ = ("work", "peer")
 
-    def __init__(self, work: object, peer: int) -> None:
+    def __init__(self, work: dist.Work, peer: int) -> None:
         self.work, self.peer = work, peer
 
-    def wait(self) -> object:
-        return self.work.wait()  # type: ignore[attr-defined]
+    def wait(self) -> bool:
+        return self.work.wait()
 
     def is_completed(self) -> bool:
-        return bool(self.work.is_completed())  # type: ignore[attr-defined]
+        return bool(self.work.is_completed())
 
 
 Values = tuple[Tensor | None, ...]
-Pending = list[tuple[object, object]]  # (Work, the tensor it reads or writes: kept alive until done)
-WaitFn = Callable[[object, str], None]
+Pending = list[tuple[PeerWork, Tensor]]  # (Work, the tensor it reads or writes: kept alive until done)
+WaitFn = Callable[[dist.Work, str], object]
 
 
 def encode_header(values: Values, was_tensor: bool) -> list[int]:
@@ -89,8 +90,8 @@ def _wire(t: Tensor) -> Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
-def send_values(values: Values, was_tensor: bool, dst: int, group: object, seq: int,
-                header_device: torch.device, header_group: object = None) -> Pending:
+def send_values(values: Values, was_tensor: bool, dst: int, group: dist.ProcessGroup, seq: int,
+                header_device: torch.device, header_group: dist.ProcessGroup | None = None) -> Pending:
     """Start sending a boundary value; returns the Work handles (with their tensors) to keep.
 
     The header goes over ``header_group`` (default: ``group``) as ``header_device`` tensors.
@@ -113,12 +114,12 @@ def send_values(values: Values, was_tensor: bool, dst: int, group: object, seq: 
             work = dist.isend(tensor, dst=dst, group=on, tag=tag)
         except RuntimeError as exc:  # gloo raises here once the peer's connection is closed
             raise link_error(f"sending to rank {dst}", dst, exc) from exc
-        pending.append((PeerWork(work, dst), tensor))
+        pending.append((PeerWork(cast(dist.Work, work), dst), tensor))  # None only off the group
     return pending
 
 
-def recv_values(src: int, group: object, seq: int, device: torch.device, header_device: torch.device,
-                wait: WaitFn, header_group: object = None) -> tuple[Values, bool]:
+def recv_values(src: int, group: dist.ProcessGroup, seq: int, device: torch.device, header_device: torch.device,
+                wait: WaitFn, header_group: dist.ProcessGroup | None = None) -> tuple[Values, bool]:
     """Receive one boundary value; ``wait(work, what)`` blocks until a Work completes
     (for NCCL data: until the calling thread's current stream is ordered after it).
 
@@ -127,15 +128,15 @@ def recv_values(src: int, group: object, seq: int, device: torch.device, header_
     base = seq * TAGS_PER_MESSAGE
     headers = group if header_group is None else header_group
     fixed = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=header_device)
-    wait(dist.irecv(fixed, src=src, group=headers, tag=base), "header")
+    wait(cast(dist.Work, dist.irecv(fixed, src=src, group=headers, tag=base)), "header")  # None: off the group
     words = fixed.tolist()
     if words[0] > HEADER_SLOTS:
         rest = torch.empty(words[0] - HEADER_SLOTS, dtype=torch.int64, device=header_device)
-        wait(dist.irecv(rest, src=src, group=headers, tag=base + 1), "header")
+        wait(cast(dist.Work, dist.irecv(rest, src=src, group=headers, tag=base + 1)), "header")
         words = words + rest.tolist()
     specs, was_tensor = decode_header(words)
     buffers: list[Tensor | None] = []
-    works: list[object] = []
+    works: list[dist.Work] = []
     for j, spec in enumerate(specs):
         if spec is None:
             buffers.append(None)
@@ -143,7 +144,7 @@ def recv_values(src: int, group: object, seq: int, device: torch.device, header_
         dtype, shape, _ = spec
         wire_dtype = torch.uint8 if dtype == torch.bool else dtype
         buf = torch.empty(shape, dtype=wire_dtype, device=device)
-        works.append(dist.irecv(buf, src=src, group=group, tag=base + 2 + j))
+        works.append(cast(dist.Work, dist.irecv(buf, src=src, group=group, tag=base + 2 + j)))
         buffers.append(buf)
     for work in works:
         wait(work, "data")

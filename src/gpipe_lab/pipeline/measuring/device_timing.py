@@ -68,7 +68,7 @@ class DeviceClock:
         anchor, anchor_host = self.anchor()
 
         def host(event: torch.cuda.Event) -> float:
-            return anchor_host - event.elapsed_time(anchor) / 1e3
+            return anchor_host - float(event.elapsed_time(anchor)) / 1e3  # (torch leaves it unannotated)
 
         out = []
         for kind, mb, start, end, i, n in self.marks:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 # F forward, B backward (input and, unless split, weight gradients), W deferred
 # weight gradients, R recompute of a checkpointed micro-batch, wait: time spent
@@ -95,7 +96,7 @@ class Timeline:
         return [Event(e.stage, e.kind, e.microbatch, e.start - self.start, e.end - self.start)
                 for e in self.events]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"num_stages": self.num_stages, "wall": self.wall,
                 "events": [asdict(e) for e in self.shifted()]}
 

@@ -21,7 +21,7 @@ from gpipe_lab.pipeline.schedules.walker import validate_schedule
 
 def _grouped_order(num_ranks: int, num_microbatches: int, chunks: list[int]) -> list[tuple[int, int]]:
     """(local chunk, micro-batch) pairs: groups of K micro-batches through each chunk in turn."""
-    order = []
+    order: list[tuple[int, int]] = []
     for first in range(0, num_microbatches, num_ranks):
         group = range(first, min(first + num_ranks, num_microbatches))
         order.extend((c, mb) for c in chunks for mb in group)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,10 @@ class DeferredBatchNorm(_BatchNorm):
     sum: Tensor
     sum_squares: Tensor
     count: Tensor
+    # always tracked (``track_running_stats=True``): never None here
+    running_mean: Tensor
+    running_var: Tensor
+    num_batches_tracked: Tensor
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True) -> None:
@@ -110,13 +115,16 @@ class DeferredBatchNorm(_BatchNorm):
         (dtype included), so an optimizer built on the module keeps working.
         """
         if isinstance(module, _BatchNorm) and not isinstance(module, cls) and module.track_running_stats:
-            with torch.device(module.running_mean.device):  # meta stays meta: nothing allocated
+            # tracked statistics: tensors, never None
+            mean, var, batches = cast("tuple[Tensor, Tensor, Tensor]",
+                                      (module.running_mean, module.running_var, module.num_batches_tracked))
+            with torch.device(mean.device):  # meta stays meta: nothing allocated
                 bn = cls(module.num_features, module.eps, module.momentum, module.affine)
             if module.affine:
                 bn.weight, bn.bias = module.weight, module.bias
             # the original buffers themselves: their dtype too (a float64 model keeps float64 statistics)
-            bn.running_mean, bn.running_var = module.running_mean, module.running_var
-            bn.num_batches_tracked = module.num_batches_tracked
+            bn.running_mean, bn.running_var = mean, var
+            bn.num_batches_tracked = batches
             bn.train(module.training)
             return bn
         for name, child in list(module.named_children()):

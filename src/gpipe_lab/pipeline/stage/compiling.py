@@ -39,7 +39,7 @@ _SEEDED = torch.Tag.nondeterministic_seeded
 class DrawCheck(TorchDispatchMode):
     """Raises for a random op that does not draw from the running micro-batch's generator."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if _SEEDED in func.tags and _dropout_probability(func, args, kwargs) != 0.0:
             generator, given = current_generator(), generator_argument(func, args, kwargs)
@@ -97,7 +97,7 @@ class CompiledStage:
         if module is not self.module:
             self.module, self.compiled = module, torch.compile(_own_frame(module), **self.kwargs)
         if not self.checked:
-            with DrawCheck():
+            with DrawCheck():  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
                 out = module(*args)
             self.checked = self.module.training  # an eval forward draws nothing: check a training one
             return out

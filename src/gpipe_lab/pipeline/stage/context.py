@@ -68,7 +68,7 @@ class microbatch_context:  # noqa: N801 - used like a function: ``with microbatc
         _state.generator, _state.recomputing, _state.watch = self.state
         if self.mode is not None:
             try:
-                self.mode.__enter__()
+                self.mode.__enter__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
             except BaseException:
                 _state.generator, _state.recomputing, _state.watch = self.previous
                 raise
@@ -77,6 +77,6 @@ class microbatch_context:  # noqa: N801 - used like a function: ``with microbatc
     def __exit__(self, *exc_info: Any) -> None:
         try:
             if self.mode is not None:
-                self.mode.__exit__(*exc_info)
+                self.mode.__exit__(*exc_info)  # type: ignore[no-untyped-call]  # (as __enter__)
         finally:
             _state.generator, _state.recomputing, _state.watch = self.previous

@@ -42,6 +42,7 @@ def _through_cast(node: Node | None) -> tuple[Node | None, bool]:
 def _linear_parts(node: Node) -> tuple[Tensor, Tensor, Tensor | None] | None:
     """``(x, weight, bias)`` of a Linear's graph node, or ``None`` if it is not one."""
     name = node.name()
+    # attr-defined below: a node's saved values (``_saved_*``) are not in torch's ``Node`` stub
     if name == "AddmmBackward0":  # x @ W^T + b: edges (bias, x, W^T)
         if node._saved_alpha != 1 or node._saved_beta != 1:  # type: ignore[attr-defined]
             return None
@@ -71,18 +72,18 @@ def linear_weight_grads(nodes: Sequence[Node], grads: Sequence[Tensor], params: 
     2-D input, its parameters are exactly ``params``, none has a gradient hook, and
     inputs, gradients and weight share dtype and device.
     """
-    parts = [_linear_parts(n) for n in nodes]
-    if not parts or any(p is None for p in parts):
+    parts = [part for n in nodes if (part := _linear_parts(n)) is not None]
+    if not parts or len(parts) < len(nodes):
         return False
-    _, weight, bias = parts[0]  # type: ignore[misc]
+    _, weight, bias = parts[0]
     owned = [t for t in (weight, bias) if t is not None]
-    if any(p[1] is not weight or p[2] is not bias for p in parts):  # type: ignore[index]
+    if any(p[1] is not weight or p[2] is not bias for p in parts):
         return False
     if len(owned) != len(params) or {id(t) for t in owned} != {id(p) for p in params}:
         return False
     if any(t._post_accumulate_grad_hooks or t._backward_hooks for t in owned):
         return False
-    xs = [p[0] for p in parts]  # type: ignore[index]
+    xs = [p[0] for p in parts]
     low = xs[0].dtype  # the compute dtype: the weight's own, or autocast's 16-bit one
     if low != weight.dtype and low not in _AUTOCAST_DTYPES:
         return False

@@ -13,6 +13,7 @@ own modules, parametrizations and compiled wrappers keep theirs in the tree).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -41,7 +42,7 @@ def walk(module: nn.Module) -> ModuleWalk:
     return ModuleWalk(tuple(modules), _members(modules, "_parameters"), _members(modules, "_buffers"))
 
 
-def _members(modules: list[nn.Module], table: str) -> tuple:
+def _members(modules: list[nn.Module], table: str) -> tuple[Any, ...]:
     found, seen = [], set()
     for m in modules:
         for t in getattr(m, table).values():

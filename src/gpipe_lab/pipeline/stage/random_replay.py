@@ -35,6 +35,7 @@ import sys
 import threading
 import zlib
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ _WITH_GENERATOR = {"default": "generator", "out": "generator_out", "low": "low_g
 _UNREPLAYABLE = {"_cudnn_rnn", "miopen_rnn"}
 _default_generator_lock = threading.RLock()
 
-Handler = Callable[["RandomReplay", Any, tuple, dict], Any]
+Handler = Callable[["RandomReplay", Any, tuple[Any, ...], dict[str, Any]], Any]
 
 
 class UnreplayableRandomError(RuntimeError):
@@ -63,7 +64,7 @@ class UnreplayableRandomError(RuntimeError):
 
 def _current_layer() -> str:
     """The innermost ``nn.Module.forward`` on the Python stack (for error messages)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module) and frame.f_code.co_name == "forward":
@@ -73,7 +74,7 @@ def _current_layer() -> str:
     return "<no nn.Module on the stack>"
 
 
-def _device_of(args: tuple, kwargs: dict) -> torch.device:
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
     """Where the op runs: its first tensor argument, else ``device=``, else its ``out=`` tensor."""
     for a in args:
         if isinstance(a, Tensor):
@@ -93,7 +94,7 @@ def _with_generator(func: Any) -> Handler:
     index = next(i for i, a in enumerate(arguments) if a.name == "generator")
     positional = not arguments[index].kwarg_only
 
-    def handler(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> Any:
+    def handler(mode: RandomReplay, f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         mode.draws += 1
         gen = mode.generator_for(_device_of(args, kwargs))
         if positional and len(args) > index:
@@ -107,14 +108,14 @@ def _with_generator(func: Any) -> Handler:
 
 def _redirect(target: Any) -> Handler:
     """Call the ``.generator`` overload instead of the one without a generator."""
-    def handler(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> Any:
+    def handler(mode: RandomReplay, f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         mode.draws += 1
         return target(*args, **kwargs, generator=mode.generator_for(_device_of(args, kwargs)))
 
     return handler
 
 
-def _native_dropout(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> Any:
+def _native_dropout(mode: RandomReplay, f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     bound = dict(zip(("input", "p", "train"), args), **kwargs)
     x, p, train = bound["input"], float(bound["p"]), bound.get("train")
     if train is False:
@@ -125,7 +126,7 @@ def _native_dropout(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> An
     return fused_dropout(x, p, mode.generator_for(x.device))
 
 
-def generator_argument(func: Any, args: tuple, kwargs: dict) -> torch.Generator | None:
+def generator_argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Generator | None:
     """The generator an aten op was called with (a keyword or, as ``_fused_dropout``'s, positional)."""
     for i, a in enumerate(func._schema.arguments):
         if a.name == "generator":
@@ -133,7 +134,7 @@ def generator_argument(func: Any, args: tuple, kwargs: dict) -> torch.Generator 
     return None
 
 
-def _dropout_probability(func: Any, args: tuple, kwargs: dict) -> float | None:
+def _dropout_probability(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float | None:
     for i, a in enumerate(func._schema.arguments):
         if a.name in ("dropout_p", "dropout", "p"):
             value = kwargs.get(a.name, args[i] if i < len(args) else a.default_value)
@@ -141,7 +142,7 @@ def _dropout_probability(func: Any, args: tuple, kwargs: dict) -> float | None:
     return None
 
 
-def _reseeded_default(mode: RandomReplay, f: Any, args: tuple, kwargs: dict) -> Any:
+def _reseeded_default(mode: RandomReplay, f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run an op that reads the device's default generator with that generator reseeded."""
     p = _dropout_probability(f, args, kwargs)
     if p == 0.0:
@@ -199,7 +200,7 @@ class RandomReplay(TorchDispatchMode):
     """
 
     def __init__(self, generator: torch.Generator) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
         self.seed = generator.initial_seed()
         self.device = generator.device
         self.generators = {_key(generator.device): generator}
@@ -219,7 +220,7 @@ class RandomReplay(TorchDispatchMode):
         self.calls += 1
         return _mix(self.seed, (1 << 20) + self.calls)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         try:
             plan = _plans[func]

@@ -121,7 +121,7 @@ class StageReplay:
         owned = owner == ALL or (owner == DEVICE and device.type == "cuda")
         self.fork = setting == "auto" and owned and self.probes
         self.forked: Generators = []
-        if self.fork:
+        if self.fork and own is not None:  # (fork implies probes, which implies own)
             self.forked = [(device, own)] + ([(cpu, torch.default_generator)]
                                              if owner == ALL and device.type != "cpu" else [])
         # the default generators a forward must leave alone (those it does not fork), its own first
@@ -185,7 +185,7 @@ class StageReplay:
                 for (_, g), state in zip(generators, states):
                     g.set_state(state)
 
-    def _guarded(self, where: tuple[int, int], on: bool) -> _GuardWindow | nullcontext:
+    def _guarded(self, where: tuple[int, int], on: bool) -> _GuardWindow | nullcontext[None]:
         """Raise after the enclosed forward if it moved a watched default generator, naming with this
         stage every stage whose guarded forward ran at the same time (one of them drew)."""
         return _GuardWindow(self, where) if on and self.watched else nullcontext()
@@ -201,7 +201,7 @@ class _OwnGenerator:
     ``replay``), inside ``guard``. A class, not a generator context manager: it wraps every forward."""
 
     def __init__(self, generator: torch.Generator, recomputing: bool, replay: bool,
-                 guard: AbstractContextManager) -> None:
+                 guard: AbstractContextManager[object]) -> None:
         self.context, self.guard = microbatch_context(generator, recomputing, replay=replay), guard
 
     def __enter__(self) -> RandomReplay | None:

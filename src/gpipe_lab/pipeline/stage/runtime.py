@@ -177,8 +177,8 @@ class StageRuntime:
                 self.outputs[mb] = (tuple(t.detach() for t in outputs), out_is_tensor)
         if mode is not None and not recomputing:
             saved.drew_nothing = mode.draws == 0
-        if signature is not None:
-            self.memory_memo.remember(signature, counter.total)  # type: ignore[union-attr]
+        if signature is not None and counter is not None:  # (a signature comes with a counter)
+            self.memory_memo.remember(signature, counter.total)
         return outputs, out_is_tensor
 
     def _memory_counter(self, inputs: tuple[Tensor, ...], target: object, recomputing: bool, mb: int,

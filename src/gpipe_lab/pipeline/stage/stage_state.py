@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -12,7 +13,7 @@ from gpipe_lab.pipeline.stage.checkpointing import AutocastState
 from gpipe_lab.pipeline.stage.replay_policy import OFF
 from gpipe_lab.pipeline.stage.weight_gradients import SplitPlan
 
-LossFn = Callable[[object, object], Tensor]
+LossFn = Callable[[Any, Any], Tensor]  # (micro-batch output, its target): any loss function's types
 
 
 @dataclass

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -63,20 +64,20 @@ def _children(node: Node) -> list[tuple[Node, int]]:
     return [(n, i) for n, i in node.next_functions if n is not None]
 
 
-def _reachability(roots: list[Tensor], inputs: list[Tensor], params: list[Tensor]
+def _reachability(roots: list[Tensor], inputs: list[Tensor], params: Sequence[Tensor]
                   ) -> tuple[dict[Node, bool], dict[Node, int], dict[Node, set[int]]]:
     """One post-order walk of the graph behind ``roots``: for each node, whether it reaches a stage
     input, the bitset of parameters it reaches, and the output slots its parents read."""
-    root_nodes = [r.grad_fn for r in roots]
+    root_nodes = cast("list[Node]", [r.grad_fn for r in roots])  # plan_split's check: none is None
     input_ids = {id(t) for t in inputs}
     param_index = {id(p): j for j, p in enumerate(params)}
     # Iterative post-order over the graph: reach_in[node], reach_params[node] (bitset).
     reach_in: dict[Node, bool] = {}
     reach_params: dict[Node, int] = {}
     parents_slots: dict[Node, set[int]] = {}
-    for r in roots:
-        parents_slots.setdefault(r.grad_fn, set()).add(r.output_nr)
-    stack: list[tuple[Node, bool]] = [(n, False) for n in root_nodes]  # type: ignore[misc]
+    for r, n in zip(roots, root_nodes):
+        parents_slots.setdefault(n, set()).add(r.output_nr)
+    stack: list[tuple[Node, bool]] = [(n, False) for n in root_nodes]
     while stack:
         node, expanded = stack.pop()
         if node in reach_in:
@@ -103,18 +104,18 @@ def _reachability(roots: list[Tensor], inputs: list[Tensor], params: list[Tensor
     return reach_in, reach_params, parents_slots
 
 
-def plan_split(roots: list[Tensor], inputs: list[Tensor], params: list[Tensor]) -> SplitPlan | None:
+def plan_split(roots: list[Tensor], inputs: list[Tensor], params: Sequence[Tensor]) -> SplitPlan | None:
     """Find the mixed nodes of the graph behind ``roots``.
 
     Returns ``None`` when the cheap split is not sound for this graph (see the
     module docstring) or when no stage input requires grad (then B has nothing
     to compute and W is a plain backward).
     """
-    root_nodes = [r.grad_fn for r in roots]
-    if not inputs or any(n is None for n in root_nodes):
+    root_nodes = [n for r in roots if (n := r.grad_fn) is not None]
+    if not inputs or len(root_nodes) < len(roots):
         return None
     reach_in, reach_params, parents_slots = _reachability(roots, inputs, params)
-    if not all(reach_in[n] for n in root_nodes):  # type: ignore[index]
+    if not all(reach_in[n] for n in root_nodes):
         return None
     tasks: list[WeightTask] = []
     covered = 0
@@ -139,7 +140,7 @@ def plan_split(roots: list[Tensor], inputs: list[Tensor], params: list[Tensor]) 
         tasks.append(WeightTask(edges, node_params, [None] * len(edges)))
     all_bits = 0
     for n in root_nodes:
-        all_bits |= reach_params[n]  # type: ignore[index]
+        all_bits |= reach_params[n]
     if covered != all_bits:
         return None
     return SplitPlan(tasks)
@@ -155,9 +156,10 @@ def input_backward(plan: SplitPlan, roots: list[Tensor], grad_roots: list[Tensor
     edges = plan.capture_edges()
     if not want_inputs:
         inputs = []
-    found = torch.autograd.grad(roots, list(inputs) + edges, grad_roots, retain_graph=True,
+    # torch's stub takes tensors or edges, not a mix; autograd.grad takes both in one list
+    found = torch.autograd.grad(roots, [*inputs, *edges], grad_roots, retain_graph=True,  # type: ignore[arg-type]
                                 allow_unused=True)
-    rest = list(found[len(inputs):])
+    rest: list[Tensor | None] = list(found[len(inputs):])  # allow_unused: None where none reached
     for task in plan.tasks:
         task.grads, rest = rest[:len(task.edges)], rest[len(task.edges):]
     return list(found[:len(inputs)])
@@ -177,7 +179,8 @@ def backward_into(roots: Sequence[Tensor | GradientEdge], grads: Sequence[Tensor
     Such an adopted ``.grad`` is copied once, the copy autograd makes when it cannot adopt.
     """
     fresh = [p for p in params if p.grad is None]
-    torch.autograd.backward(roots, grads, retain_graph=retain_graph, inputs=list(params))
+    # torch's stub takes tensors or edges as roots, not a mix; autograd.backward takes both
+    torch.autograd.backward(roots, grads, retain_graph=retain_graph, inputs=list(params))  # type: ignore[arg-type]
     if fresh and grads:
         fed = {g.untyped_storage().data_ptr() for g in grads if g.layout == torch.strided}
         for p in fresh:
@@ -218,7 +221,7 @@ def batched_weight_backward(plans: list[SplitPlan]) -> None:
         single = [t.grads[0] if len(t.edges) == 1 and len(t.grads) == 1 else None for t in column]
         same_params = all([id(p) for p in t.params] == [id(p) for p in column[0].params] for t in column)
         if same_params and all(g is not None for g in single) and linear_weight_grads(
-                [t.edges[0].node for t in column], single, column[0].params):  # type: ignore[arg-type]
+                [t.edges[0].node for t in column], cast("list[Tensor]", single), column[0].params):
             for task in column:
                 task.grads = []
             continue

@@ -76,8 +76,8 @@ def input_gradients(devices: list[torch.device], leaves: list[tuple[Tensor, ...]
     on ``devices[j]``, input j's device."""
     grads: list[Tensor | None] = []
     for j, device in enumerate(devices):
-        pieces = [mb[j].grad for mb in leaves]
-        grads.append(None if any(p is None for p in pieces) else torch.cat(pieces).to(device))  # type: ignore[arg-type]
+        pieces = [g for mb in leaves if (g := mb[j].grad) is not None]
+        grads.append(None if len(pieces) < len(leaves) else torch.cat(pieces).to(device))
     return grads
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -82,7 +82,7 @@ class Endpoint(Protocol):
     def send(self, key: MessageKey, values: Values, was_tensor: bool, sender: StageRuntime) -> None:
         """Start handing ``values`` to the stage named in ``key``."""
 
-    def receive(self, item: tuple, receiver: StageRuntime) -> tuple[Values, bool]:
+    def receive(self, item: tuple[Any, ...], receiver: StageRuntime) -> tuple[Values, bool]:
         """The values of a mailbox item, ready for ``receiver``'s device and stream."""
 
     def poll(self) -> None:
@@ -126,6 +126,7 @@ def run_action(action: Action, runtime: StageRuntime, receive: Receive, endpoint
     """
     mb = action.microbatch
     kind = action.kind
+    values: Values
     if kind == "F":
         if key is None:
             if feed.inputs is None:
@@ -135,7 +136,8 @@ def run_action(action: Action, runtime: StageRuntime, receive: Receive, endpoint
             values, was_tensor = receive(key, action)
         target = (move_target(feed.targets[mb], runtime.device)
                   if feed.targets is not None and out is None else None)
-        outputs, out_tensor = runtime.forward(mb, values, was_tensor, target)
+        # an activation holds no None (only gradients do)
+        outputs, out_tensor = runtime.forward(mb, cast("tuple[Tensor, ...]", values), was_tensor, target)
         if out is not None:
             endpoint.send(out, outputs, out_tensor, runtime)
     elif kind == "B":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,11 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from gpipe_lab.pipeline.step.nonfinite import dense_values
 
+#: what ``_group_tensors_by_device_and_dtype`` returns for lists without ``None`` (torch types the entries Optional)
+_Groups = dict[tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[int]]]
 
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, group: object | None = None,
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None,
                     device: torch.device | None = None) -> Tensor:
     """Scale the gradients of ``parameters`` so that their global 2-norm is at most ``max_norm``.
 
@@ -39,9 +43,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, group: 
     every = [p.grad for p in parameters if p.grad is not None]
     if device is None:
         device = every[0].device if every else torch.device("cpu")
-    grads = [g for g in every if g.layout == torch.strided]
+    grads: list[Tensor | None] = [g for g in every if g.layout == torch.strided]
     sparse = [g for g in every if g.layout != torch.strided]  # e.g. nn.Embedding(sparse=True)'s
-    groups = _group_tensors_by_device_and_dtype([grads]) if grads else {}  # type: ignore[list-item]
+    groups = cast(_Groups, _group_tensors_by_device_and_dtype([grads])) if grads else {}
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for (_, _), ([tensors], _) in groups.items():
         norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)

@@ -91,9 +91,9 @@ class Executor:
             except BaseException as exc:  # noqa: BLE001 - a send or an all-reduce failed
                 step.failures.append((time.monotonic(), ranks[0][0], None, exc))
         self._abort(ranks)
-        _, k, action, exc = step.first_failure()
+        _, k, action, error = step.first_failure()
         stage = self._stage_of(schedule, k) if action is None else action.stage
-        raise self.endpoint.fail(exc, stage, action) from None
+        raise self.endpoint.fail(error, stage, action) from None
 
     def _run_threads(self, step: StepState, ranks: RankDevices) -> None:
         """Start a thread per rank and wait until all have ended (also when interrupted).

@@ -54,7 +54,7 @@ class LocalChannel:
         mark = None if type(streams) is NoStreams else streams.mark(sender.index % self.num_ranks, sender.device)
         self._mailbox.put(key, (values, was_tensor, mark, sender.device))
 
-    def receive(self, item: tuple, receiver: StageRuntime) -> tuple[Values, bool]:
+    def receive(self, item: tuple[Any, ...], receiver: StageRuntime) -> tuple[Values, bool]:
         values, was_tensor, mark, source = item
         if type(self.streams) is NoStreams and source == receiver.device:
             return values, was_tensor  # already where they are used: nothing to copy or order

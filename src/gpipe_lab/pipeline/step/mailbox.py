@@ -16,6 +16,7 @@ from __future__ import annotations
 import _thread
 import time
 from collections.abc import Callable
+from typing import Any
 
 from gpipe_lab.pipeline.schedules import MessageKey
 
@@ -47,12 +48,12 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._lock = _thread.allocate_lock()
-        self._items: dict[MessageKey, tuple] = {}
+        self._items: dict[MessageKey, tuple[Any, ...]] = {}  # each transport's own item
         self._waiters: dict[MessageKey, _thread.LockType] = {}  # a held lock per waiting key
         self._broken: tuple[int, BaseException] | None = None
         self.stopped = False
 
-    def put(self, key: MessageKey, item: tuple) -> None:
+    def put(self, key: MessageKey, item: tuple[Any, ...]) -> None:
         with self._lock:
             self._items[key] = item
             waiter = self._waiters.pop(key, None)
@@ -78,7 +79,7 @@ class Mailbox:
             self.stopped = True
             self._wake_all()
 
-    def get(self, key: MessageKey, timeout: float, poll: Callable[[], None] | None = None) -> tuple:
+    def get(self, key: MessageKey, timeout: float, poll: Callable[[], None] | None = None) -> tuple[Any, ...]:
         """Take the item for ``key``; ``poll()`` runs every ``POLL_SECONDS`` while waiting.
 
         What was delivered before a link broke is still handed out.
