@@ -25,7 +25,7 @@ other MLP rows would take most of ``--quick``'s time here).
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python benchmarks/bench_yardstick.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 if not __package__:  # started as a file (``python benchmarks/gpu_check.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

@@ -21,7 +21,7 @@ committed results), and prints PASS / MISS per target.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python benchmarks/run.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
@@ -55,7 +55,7 @@ from benchmarks.bench_yardstick import replay_row, run_yardstick
 from benchmarks.diagnose import diagnose
 from benchmarks.report import write_report
 from benchmarks.targets import evaluate, memory_m
-from gpipe_lab.bench.launch import fresh_out
+from gpipe_lab.bench.script_launch import fresh_out
 
 ROOT = Path(__file__).resolve().parent.parent
 #: --quick's product-path rows: model.num_layers at the configs' mini-batches (configs: 24 and 18)

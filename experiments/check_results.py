@@ -18,7 +18,7 @@ deterministic cell differs or a table changed shape.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/check_results.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

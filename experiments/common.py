@@ -27,7 +27,7 @@ from benchmarks.bench_common import git_commit, load_average, machine_info
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.multirun import MultirunError
-from gpipe_lab.bench.launch import fresh_out
+from gpipe_lab.bench.script_launch import fresh_out
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"

@@ -22,7 +22,7 @@ this measures the engine's overhead, not how hardware scales.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/emulated_scaling.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

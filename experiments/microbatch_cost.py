@@ -19,7 +19,7 @@ Raises (as an error exit): a folder without finished K=1 jobs of ``paper_table2_
 from __future__ import annotations
 
 if not __package__:  # started as a file: rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

@@ -18,7 +18,7 @@ warm-up, the token budgets).
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/nmt_scaling.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

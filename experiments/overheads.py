@@ -24,7 +24,7 @@ Shares are of the total stage-time K x wall:
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/overheads.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

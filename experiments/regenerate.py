@@ -23,7 +23,7 @@ Raises (as a one-line error and exit status 2): uncommitted changes to tracked f
 from __future__ import annotations
 
 if not __package__:  # started as a file: rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

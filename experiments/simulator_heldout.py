@@ -22,7 +22,7 @@ Within 10% is counted for in-sample and held-out cells separately.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/simulator_heldout.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

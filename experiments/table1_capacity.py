@@ -13,7 +13,7 @@ search range) are the ``experiment`` block of ``conf/experiment/paper_table1_cap
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/table1_capacity.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

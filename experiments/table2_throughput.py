@@ -25,7 +25,7 @@ samples/s) instead of measuring.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/table2_throughput.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

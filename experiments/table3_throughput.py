@@ -18,7 +18,7 @@ PCI-E link. ``--from-multirun`` builds the table from gpipe-train runs instead.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/table3_throughput.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

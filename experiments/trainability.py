@@ -21,7 +21,7 @@ K / M, ``trainer.max_steps`` and the ``experiment`` block: seeds, depths, warm-u
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/trainability.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

@@ -20,7 +20,7 @@ it ran at) and runs the rest.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/trainability_search.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

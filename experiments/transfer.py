@@ -16,7 +16,7 @@ datasets' rows are filled when their files exist under ``data.root``.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/transfer.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

@@ -81,7 +81,7 @@ def test_a_script_started_as_a_file_reruns_as_its_module_from_any_folder(tmp_pat
     for folder in (package, package.parent):
         (folder / "__init__.py").write_text("")
     (package / "job.py").write_text(
-        "if not __package__:\n    from gpipe_lab.bench.launch import rerun_as_module\n\n"
+        "if not __package__:\n    from gpipe_lab.bench.script_launch import rerun_as_module\n\n"
         "    rerun_as_module(__file__)\nimport sys\nfrom scripts_pkg import inner\n"
         "print(__spec__.name, inner.__name__, sys.argv[1:])\n")
     elsewhere = tmp_path / "elsewhere"
@@ -93,7 +93,7 @@ def test_a_script_started_as_a_file_reruns_as_its_module_from_any_folder(tmp_pat
 
 
 def test_launch_refuses_a_file_outside_a_package(tmp_path):
-    from gpipe_lab.bench.launch import module_of
+    from gpipe_lab.bench.script_launch import module_of
 
     with pytest.raises(ValueError, match="not inside a package"):
         module_of(tmp_path / "alone.py")
@@ -133,7 +133,7 @@ def test_each_run_gets_a_fresh_output_folder_unless_told_where(tmp_path):
 
     from experiments.common import ROOT, parser
 
-    from gpipe_lab.bench.launch import fresh_out
+    from gpipe_lab.bench.script_launch import fresh_out
 
     when = datetime.datetime(2026, 1, 2, 3, 4, 5)
     first = fresh_out(tmp_path, "table2", when)
