@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_common import ROOT, command_line, figure_metadata, git_commit, machine_info
 from gpipe_lab.bench import Progress, mlp, time_rounds
+from gpipe_lab.bench.machine import ROOT, command_line, figure_metadata, git_commit, machine_info
 from gpipe_lab.bench.script_launch import fresh_out
 from gpipe_lab.pipeline import GPipe, Timeline, get_schedule
 from gpipe_lab.planner import costs_from_timeline, durations_from_timeline, predict_step

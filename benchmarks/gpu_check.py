@@ -46,8 +46,8 @@ if not __package__:  # started as a file (``python benchmarks/gpu_check.py``): r
 
 import torch
 
-from benchmarks.bench_common import load_average, machine_info
 from benchmarks.gpu_check_engine import PROGRESS, Context, section_progress
+from gpipe_lab.bench.machine import load_average, machine_info
 from gpipe_lab.provenance import source_commit
 
 # name, "module:function", cap in seconds; on one GPU the caps sum to 460 s (8 minutes less start-up)

@@ -10,9 +10,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.bench_common import figure_metadata  # noqa: E402
 from benchmarks.bench_yardstick import replay_line  # noqa: E402
 from benchmarks.bench_yardstick import table as yardstick_table  # noqa: E402
+from gpipe_lab.bench.machine import figure_metadata  # noqa: E402
 from gpipe_lab.bench.markdown import md_table  # noqa: E402
 
 MIB = 2**20

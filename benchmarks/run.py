@@ -38,15 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_app import run_compile_rows, run_product_rows
-from benchmarks.bench_common import (
-    SIZES,
-    Sizes,
-    git_commit,
-    load_average,
-    machine_info,
-    make_workload,
-    prepare_process,
-)
+from benchmarks.bench_common import SIZES, Sizes, make_workload, prepare_process
 from benchmarks.bench_gloo import GlooCase, run_gloo
 from benchmarks.bench_local import run_workload
 from benchmarks.bench_memory import run_memory
@@ -55,6 +47,7 @@ from benchmarks.bench_yardstick import replay_row, run_yardstick
 from benchmarks.diagnose import diagnose
 from benchmarks.report import write_report
 from benchmarks.targets import evaluate, memory_m
+from gpipe_lab.bench.machine import git_commit, load_average, machine_info
 from gpipe_lab.bench.script_launch import fresh_out
 
 ROOT = Path(__file__).resolve().parent.parent

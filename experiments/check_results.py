@@ -29,7 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from experiments.common import RESULTS, ROOT
+from experiments.common import RESULTS
+from gpipe_lab.bench.machine import ROOT
 
 #: Headers of columns that depend on the machine's clock (never compared).
 WALL_CLOCK = re.compile(r"measured|emulated|simulat|\bstep\b|s/step|samples/s|error|hand-over|wait|recompute|"

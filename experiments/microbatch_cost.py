@@ -26,10 +26,11 @@ if not __package__:  # started as a file: rerun as the module
 import argparse
 from pathlib import Path
 
-from experiments.common import provenance, run_main, write
+from experiments.common import run_main, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.table2_multirun import EXPERIMENTS, NAMES
 from gpipe_lab.bench import md_table
+from gpipe_lab.bench.machine import provenance
 
 
 def cells(dirs: list[Path]) -> tuple[dict[tuple[str, str, int], list[float]], str]:

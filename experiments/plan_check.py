@@ -27,7 +27,7 @@ if not __package__:  # started as a file: rerun as the module
 
 from typing import Any
 
-from experiments.common import parser, provenance, write
+from experiments.common import parser, write
 from experiments.plan_check_lib import (
     DEVICES,
     EMULATED_DEVICES,
@@ -37,6 +37,7 @@ from experiments.plan_check_lib import (
     check_workload,
 )
 from gpipe_lab.bench import WorkloadSpec
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.planner.auto import DEFAULT_SCHEDULES, VIRTUAL_STAGES
 from gpipe_lab.planner.memory_size import format_bytes

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.bench_common import ROOT, git_commit, load_average, machine_info
+from gpipe_lab.bench.machine import ROOT, git_commit, load_average, machine_info
 
 PY = [sys.executable, "-m"]
 #: every cell three times (``seed=0,1,2``): the collector reports mean [min, max] and the spread

@@ -22,17 +22,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.common import (
-    configs,
-    fmt_bytes,
-    fmt_count,
-    log_wandb,
-    parser,
-    provenance,
-    save_figure,
-    write,
-)
+from experiments.common import configs, fmt_bytes, fmt_count, log_wandb, parser, save_figure, write
 from gpipe_lab.bench import Progress
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.planner.capacity import GiB, Plan, best_plan, layer_records
 

@@ -32,14 +32,7 @@ if not __package__:  # started as a file (``python experiments/table2_throughput
 import argparse
 from pathlib import Path
 
-from experiments.common import (
-    log_wandb,
-    provenance,
-    run_main,
-    save_figure,
-    throughput_rows_from_command_line,
-    write,
-)
+from experiments.common import log_wandb, run_main, save_figure, throughput_rows_from_command_line, write
 from experiments.multirun import JOB_HEADER, f2, jobs_table
 from experiments.table2_multirun import EXPERIMENTS, NAMES, PAPER, multirun_table, paper, pipelining_gains
 from experiments.throughput_grid import run_grids
@@ -49,6 +42,7 @@ from experiments.throughput_lib import (
     simulator_findings,
     tiny_overrides,
 )
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 
 #: ``--tiny``: toy networks, one timed step.

@@ -25,14 +25,7 @@ if not __package__:  # started as a file (``python experiments/table3_throughput
 import argparse
 from pathlib import Path
 
-from experiments.common import (
-    log_wandb,
-    provenance,
-    run_main,
-    save_figure,
-    throughput_rows_from_command_line,
-    write,
-)
+from experiments.common import log_wandb, run_main, save_figure, throughput_rows_from_command_line, write
 from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
 from experiments.throughput_grid import run_grids
 from experiments.throughput_lib import (
@@ -41,6 +34,7 @@ from experiments.throughput_lib import (
     simulator_findings,
     tiny_overrides,
 )
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 
 PAPER = {"amoeba": (1, 1.7, 2.7), "transformer": (1, 1.8, 3.3)}

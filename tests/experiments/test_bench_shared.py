@@ -131,8 +131,9 @@ def test_progress_prints_a_line_per_job_with_the_time_left():
 def test_each_run_gets_a_fresh_output_folder_unless_told_where(tmp_path):
     import datetime
 
-    from experiments.common import ROOT, parser
+    from experiments.common import parser
 
+    from gpipe_lab.bench.machine import ROOT
     from gpipe_lab.bench.script_launch import fresh_out
 
     when = datetime.datetime(2026, 1, 2, 3, 4, 5)
