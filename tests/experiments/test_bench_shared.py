@@ -144,3 +144,30 @@ def test_each_run_gets_a_fresh_output_folder_unless_told_where(tmp_path):
     default = parser("x").parse_args([]).out
     assert default.is_relative_to(ROOT / "logs" / "experiments") and not default.exists()
     assert parser("x").parse_args(["--out", "results"]).out == Path("results")
+
+
+def imported_packages(folder: Path) -> dict[str, set[str]]:
+    """Every top-level package each ``.py`` file under ``folder`` imports (``import x.y`` / ``from x.y import``)."""
+    import ast
+
+    found: dict[str, set[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        tops = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                tops |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                tops.add(node.module.split(".")[0])
+        found[str(path.relative_to(folder.parent))] = tops
+    return found
+
+
+@pytest.mark.parametrize(("folder", "never"), [("benchmarks", {"experiments"}), ("experiments", {"benchmarks"}),
+                                               ("src/gpipe_lab", {"benchmarks", "experiments"})])
+def test_benchmarks_and_experiments_share_only_gpipe_lab_bench(folder, never):
+    """One direction: the scripts import what they share from ``gpipe_lab.bench``, never from each other
+    (``experiments.regenerate`` runs benchmark scripts as commands), and the package imports neither."""
+    root = Path(__file__).resolve().parents[2]
+    crossing = {f: sorted(tops & never) for f, tops in imported_packages(root / folder).items() if tops & never}
+    assert not crossing, f"imports across the script packages: {crossing}"
+    assert imported_packages(root / folder), f"no Python file under {folder}"
