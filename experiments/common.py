@@ -17,6 +17,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -139,6 +140,30 @@ def write(out: Path, name: str, markdown: str, data: object | None = None) -> Pa
 def save_figure(fig: object, path: Path, dpi: int = 120) -> Path:
     """Save a matplotlib figure with its provenance (commit and command) in the PNG's metadata."""
     fig.savefig(path, dpi=dpi, metadata=figure_metadata())
+    return path
+
+
+def panel_figure(path: Path, labels: Sequence[str], names: dict[str, str], draw: Callable[[Any, str], None],
+                 xlabel: str, ylabel: str, panel_size: tuple[float, float]) -> Path:
+    """One panel per workload of ``labels``, drawn by ``draw(ax, label)`` on a log2 x axis and titled
+    ``names[label]`` as our CPU analogue; saved at ``path`` with its provenance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    width, height = panel_size
+    fig, axes = plt.subplots(1, len(labels), figsize=(width * len(labels), height), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        draw(ax, label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(names[label] + " (ours: CPU analogue)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
     return path
 
 
