@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             results["gloo"] = run_gloo(gloo_cases(sizes), sizes.name, timeout=3600 if sizes.name == "full" else 900)
     if sizes.name != "smoke" and not args.no_product and args.device == "cpu":
         # the Table-2 analogues at their configs' mini-batches in every mode: Lightning's fixed per-step
-        # cost would dominate the --quick sizes' 0.1 s steps; --quick keeps a sixth / a third of the layers
+        # cost would dominate the --quick sizes' short steps; --quick keeps a sixth / a third of the layers
         # (steps of a second or less, where a fixed cost shows more, not less) and fewer rounds
         quick = sizes.name == "quick"
         with timed_section(results, "product"):
