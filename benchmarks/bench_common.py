@@ -1,4 +1,4 @@
-"""What every benchmark shares: run sizes, the workloads at those sizes, machine facts.
+"""What every benchmark shares: run sizes, the workloads at those sizes, the process's setup.
 
 The workloads themselves (``gpipe_lab.bench``) are built afresh from the same seed
 by every benchmark, so the pipelined, unpipelined and torch.distributed.pipelining
@@ -7,19 +7,12 @@ runs train the same model on the same data.
 
 from __future__ import annotations
 
-import os
-import platform
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from gpipe_lab.bench import Workload, WorkloadSpec, mlp, tiny_linear
 from gpipe_lab.pipeline import retain_freed_memory
-from gpipe_lab.provenance import commit_of
-
-#: The repository's root (for the commit a result was measured at).
-ROOT = Path(__file__).resolve().parents[1]
 
 #: our schedules beyond torch's ScheduleGPipe / Schedule1F1B, measured beside them on the MLP:
 #: split backward, weight gradients batched (gpipe-bw) or moved into the bubble (zb-h1, zb-h2)
@@ -116,60 +109,7 @@ def prepare_process() -> bool:
     return retain_freed_memory()
 
 
-def load_average() -> list[float]:
-    """The 1/5/15-minute load averages (empty where the OS has none)."""
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except OSError:
-        return []
-
-
-def machine_info(device: str) -> dict[str, object]:
-    """CPU model, cores, torch version, device and current load."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info: dict[str, object] = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-                               "python": platform.python_version(), "device": device,
-                               "load_average": load_average()}
-    if device == "cuda" and torch.cuda.is_available():
-        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return info
-
-
 def sync(device: str) -> None:
     """Wait for queued GPU work (no-op on CPU)."""
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def git_commit() -> str:
-    """The repository's HEAD commit (short), ``+dirty`` when tracked files outside ``results/`` differ
-    from it (regenerating results must not mark the next result dirty); ``unknown`` outside a git checkout."""
-    return commit_of(ROOT)
-
-
-def command_line() -> str:
-    """This process's command, a script of this repository named as ``python -m`` runs it."""
-    import shlex
-    import sys
-
-    argv = list(sys.argv) or ["?"]
-    path = Path(argv[0]).resolve()
-    head = [argv[0]]
-    if path.suffix == ".py" and path.is_relative_to(ROOT):
-        head = ["-m", ".".join(path.relative_to(ROOT).with_suffix("").parts)]
-    return f"python {shlex.join(head + argv[1:])}"
-
-
-def figure_metadata() -> dict[str, str]:
-    """PNG metadata naming the commit and the command that drew a figure (``fig.savefig(..., metadata=)``)."""
-    import time
-
-    return {"Source": f"gpipe-lab {git_commit()}", "Description": f"{command_line()} ({time.strftime('%Y-%m-%d %H:%M')})"}

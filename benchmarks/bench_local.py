@@ -95,7 +95,7 @@ def pipeline_steps(work: Workload, chunks: int, configs: Sequence[tuple[str, str
 
     Every configuration of one M and the unpipelined baseline step run in the same rounds,
     alternating (order flipped every round), so that each speed-up is a ratio of one run:
-    this VM's speed drifts by 20% within minutes. With ``ceiling`` the machine-ceiling runs
+    a shared VM's speed drifts within minutes. With ``ceiling`` the machine-ceiling runs
     (``bench_ceiling``) join the rounds.
     """
     pipes = {cfg: GPipe(work.module, balance=work.balance, chunks=chunks, checkpoint=cfg[0], schedule=cfg[1],

@@ -19,7 +19,7 @@ configuration (the last measured step above the predicted one).
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python benchmarks/bench_schedules.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_common import ROOT, command_line, figure_metadata, git_commit, machine_info
 from gpipe_lab.bench import Progress, mlp, time_rounds
-from gpipe_lab.bench.launch import fresh_out
+from gpipe_lab.bench.machine import ROOT, command_line, figure_metadata, git_commit, machine_info
+from gpipe_lab.bench.script_launch import fresh_out
 from gpipe_lab.pipeline import GPipe, Timeline, get_schedule
 from gpipe_lab.planner import costs_from_timeline, durations_from_timeline, predict_step
 from gpipe_lab.plotting import plot_timeline

@@ -25,7 +25,7 @@ other MLP rows would take most of ``--quick``'s time here).
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python benchmarks/bench_yardstick.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
@@ -44,8 +44,8 @@ from gpipe_lab.pipeline.options import PipelineOptions
 CHUNKS = 4
 #: alternated rounds per contender (at least): each ratio is the median of its per-round ratios
 ROUNDS = 5
-#: more rounds where a step is short (about 0.1 s at --quick): one run's ratios then move by a few
-#: percent, not by the ±10% that 5 rounds gave the AmoebaNet analogue from one run to the next
+#: more rounds where a step is short (at --quick): with the default rounds a short step's ratio moved
+#: more from one run to the next than the targets' margins; the median of more rounds holds still
 WORKLOAD_ROUNDS = {"transformer": 9, "amoebanet": 15}
 #: contender -> (K, random_replay)
 ENGINES = {"K=1": (1, "auto"), "K=1, no replay": (1, False), "K=2": (2, "auto"), "K=2, no replay": (2, False)}

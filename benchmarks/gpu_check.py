@@ -40,14 +40,14 @@ from pathlib import Path
 from typing import Any
 
 if not __package__:  # started as a file (``python benchmarks/gpu_check.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
 import torch
 
-from benchmarks.bench_common import load_average, machine_info
 from benchmarks.gpu_check_engine import PROGRESS, Context, section_progress
+from gpipe_lab.bench.machine import load_average, machine_info
 from gpipe_lab.provenance import source_commit
 
 # name, "module:function", cap in seconds; on one GPU the caps sum to 460 s (8 minutes less start-up)

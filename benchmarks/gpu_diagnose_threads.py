@@ -1,6 +1,6 @@
 """Where a slow GPU step's time goes: host syncs with their stacks, feature variants, profiles of every thread.
 
-    python -m benchmarks.gpu_diagnose_threads OUT_DIR   # on a machine with a GPU (about 50 s)
+    python -m benchmarks.gpu_diagnose_threads [OUT_DIR]   # on a machine with a GPU (about 50 s)
 
 The probe that found the per-step rebuild of cuDNN's attention plans (README, "GPUs").
 Prints: (1) each host sync of a small K=2 step with the Python stack that caused it;
@@ -19,11 +19,13 @@ import cProfile
 import io
 import pstats
 import sys
+import tempfile
 import threading
 import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu_step_costs import loss_fn, median_ms
+from gpipe_lab.bench.script_launch import fresh_out
 from gpipe_lab.pipeline import GPipe
 
 VARIANTS: dict[str, dict[str, object]] = {
@@ -104,13 +107,24 @@ def sample_threads(step: Callable[[], object], steps: int = 4, every: float = 0.
     return counts, frames
 
 
+def trace_folder(argv: list[str]) -> Path:
+    """Where the profiler traces go: ``argv``'s one folder, else a fresh one outside the repository.
+
+    Raises:
+        SystemExit: more than one argument (the usage line).
+    """
+    if len(argv) > 1:
+        raise SystemExit("usage: python -m benchmarks.gpu_diagnose_threads [OUT_DIR]")
+    return Path(argv[0]) if argv else fresh_out(Path(tempfile.gettempdir()) / "gpipe-lab", "gpu_diagnose_threads")
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m benchmarks.gpu_diagnose_threads OUT_DIR")
+    out = trace_folder(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu_diagnose_threads needs a CUDA device")
-    out, dev = argv[0], torch.device("cuda", 0)
+    dev = torch.device("cuda", 0)
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"profiler traces go to {out}")
     sync_stacks(dev)
     torch.manual_seed(0)
     d, layers, batch, seq = 2048, 12, 8, 512
@@ -157,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                 pipe.train_step(x, x, loss_fn)
                 torch.cuda.synchronize()
             log(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
-            prof.export_chrome_trace(f"{out}/trace_K{K}.json")
+            prof.export_chrome_trace(str(out / f"trace_K{K}.json.gz"))
         for K in (1, 2):
             pipe = GPipe(module, partitions=K, chunks=1, devices=[dev] * K, checkpoint="never")
             pipe.train_step(x, x, loss_fn)

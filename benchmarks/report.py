@@ -10,9 +10,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.bench_common import figure_metadata  # noqa: E402
 from benchmarks.bench_yardstick import replay_line  # noqa: E402
 from benchmarks.bench_yardstick import table as yardstick_table  # noqa: E402
+from gpipe_lab.bench.machine import figure_metadata  # noqa: E402
 from gpipe_lab.bench.markdown import md_table  # noqa: E402
 
 MIB = 2**20
@@ -28,6 +28,13 @@ def _f(value: object, digits: int = 3) -> str:
 
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:
     return md_table(header, rows, _f).splitlines() + [""]
+
+
+def _save(fig: plt.Figure, path: Path) -> None:
+    """Lay out, save with the commit and command in the PNG's metadata, and close."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata=figure_metadata())
+    plt.close(fig)
 
 
 def plot_throughput(results: dict, path: Path) -> None:
@@ -57,9 +64,7 @@ def plot_throughput(results: dict, path: Path) -> None:
         ax.set_xlabel("micro-batches M")
         ax.set_ylabel("speed-up over 1 thread")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata=figure_metadata())
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_bubble(results: dict, path: Path) -> None:
@@ -76,9 +81,7 @@ def plot_bubble(results: dict, path: Path) -> None:
     ax.set_xlabel("micro-batches M")
     ax.set_ylabel("bubble")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata=figure_metadata())
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_memory(results: dict, path: Path, m: int | None) -> None:
@@ -92,9 +95,7 @@ def plot_memory(results: dict, path: Path, m: int | None) -> None:
     ax.set_ylabel("MiB saved for backward (stage 0)")
     ax.set_title(f"MLP, K=2, M={m}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata=figure_metadata())
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _yardstick_section(results: dict) -> list[str]:

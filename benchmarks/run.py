@@ -21,7 +21,7 @@ committed results), and prints PASS / MISS per target.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python benchmarks/run.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
@@ -38,15 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_app import run_compile_rows, run_product_rows
-from benchmarks.bench_common import (
-    SIZES,
-    Sizes,
-    git_commit,
-    load_average,
-    machine_info,
-    make_workload,
-    prepare_process,
-)
+from benchmarks.bench_common import SIZES, Sizes, make_workload, prepare_process
 from benchmarks.bench_gloo import GlooCase, run_gloo
 from benchmarks.bench_local import run_workload
 from benchmarks.bench_memory import run_memory
@@ -55,7 +47,8 @@ from benchmarks.bench_yardstick import replay_row, run_yardstick
 from benchmarks.diagnose import diagnose
 from benchmarks.report import write_report
 from benchmarks.targets import evaluate, memory_m
-from gpipe_lab.bench.launch import fresh_out
+from gpipe_lab.bench.machine import git_commit, load_average, machine_info
+from gpipe_lab.bench.script_launch import fresh_out
 
 ROOT = Path(__file__).resolve().parent.parent
 #: --quick's product-path rows: model.num_layers at the configs' mini-batches (configs: 24 and 18)
@@ -152,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             results["gloo"] = run_gloo(gloo_cases(sizes), sizes.name, timeout=3600 if sizes.name == "full" else 900)
     if sizes.name != "smoke" and not args.no_product and args.device == "cpu":
         # the Table-2 analogues at their configs' mini-batches in every mode: Lightning's fixed per-step
-        # cost would dominate the --quick sizes' 0.1 s steps; --quick keeps a sixth / a third of the layers
+        # cost would dominate the --quick sizes' short steps; --quick keeps a sixth / a third of the layers
         # (steps of a second or less, where a fixed cost shows more, not less) and fewer rounds
         quick = sizes.name == "quick"
         with timed_section(results, "product"):

@@ -1,18 +1,19 @@
 """Where a GPU sat idle in a step: device gaps of a ``torch.profiler`` Chrome trace, with the kernels around them.
 
-    python -m benchmarks.trace_gaps results/gpu_runs/trace_k1_m1_16ef4af.json
+    python -m benchmarks.trace_gaps TRACE.json.gz   # e.g. gpu_diagnose_threads's trace_K1.json.gz
     python -m benchmarks.trace_gaps TRACE --min-gap-ms 0.5 --top 12
 
 Reads the trace's device events (kernels, copies, memsets), prints the kernel time
 per stream, the top kernels by total time, and every stretch of at least
 ``--min-gap-ms`` in which no device event ran, with the last kernel before it and
 the first after it. Needs no GPU: it reads a file written on one
-(``export_chrome_trace``).
+(``export_chrome_trace``), plain or gzipped (``.gz``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -73,6 +74,12 @@ def report(trace: dict[str, Any] | list[dict[str, Any]], min_gap_ms: float = 0.5
     return "\n".join(lines)
 
 
+def read_trace(path: Path) -> Any:
+    """A Chrome trace file's JSON, gunzipped when its name ends in ``.gz``."""
+    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as f:
+        return json.load(f)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", type=Path, help="a Chrome trace written by torch.profiler on a GPU")
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=10, help="how many kernels to list by total time")
     args = p.parse_args(argv)
     print(f"python -m benchmarks.trace_gaps {args.trace} --min-gap-ms {args.min_gap_ms} --top {args.top}")
-    print(report(json.loads(args.trace.read_text()), args.min_gap_ms, args.top))
+    print(report(read_trace(args.trace), args.min_gap_ms, args.top))
     return 0
 
 

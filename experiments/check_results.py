@@ -18,7 +18,7 @@ deterministic cell differs or a table changed shape.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/check_results.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
@@ -29,7 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from experiments.common import RESULTS, ROOT
+from experiments.common import RESULTS
+from gpipe_lab.bench.machine import ROOT
 
 #: Headers of columns that depend on the machine's clock (never compared).
 WALL_CLOCK = re.compile(r"measured|emulated|simulat|\bstep\b|s/step|samples/s|error|hand-over|wait|recompute|"

@@ -1,11 +1,11 @@
-"""Shared helpers of the experiment scripts: configs, arguments, provenance, markdown tables, wandb.
+"""Shared helpers of the experiment scripts: arguments, configs with overrides, result files, wandb.
 
 Every script takes ``--out DIR`` (where the markdown, JSON and PNG files go;
 default a fresh ``logs/experiments/<script>/<date>_<time>/``, so that only
 ``--out results`` replaces a committed result), ``--tiny`` (a seconds-long smoke run at toy sizes) and
 ``--wandb`` (also log the table and plots to an offline wandb run under DIR).
 Its settings come from Hydra ``experiment=`` configs (``conf/experiment/paper_*.yaml``,
-composed with ``compose_experiment``; the script-only settings are in their
+composed with ``gpipe_lab.bench.experiment_config.compose_experiment``; the script-only settings are in their
 ``experiment:`` block); Hydra-style ``key=value`` arguments override them, and
 ``--tiny`` is a fixed set of such overrides applied first.
 """
@@ -13,50 +13,20 @@ composed with ``compose_experiment``; the script-only settings are in their
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-import torch
-from benchmarks.bench_common import git_commit, load_average, machine_info
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.multirun import MultirunError
-from gpipe_lab.bench.launch import fresh_out
+from gpipe_lab.bench.experiment_config import compose_experiment
+from gpipe_lab.bench.machine import ROOT, figure_metadata, provenance_meta
+from gpipe_lab.bench.script_launch import fresh_out
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
-CONF = ROOT / "conf"
-
-
-def experiment_names() -> list[str]:
-    """The names of every ``conf/experiment/*.yaml``."""
-    return sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-
-
-def compose_experiment(name: str, overrides: Sequence[str] = ()) -> DictConfig:
-    """``train.yaml`` composed with ``experiment=<name>``, ``logger=none`` and ``overrides`` (no run).
-
-    Raises:
-        ValueError: ``name`` is not a file of ``conf/experiment/`` (the message lists them).
-        hydra.errors.HydraException: a bad override (Hydra's message names the key).
-    """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    import gpipe_lab.config_schema  # noqa: F401  (registers the generated pipeline/schema node)
-
-    names = experiment_names()
-    if name not in names:
-        raise ValueError(f"unknown experiment {name!r}; allowed: {', '.join(names)}")
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        return compose("train", overrides=[f"experiment={name}", "logger=none", *overrides])
 
 
 def parser(description: str, experiments: Sequence[str] = (), multirun: bool = False,
@@ -152,32 +122,6 @@ def configs(args: argparse.Namespace, defaults: Sequence[str], tiny: dict[str, S
             if overrides else c for n, c in base.items()}
 
 
-def provenance_meta(argv: Sequence[str] | None = None) -> dict[str, object]:
-    """Where a result came from: date, git commit, command, host, CPU model and cores, GPU,
-    torch version and the load average when it was written.
-
-    A script of this repository is named as the module ``python -m`` runs (``-m experiments.table1_capacity``).
-    """
-    argv = list(sys.argv if argv is None else argv)
-    command = [os.path.relpath(argv[0]) if argv else "?"]
-    path = Path(argv[0]).resolve() if argv else None
-    if path is not None and path.suffix == ".py" and path.is_relative_to(ROOT):
-        command = ["-m", ".".join(path.relative_to(ROOT).with_suffix("").parts)]
-    machine = machine_info("cuda" if torch.cuda.is_available() else "cpu")
-    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "commit": git_commit(),
-            "command": f"python {shlex.join(command + argv[1:])}", "host": platform.node(),
-            "cpu": machine.get("cpu"), "cores": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU",
-            "torch": torch.__version__, "load_average": load_average()}
-
-
-def provenance(argv: Sequence[str] | None = None) -> str:
-    """One markdown line of ``provenance_meta``."""
-    m = provenance_meta(argv)
-    return (f"_Generated {m['date']} at commit `{m['commit']}` on {m['host']} ({m['cpu']}, {m['cores']} CPU cores, "
-            f"{m['gpu']}), torch {m['torch']}, load average {m['load_average']}, by `{m['command']}`._")
-
-
 def write(out: Path, name: str, markdown: str, data: object | None = None) -> Path:
     """Write ``name`` (markdown) and, with ``data``, ``name``'s JSON twin; returns the markdown path.
 
@@ -195,9 +139,31 @@ def write(out: Path, name: str, markdown: str, data: object | None = None) -> Pa
 
 def save_figure(fig: object, path: Path, dpi: int = 120) -> Path:
     """Save a matplotlib figure with its provenance (commit and command) in the PNG's metadata."""
-    meta = provenance_meta()
-    fig.savefig(path, dpi=dpi, metadata={"Source": f"gpipe-lab {meta['commit']}",
-                                         "Description": f"{meta['command']} ({meta['date']})"})
+    fig.savefig(path, dpi=dpi, metadata=figure_metadata())
+    return path
+
+
+def panel_figure(path: Path, labels: Sequence[str], names: dict[str, str], draw: Callable[[Any, str], None],
+                 xlabel: str, ylabel: str, panel_size: tuple[float, float]) -> Path:
+    """One panel per workload of ``labels``, drawn by ``draw(ax, label)`` on a log2 x axis and titled
+    ``names[label]`` as our CPU analogue; saved at ``path`` with its provenance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    width, height = panel_size
+    fig, axes = plt.subplots(1, len(labels), figsize=(width * len(labels), height), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        draw(ax, label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(names[label] + " (ours: CPU analogue)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
     return path
 
 

@@ -22,18 +22,21 @@ this measures the engine's overhead, not how hardware scales.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/emulated_scaling.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
 import statistics
 
-from experiments.common import parser, provenance, write
-from experiments.throughput_lib import hop_seconds, measure_step
+from experiments.common import parser, write
+from experiments.throughput_lib import hop_seconds
 from gpipe_lab.bench import Progress
 from gpipe_lab.bench.emulated import balanced, emulated_workload
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
+from gpipe_lab.bench.step_timing import measure_step
 from gpipe_lab.bench.workloads import Workload
+from gpipe_lab.pipeline import Timeline
 
 
 class UniformEmulated:
@@ -48,13 +51,13 @@ class UniformEmulated:
                                  balanced(self.layers, partitions))
 
 
-def action_excess(work: UniformEmulated, timeline: object, chunks: int) -> float:
+def action_excess(work: UniformEmulated, timeline: Timeline, chunks: int) -> float:
     """Median seconds an action ran beyond what its layers sleep (F, R: 1x; B: 2x the forward)."""
-    stage_layers = balanced(work.layers, timeline.num_stages)  # type: ignore[attr-defined]
+    stage_layers = balanced(work.layers, timeline.num_stages)
     forward = [n * work.per_sample * work.batch / chunks for n in stage_layers]
     factor = {"F": 1.0, "R": 1.0, "B": 2.0}
     return statistics.median(e.duration - factor[e.kind] * forward[e.stage]
-                             for e in timeline.events if e.kind in factor)  # type: ignore[attr-defined]
+                             for e in timeline.events if e.kind in factor)
 
 
 def main() -> None:
@@ -72,11 +75,11 @@ def main() -> None:
     k, m = args.partitions, args.chunks
     work = UniformEmulated(args.layers, args.forward_ms, args.batch)
     progress = Progress(3, "emulated_scaling", note=f"writing to {args.out}")
-    plain, _, _ = measure_step(work, 1, 1, args.steps, checkpoint="never")  # type: ignore[arg-type]
+    plain, _, _ = measure_step(work, 1, 1, args.steps, checkpoint="never")
     progress.done("K=1 M=1 never")
-    one, _, _ = measure_step(work, 1, m, args.steps)  # type: ignore[arg-type]
+    one, _, _ = measure_step(work, 1, m, args.steps)
     progress.done(f"K=1 M={m}")
-    many, timeline, balance = measure_step(work, k, m, args.steps)  # type: ignore[arg-type]
+    many, timeline, balance = measure_step(work, k, m, args.steps)
     progress.done(f"K={k} M={m}")
     ideal = k * m / (m + k - 1)
     speedup = one / many

@@ -19,17 +19,18 @@ Raises (as an error exit): a folder without finished K=1 jobs of ``paper_table2_
 from __future__ import annotations
 
 if not __package__:  # started as a file: rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
 import argparse
 from pathlib import Path
 
-from experiments.common import provenance, run_main, write
+from experiments.common import run_main, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.table2_multirun import EXPERIMENTS, NAMES
 from gpipe_lab.bench import md_table
+from gpipe_lab.bench.machine import provenance
 
 
 def cells(dirs: list[Path]) -> tuple[dict[tuple[str, str, int], list[float]], str]:

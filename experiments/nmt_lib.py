@@ -123,7 +123,7 @@ def train_translation(steps: int, seed: int = 0, lr: float = 1e-3, warmup: int =
     Raises:
         ValueError: invalid model overrides (from ``models.build``) or pipeline settings (from the strategy).
     """
-    torch.set_num_threads(1)  # two intra-op threads thrash on a shared 2-core machine (80x slower seen)
+    torch.set_num_threads(1)  # two intra-op threads per process thrash on a shared 2-core machine
     data = make_data(seed, tokens_per_batch, batch_size, num_train, num_val)
     torch.manual_seed(seed)
     net = build("transformer_tiny", "cpu", vocab_size=data.vocab_size, **model)

@@ -18,7 +18,7 @@ warm-up, the token budgets).
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/nmt_scaling.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
@@ -26,10 +26,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.common import configs, log_wandb, parser, provenance, run_main, save_figure, write
+from experiments.common import configs, log_wandb, parser, run_main, save_figure, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.nmt_lib import RunResult, train_translation
 from gpipe_lab.bench import Progress
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 
 EXPERIMENTS = ["paper_nmt_deep", "paper_nmt_wide", "paper_nmt_batch"]

@@ -24,7 +24,7 @@ Shares are of the total stage-time K x wall:
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/overheads.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
@@ -34,21 +34,21 @@ from pathlib import Path
 
 import torch
 
-from experiments.common import configs, log_wandb, parser, provenance, run_main, save_figure, write
+from experiments.common import configs, log_wandb, parser, run_main, save_figure, write
 from experiments.multirun import load_runs, run_dirs_note
 from experiments.throughput_lib import (
     SIMULATOR_TEXT,
     engine_overhead,
     error,
     hop_seconds,
-    measure_step,
     simulator_findings,
     timed_cost_model,
     uncontended,
-    workload_of,
 )
 from gpipe_lab.bench import Progress, WorkloadSpec, time_call
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
+from gpipe_lab.bench.step_timing import measure_step, workload_of
 from gpipe_lab.planner.cost_model import CostModel
 from gpipe_lab.plotting.timeline import plot_timeline
 

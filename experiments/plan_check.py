@@ -21,13 +21,13 @@ add a row each with K up to 8. Target: within 10% in every row, never over budge
 from __future__ import annotations
 
 if not __package__:  # started as a file: rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
 from typing import Any
 
-from experiments.common import parser, provenance, write
+from experiments.common import parser, write
 from experiments.plan_check_lib import (
     DEVICES,
     EMULATED_DEVICES,
@@ -37,6 +37,7 @@ from experiments.plan_check_lib import (
     check_workload,
 )
 from gpipe_lab.bench import WorkloadSpec
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.planner.auto import DEFAULT_SCHEDULES, VIRTUAL_STAGES
 from gpipe_lab.planner.memory_size import format_bytes

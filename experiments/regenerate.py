@@ -23,7 +23,7 @@ Raises (as a one-line error and exit status 2): uncommitted changes to tracked f
 from __future__ import annotations
 
 if not __package__:  # started as a file: rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.bench_common import ROOT, git_commit, load_average, machine_info
+from gpipe_lab.bench.machine import ROOT, git_commit, load_average, machine_info
 
 PY = [sys.executable, "-m"]
 #: every cell three times (``seed=0,1,2``): the collector reports mean [min, max] and the spread

@@ -22,17 +22,19 @@ Within 10% is counted for in-sample and held-out cells separately.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/simulator_heldout.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
 import dataclasses
 import os
 
-from experiments.common import parser, provenance, write
-from experiments.throughput_lib import engine_overhead, error, hop_seconds, measure_step, timed_cost_model
+from experiments.common import parser, write
+from experiments.throughput_lib import engine_overhead, error, hop_seconds, timed_cost_model
 from gpipe_lab.bench import Progress, WorkloadSpec
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
+from gpipe_lab.bench.step_timing import measure_step
 
 #: The base workload (a Transformer analogue) and the settings of the full run.
 BASE = {"num_layers": 16, "d_model": 128, "ffn_dim": 512, "num_heads": 4, "vocab_size": 512, "seq_len": 32,

@@ -13,7 +13,7 @@ search range) are the ``experiment`` block of ``conf/experiment/paper_table1_cap
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/table1_capacity.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
@@ -22,17 +22,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.common import (
-    configs,
-    fmt_bytes,
-    fmt_count,
-    log_wandb,
-    parser,
-    provenance,
-    save_figure,
-    write,
-)
+from experiments.common import configs, fmt_bytes, fmt_count, log_wandb, parser, save_figure, write
 from gpipe_lab.bench import Progress
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.planner.capacity import GiB, Plan, best_plan, layer_records
 

@@ -25,21 +25,15 @@ samples/s) instead of measuring.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/table2_throughput.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-from experiments.common import (
-    log_wandb,
-    provenance,
-    run_main,
-    save_figure,
-    throughput_rows_from_command_line,
-    write,
-)
+from experiments.common import log_wandb, panel_figure, run_main, throughput_rows_from_command_line, write
 from experiments.multirun import JOB_HEADER, f2, jobs_table
 from experiments.table2_multirun import EXPERIMENTS, NAMES, PAPER, multirun_table, paper, pipelining_gains
 from experiments.throughput_grid import run_grids
@@ -49,6 +43,7 @@ from experiments.throughput_lib import (
     simulator_findings,
     tiny_overrides,
 )
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 
 #: ``--tiny``: toy networks, one timed step.
@@ -68,16 +63,10 @@ def normalized(rows: list[dict], key: str) -> dict[tuple[str, int, int], float]:
 
 def plot(rows: list[dict], path: Path, ms: list[int], ks: list[int]) -> Path:
     """Normalized throughput against M, one line per K (ours) with the paper's dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     series = {kind: normalized(rows, f"{kind}_sps") for kind in ("measured", "emulated", "simulated")}
     styles = {"measured": "o-", "emulated": "^-", "simulated": "x:"}
-    labels = [n for n in NAMES if any(r["workload"] == n for r in rows)]
-    fig, axes = plt.subplots(1, len(labels), figsize=(5 * len(labels), 4), squeeze=False)
-    for ax, name in zip(axes[0], labels):
+
+    def draw(ax: Any, name: str) -> None:
         for i, k in enumerate(ks):
             color = f"C{i}"
             for kind, values in series.items():
@@ -88,15 +77,9 @@ def plot(rows: list[dict], path: Path, ms: list[int], ks: list[int]) -> Path:
                 pm = [m for m in ms if (name, m) in PAPER]
                 ax.plot(pm, [PAPER[(name, m)][(2, 4, 8).index(k)] for m in pm], "s--", color=color, alpha=0.6,
                         label=f"K={k} paper")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("micro-batches M")
-        ax.set_ylabel("throughput / (K=2, M=1)")
-        ax.set_title(NAMES[name] + " (ours: CPU analogue)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
-    return path
+
+    labels = [n for n in NAMES if any(r["workload"] == n for r in rows)]
+    return panel_figure(path, labels, NAMES, draw, "micro-batches M", "throughput / (K=2, M=1)", (5, 4))
 
 
 def cell(meas: dict, sim: dict, key: tuple[str, int, int], kind: str, measured_k: bool) -> str:

@@ -18,21 +18,15 @@ PCI-E link. ``--from-multirun`` builds the table from gpipe-train runs instead.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/table3_throughput.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-from experiments.common import (
-    log_wandb,
-    provenance,
-    run_main,
-    save_figure,
-    throughput_rows_from_command_line,
-    write,
-)
+from experiments.common import log_wandb, panel_figure, run_main, throughput_rows_from_command_line, write
 from experiments.multirun import JOB_HEADER, f2, jobs_table, load_runs, run_dirs_note, throughput_rows
 from experiments.throughput_grid import run_grids
 from experiments.throughput_lib import (
@@ -41,6 +35,7 @@ from experiments.throughput_lib import (
     simulator_findings,
     tiny_overrides,
 )
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 
 PAPER = {"amoeba": (1, 1.7, 2.7), "transformer": (1, 1.8, 3.3)}
@@ -63,31 +58,19 @@ def speedups(rows: list[dict], key: str) -> dict[tuple[str, int], float]:
 
 def plot(rows: list[dict], path: Path) -> Path:
     """Speed-up over K=2 against K: ours (simulated, emulated, or gpipe-train's measured) and the paper's."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [n for n in NAMES if any(r["workload"] == n for r in rows)]
     kinds = {"simulated": "ours (simulated, fitted cost model)", "emulated": "ours (engine on emulated devices)",
              "measured": "ours (measured, CPU stages)"}
-    fig, axes = plt.subplots(1, len(labels), figsize=(4.5 * len(labels), 3.5), squeeze=False)
-    for ax, name in zip(axes[0], labels):
+
+    def draw(ax: Any, name: str) -> None:
         for kind, what in kinds.items():
             ours = speedups(rows, f"{kind}_sps")
             ks = sorted(k for (n, k) in ours if n == name)
             if len(ks) > 1:  # one point (K=2 / K=2 = 1) is no series
                 ax.plot(ks, [ours[(name, k)] for k in ks], "o-", label=what)
         ax.plot([2, 4, 8], PAPER[name], "s--", label="paper (P100, PCI-E)")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("partitions K")
-        ax.set_ylabel("throughput / K=2 (M=32)")
-        ax.set_title(NAMES[name] + " (ours: CPU analogue)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
-    return path
+
+    labels = [n for n in NAMES if any(r["workload"] == n for r in rows)]
+    return panel_figure(path, labels, NAMES, draw, "partitions K", "throughput / K=2 (M=32)", (4.5, 3.5))
 
 
 def measured(args: argparse.Namespace, cfgs: dict) -> tuple[list[dict], list[str], list[list[object]], str]:

@@ -18,14 +18,12 @@ from experiments.throughput_lib import (
     emulation_settings,
     engine_overhead,
     error,
-    gpu_devices,
     hop_seconds,
-    measure_step,
     timed_cost_model,
     uncontended,
-    workload_of,
 )
 from gpipe_lab.bench import EmulatedSpec, Progress, WorkloadSpec
+from gpipe_lab.bench.step_timing import gpu_devices, measure_step, workload_of
 from gpipe_lab.pipeline import Timeline
 
 
@@ -118,7 +116,7 @@ def run_grid(work: WorkloadSpec, measured_k: list[int], simulated_k: list[int], 
 def emulated_cell(emu: EmulatedSpec, partitions: int, chunks: int, steps: int) -> dict[str, float | None]:
     """One (K, M) step on emulated devices: seconds, samples/s, bubble, and the simulator's prediction
     from the devices' exact costs (the difference is the engine's hand-over and scheduling cost)."""
-    seconds, timeline, balance = measure_step(emu, partitions, chunks, steps)  # type: ignore[arg-type]
+    seconds, timeline, balance = measure_step(emu, partitions, chunks, steps)
     pred = emulated_cost_model(emu).predict(balance, chunks, emu.batch)
     return {"emulated_s": seconds, "emulated_sps": emu.batch / seconds, "emulated_sim_s": pred.step_time,
             "emulated_error": error(pred.step_time, seconds), "emulated_bubble": timeline.measured_bubble()}

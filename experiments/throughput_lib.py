@@ -1,8 +1,6 @@
-"""Measuring pipeline steps (CPU stages or emulated devices) and per-layer times for the simulator.
+"""The throughput tables' simulator: per-layer times fitted into a cost model, its errors, the tables' settings.
 
-``measure_step`` runs ``GPipe`` (one thread per stage) for a few steps, timed by
-``gpipe_lab.bench``'s timer, and keeps the median step time and the timeline of
-the median step; given an ``EmulatedSpec`` its stages sleep instead of computing.
+The steps themselves are timed by ``gpipe_lab.bench.step_timing.measure_step``.
 ``timed_cost_model`` fits the planner's ``CostModel`` (fixed + per-sample per layer, alone
 and beside a second busy stage, from ``layer_timing.layer_times``; engine overhead
 per action; hand-over per hop); ``throughput_grid`` predicts every cell of a grid with it.
@@ -13,10 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
-from gpipe_lab.bench import EmulatedSpec, Timing, WorkloadSpec, time_call
-from gpipe_lab.pipeline import GPipe, Timeline
+from gpipe_lab.bench import EmulatedSpec, WorkloadSpec
 from gpipe_lab.planner.cost_model import CostModel, LinearCost
 from gpipe_lab.planner.layer_timing import engine_overhead, hop_seconds, layer_times  # noqa: F401 - the experiments' one import
 
@@ -28,40 +23,6 @@ SIMULATOR_TEXT = (
     "alone and once beside a second thread running the same pass, and each action of a multi-stage step "
     "costs between the two by the share of it another stage computes (`planner/contention.py`); plus "
     "the engine's per-action overhead and the measured hand-over.")
-
-
-def gpu_devices(partitions: int) -> list[str] | None:
-    """``cuda:0..K-1`` when this machine has K GPUs, else None (CPU stages)."""
-    return [f"cuda:{i}" for i in range(partitions)] if torch.cuda.device_count() >= partitions else None
-
-
-def measure_step(work: WorkloadSpec, partitions: int, chunks: int, steps: int = 3,
-                 checkpoint: str = "except_last", devices: list[str] | None = None,
-                 ) -> tuple[float, Timeline, list[int]]:
-    """Median seconds per training step of GPipe, the median step's timeline, the balance.
-
-    CPU stages (one thread each) unless ``devices`` (e.g. ``gpu_devices(K)``; not
-    exercised on the CPU-only machine these results were made on). With
-    ``partitions=1`` on CPU this is the single-stage run on one thread.
-    """
-    built = work.build(partitions)
-    y = built.targets.to(devices[-1]) if devices else built.targets  # the last stage computes the loss
-    pipe = GPipe(built.module, balance=built.balance, chunks=chunks, checkpoint=checkpoint,
-                 threads_per_stage=1, seed=0, devices=devices)
-    timelines: list[Timeline] = []
-
-    def step() -> None:
-        pipe.train_step(built.inputs, y, built.loss_fn)
-        if devices:
-            torch.cuda.synchronize()
-        assert pipe.timeline is not None
-        timelines.append(pipe.timeline)
-
-    timing: Timing = time_call(step, steps, warmup=1, between=lambda: built.module.zero_grad(set_to_none=True))
-    built.module.zero_grad(set_to_none=True)
-    runs = sorted(zip(timing.times, timelines[1:]), key=lambda r: r[0])
-    seconds, timeline = runs[len(runs) // 2]
-    return seconds, timeline, list(pipe.balance)
 
 
 def proportional(times: dict[str, list[float]], samples: int) -> dict[int, dict[str, list[float]]]:
@@ -142,24 +103,6 @@ def emulation_settings(e: Any) -> tuple[list[int], float]:
     ks = OmegaConf.select(e, "emulated_k", default=None)
     ms = OmegaConf.select(e, "emulated_forward_ms", default=None)
     return [1, 2, 4, 8] if ks is None else [int(k) for k in ks], 1600.0 if ms is None else float(ms)
-
-
-def workload_of(block: Any, label: str | None = None) -> WorkloadSpec:
-    """A ``WorkloadSpec`` from a config block ``{preset, sizes, batch}`` named ``label``, or from an
-    ``experiment`` block holding ``label`` and ``workload``.
-
-    Raises:
-        KeyError: a block without ``preset``, ``sizes`` or ``batch``.
-    """
-    from omegaconf import OmegaConf
-
-    if label is None:
-        label, block = block.label, block.workload
-    data = OmegaConf.to_container(block, resolve=True) if not isinstance(block, dict) else block
-    missing = [k for k in ("preset", "sizes", "batch") if k not in data]
-    if missing:
-        raise KeyError(f"workload {label!r}: missing {missing} (needs preset, sizes, batch)")
-    return WorkloadSpec(str(label), str(data["preset"]), dict(data["sizes"]), int(data["batch"]))
 
 
 def tiny_overrides(amoebanet_config: str, transformer_config: str) -> dict[str, list[str]]:

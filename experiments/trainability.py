@@ -21,7 +21,7 @@ K / M, ``trainer.max_steps`` and the ``experiment`` block: seeds, depths, warm-u
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/trainability.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
@@ -29,11 +29,12 @@ import json
 import statistics
 from pathlib import Path
 
-from experiments.common import RESULTS, configs, log_wandb, parser, provenance, run_main, save_figure, write
+from experiments.common import RESULTS, configs, log_wandb, parser, run_main, save_figure, write
 from experiments.nmt_lib import spikes, train_translation
 from experiments.trainability_collect import EXPERIMENT, PAPER_FIX, collected, plot_collected
 from experiments.trainability_lib import CELL_HEADER, RULE, cells, depth_verdict, facts, mean_range
 from gpipe_lab.bench import Progress
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 
 #: ``--tiny``: 2 + 2 layers (and the 1 + 1 control), one seed, 4 steps.

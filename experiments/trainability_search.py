@@ -20,17 +20,18 @@ it ran at) and runs the rest.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/trainability_search.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
 import json
 import time
 
-from experiments.common import parser, provenance, provenance_meta, write
+from experiments.common import parser, write
 from experiments.nmt_lib import train_translation
 from experiments.trainability_lib import DEPTHS, RULE, depth_verdict, facts, mean_range
 from gpipe_lab.bench import Progress
+from gpipe_lab.bench.machine import provenance, provenance_meta
 from gpipe_lab.bench.markdown import md_table
 
 _NARROW = {"d_model": 32, "ffn_dim": 128, "num_heads": 2}

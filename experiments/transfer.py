@@ -16,7 +16,7 @@ datasets' rows are filled when their files exist under ``data.root``.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python experiments/transfer.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 
@@ -26,15 +26,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.common import (
-    compose_experiment,
-    experiment_names,
-    log_wandb,
-    parser,
-    provenance,
-    write,
-)
+from experiments.common import log_wandb, parser, write
 from gpipe_lab.bench import Progress, md_table
+from gpipe_lab.bench.experiment_config import compose_experiment, experiment_names
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.data import Cutout, build_datamodule
 from gpipe_lab.models import build
 from gpipe_lab.pipeline import GPipe

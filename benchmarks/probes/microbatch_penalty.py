@@ -10,7 +10,7 @@ forward+backward on the full batch (1024 rows) and as M micro-batches
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python benchmarks/probes/microbatch_penalty.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

@@ -18,7 +18,7 @@ benchmark's overhead (K=2 - plain). CPU time is less disturbed by other processe
 from __future__ import annotations
 
 if not __package__:  # started as a file: rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

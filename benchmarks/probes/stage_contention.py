@@ -2,7 +2,7 @@
 
 For the Table 2 AmoebaNet analogue (``conf/experiment/paper_table2_amoebanet.yaml``) at K=2,
 M=32 (8-image micro-batches), prints stage 0's per-layer sums, as the simulator's
-cost model takes them (``experiments.layer_timing.layer_times``): alone and
+cost model takes them (``gpipe_lab.planner.layer_timing.layer_times``): alone and
 beside a second thread running the same pass. Beside them, the median F, R and B
 actions of a real K=2 step (``GPipe``, one thread per stage) and of a K=1 step
 (the same layers with no neighbour). With ``--transformer`` the Table 2
@@ -16,9 +16,8 @@ from __future__ import annotations
 import statistics
 import sys
 
-from experiments.common import compose_experiment
-from experiments.throughput_lib import measure_step, workload_of
-
+from gpipe_lab.bench.experiment_config import compose_experiment
+from gpipe_lab.bench.step_timing import measure_step, workload_of
 from gpipe_lab.planner.layer_timing import layer_times
 
 

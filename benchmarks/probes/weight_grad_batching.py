@@ -14,7 +14,7 @@ checks the gradients against plain autograd first.
 from __future__ import annotations
 
 if not __package__:  # started as a file (``python benchmarks/probes/weight_grad_batching.py``): rerun as the module
-    from gpipe_lab.bench.launch import rerun_as_module
+    from gpipe_lab.bench.script_launch import rerun_as_module
 
     rerun_as_module(__file__)
 

@@ -81,7 +81,7 @@ def test_a_script_started_as_a_file_reruns_as_its_module_from_any_folder(tmp_pat
     for folder in (package, package.parent):
         (folder / "__init__.py").write_text("")
     (package / "job.py").write_text(
-        "if not __package__:\n    from gpipe_lab.bench.launch import rerun_as_module\n\n"
+        "if not __package__:\n    from gpipe_lab.bench.script_launch import rerun_as_module\n\n"
         "    rerun_as_module(__file__)\nimport sys\nfrom scripts_pkg import inner\n"
         "print(__spec__.name, inner.__name__, sys.argv[1:])\n")
     elsewhere = tmp_path / "elsewhere"
@@ -93,7 +93,7 @@ def test_a_script_started_as_a_file_reruns_as_its_module_from_any_folder(tmp_pat
 
 
 def test_launch_refuses_a_file_outside_a_package(tmp_path):
-    from gpipe_lab.bench.launch import module_of
+    from gpipe_lab.bench.script_launch import module_of
 
     with pytest.raises(ValueError, match="not inside a package"):
         module_of(tmp_path / "alone.py")
@@ -131,9 +131,10 @@ def test_progress_prints_a_line_per_job_with_the_time_left():
 def test_each_run_gets_a_fresh_output_folder_unless_told_where(tmp_path):
     import datetime
 
-    from experiments.common import ROOT, parser
+    from experiments.common import parser
 
-    from gpipe_lab.bench.launch import fresh_out
+    from gpipe_lab.bench.machine import ROOT
+    from gpipe_lab.bench.script_launch import fresh_out
 
     when = datetime.datetime(2026, 1, 2, 3, 4, 5)
     first = fresh_out(tmp_path, "table2", when)
@@ -143,3 +144,30 @@ def test_each_run_gets_a_fresh_output_folder_unless_told_where(tmp_path):
     default = parser("x").parse_args([]).out
     assert default.is_relative_to(ROOT / "logs" / "experiments") and not default.exists()
     assert parser("x").parse_args(["--out", "results"]).out == Path("results")
+
+
+def imported_packages(folder: Path) -> dict[str, set[str]]:
+    """Every top-level package each ``.py`` file under ``folder`` imports (``import x.y`` / ``from x.y import``)."""
+    import ast
+
+    found: dict[str, set[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        tops = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                tops |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                tops.add(node.module.split(".")[0])
+        found[str(path.relative_to(folder.parent))] = tops
+    return found
+
+
+@pytest.mark.parametrize(("folder", "never"), [("benchmarks", {"experiments"}), ("experiments", {"benchmarks"}),
+                                               ("src/gpipe_lab", {"benchmarks", "experiments"})])
+def test_benchmarks_and_experiments_share_only_gpipe_lab_bench(folder, never):
+    """One direction: the scripts import what they share from ``gpipe_lab.bench``, never from each other
+    (``experiments.regenerate`` runs benchmark scripts as commands), and the package imports neither."""
+    root = Path(__file__).resolve().parents[2]
+    crossing = {f: sorted(tops & never) for f, tops in imported_packages(root / folder).items() if tops & never}
+    assert not crossing, f"imports across the script packages: {crossing}"
+    assert imported_packages(root / folder), f"no Python file under {folder}"

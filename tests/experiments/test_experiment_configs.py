@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from experiments.common import compose_experiment
 
+from gpipe_lab.bench.experiment_config import compose_experiment
 from helpers.forked import run_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def test_every_table_script_has_a_config() -> None:
 def test_bad_names_overrides_and_multirun_dirs_are_named(tmp_path: Path, scripts: object) -> None:
     common, multirun = scripts("common"), scripts("multirun")
     with pytest.raises(ValueError, match=r"unknown experiment 'paper_nope'; allowed: .*paper_table1_capacity"):
-        common.compose_experiment("paper_nope")
+        compose_experiment("paper_nope")
     args = common.parser("x", ["paper_overheads"]).parse_args(["bogus"])
     with pytest.raises(ValueError, match="override 'bogus' is not key=value"):
         common.configs(args, ["paper_overheads"])

@@ -8,8 +8,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from experiments.common import provenance, provenance_meta, save_figure, write  # noqa: E402
+from experiments.common import save_figure, write  # noqa: E402
 from PIL import Image  # noqa: E402
+
+from gpipe_lab.bench.machine import provenance, provenance_meta
 
 KEYS = {"date", "commit", "command", "host", "cpu", "cores", "gpu", "torch", "load_average"}
 
@@ -60,7 +62,7 @@ def test_every_figure_of_experiments_and_benchmarks_carries_its_commit():
 def test_benchmark_figures_name_commit_and_module_command(monkeypatch):
     import sys
 
-    from benchmarks.bench_common import figure_metadata, git_commit
+    from gpipe_lab.bench.machine import figure_metadata, git_commit
 
     monkeypatch.setattr(sys, "argv", [str(__import__("benchmarks.report").__path__[0]) + "/report.py", "--x"])
     meta = figure_metadata()

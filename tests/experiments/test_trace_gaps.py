@@ -50,3 +50,28 @@ def test_the_gpu_probes_say_they_need_cuda(name: str, tmp_path: Path) -> None:
     module = __import__(f"benchmarks.{name}", fromlist=["main"])
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         module.main(*([[str(tmp_path)]] if name == "gpu_diagnose_threads" else []))
+
+
+def test_a_gzipped_trace_reads_as_the_plain_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import gzip
+
+    plain, packed = tmp_path / "trace.json", tmp_path / "trace.json.gz"
+    plain.write_text(json.dumps(TRACE))
+    with gzip.open(packed, "wt", encoding="utf-8") as f:
+        json.dump(TRACE, f)
+    reports = []
+    for path in (plain, packed):
+        assert trace_gaps.main([str(path), "--min-gap-ms", "1"]) == 0
+        reports.append(capsys.readouterr().out.split("\n", 1)[1])  # below the command line, which names the file
+    assert reports[0] == reports[1] and "idle stretches of at least 1.0 ms: 1" in reports[1]
+
+
+def test_the_thread_diagnosis_writes_its_traces_outside_the_repository_unless_told() -> None:
+    from benchmarks.gpu_diagnose_threads import trace_folder
+
+    root = Path(__file__).resolve().parents[2]
+    default = trace_folder([])
+    assert not default.resolve().is_relative_to(root) and default.name and not default.exists()
+    assert trace_folder(["somewhere"]) == Path("somewhere")
+    with pytest.raises(SystemExit, match=r"usage: .*gpu_diagnose_threads \[OUT_DIR\]"):
+        trace_folder(["a", "b"])

@@ -2,7 +2,7 @@
 
 ``benchmarks/`` and ``experiments/`` are script packages run from the repository
 root (``python -m benchmarks.run``); the definitions both need live here, once.
-The names below are imported on first use, so that ``gpipe_lab.bench.launch``
+The names below are imported on first use, so that ``gpipe_lab.bench.script_launch``
 (which a script runs before anything else) does not load torch.
 """
 

@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpipe_lab.models import build, example_input, translation_loss
+from gpipe_lab.models import ModelSpec, build, example_input, translation_loss
 from gpipe_lab.pipeline import balance_by_cost
 from gpipe_lab.planner.preset_costs import preset_costs
 
 Inputs = Tensor | tuple[Tensor, ...]
+#: ``loss_fn(output, targets)``: the engine hands it micro-batches it types as ``object``
+Loss = Callable[[Any, Any], Tensor]
 
 
 @dataclass
@@ -34,7 +36,7 @@ class Workload:
     module: nn.Sequential
     inputs: Inputs
     targets: Tensor
-    loss_fn: Callable[[Any, Tensor], Tensor]
+    loss_fn: Loss
     balance: list[int]
     info: dict[str, object] = field(default_factory=dict)
 
@@ -146,15 +148,18 @@ class WorkloadSpec:
         """The workload: images with class labels (AmoebaNet) or tokens with next-token targets.
 
         Raises:
-            ValueError: invalid preset or sizes, or more partitions than layers.
+            ValueError: invalid preset or sizes, more partitions than layers, or a model without a ModelSpec.
         """
         model = self.model(seed)
         torch.manual_seed(seed)
         x = example_input(model, self.batch, "cpu")
-        options = model.spec.options
-        if model.spec.family == "amoebanet":
+        spec = getattr(model, "spec", None)
+        if not isinstance(spec, ModelSpec):
+            raise ValueError(f"workload {self.name!r}: preset {self.preset!r} built a model without a ModelSpec")
+        options = spec.options
+        if spec.family == "amoebanet":
             y = torch.randint(0, int(options.get("num_classes", 1000)), (self.batch,))
-            loss: Callable[[Any, Tensor], Tensor] = F.cross_entropy
+            loss: Loss = F.cross_entropy
         else:
             y = (x[0] if isinstance(x, tuple) else x).roll(-1, dims=1)
             loss = translation_loss()

@@ -150,10 +150,6 @@ class TranslationDataModule(pl.LightningDataModule):
         refs = self.test_references if split == "test" else self.val_references
         return [[refs[i] for i in batch] for batch in self.batch_indices(split)]
 
-    def val_batch_indices(self) -> list[list[int]]:
-        """``batch_indices("val")``."""
-        return self.batch_indices("val")
-
 
 class SyntheticTranslationDataModule(TranslationDataModule):
     """The built-in synthetic language pair (see ``synthetic_language``); needs no files.

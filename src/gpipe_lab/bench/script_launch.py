@@ -4,7 +4,7 @@
 repository root, so ``from experiments.common import ...`` fails. Each script therefore starts with
 
     if not __package__:  # started as a file: rerun as the module
-        from gpipe_lab.bench.launch import rerun_as_module
+        from gpipe_lab.bench.script_launch import rerun_as_module
 
         rerun_as_module(__file__)
 

@@ -1,0 +1,42 @@
+"""The experiment configs (``conf/experiment/*.yaml``): their names, and one composed with ``train.yaml``.
+
+The experiments read their settings from these configs, and the benchmarks' probes the
+workloads the experiments define there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+import gpipe_lab
+
+#: The package's config folder (the checkout's ``conf/``).
+CONF = Path(gpipe_lab.__file__).resolve().parent / "conf"
+
+
+def experiment_names() -> list[str]:
+    """The names of every ``conf/experiment/*.yaml``."""
+    return sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def compose_experiment(name: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """``train.yaml`` composed with ``experiment=<name>``, ``logger=none`` and ``overrides`` (no run).
+
+    Raises:
+        ValueError: ``name`` is not a file of ``conf/experiment/`` (the message lists them).
+        hydra.errors.HydraException: a bad override (Hydra's message names the key).
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import gpipe_lab.config_schema  # noqa: F401  (registers the generated pipeline/schema node)
+
+    names = experiment_names()
+    if name not in names:
+        raise ValueError(f"unknown experiment {name!r}; allowed: {', '.join(names)}")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        return compose("train", overrides=[f"experiment={name}", "logger=none", *overrides])
