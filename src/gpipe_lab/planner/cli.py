@@ -251,20 +251,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             best = max_amoebanet_filters(layers, args.partitions, capacity, batch, micro, remat,
                                          activation_scale=scale, **sizes)
             result = {"model": args.model, "num_layers": layers, "max_num_filters": best}
-            records = layer_records(args.model, num_layers=layers, num_filters=best, **sizes) if best else None
+            fitted = layer_records(args.model, num_layers=layers, num_filters=best, **sizes) if best else None
         else:
             sizes.pop("num_layers", None)
             best = max_transformer_layers(args.partitions, capacity, batch, micro, remat, args.model,
                                           activation_scale=scale, **sizes)
             result = {"model": args.model, "max_num_layers": best}
-            records = layer_records(args.model, num_layers=best, **sizes) if best else None
-        if records is not None:
-            plan = best_plan(records, args.partitions, capacity, batch, micro, remat,
+            fitted = layer_records(args.model, num_layers=best, **sizes) if best else None
+        if fitted is not None:
+            plan = best_plan(fitted, args.partitions, capacity, batch, micro, remat,
                              args.bytes_per_param, scale)
             result["plan"] = plan_to_dict(plan)
         print(json.dumps(result, indent=2) if args.json else
               "; ".join(f"{k}={v}" for k, v in result.items() if k != "plan"))
-        if records is not None and not args.json:
+        if fitted is not None and not args.json:
             _print_assumptions({k: v for k, v in assumed.items() if k not in ("num_layers", "num_filters")})
             _print_plan(plan)
         return 0

@@ -84,7 +84,7 @@ class _BatchNormStandIn(nn.Module):
 def _without_batch_norm(layer: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     """Put a ``_BatchNormStandIn`` in place of each BatchNorm child of ``layer``; returns (parent,
     name, BatchNorm) to put back."""
-    swapped = []
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
     for parent in list(layer.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(parent, _BatchNormStandIn):
@@ -177,9 +177,12 @@ def layer_records(name: str, **sizes: object) -> tuple[LayerMemory, ...]:
     second and the steady one) and the steady cell repeated.
 
     Raises:
-        ValueError: unknown preset or override (from ``models.build``).
+        ValueError: unknown preset or override (from ``models.build``), a ``num_layers`` that is not a number.
     """
-    layers = int(sizes.pop("num_layers") if "num_layers" in sizes else preset_options(name)["num_layers"])
+    value = sizes.pop("num_layers") if "num_layers" in sizes else preset_options(name)["num_layers"]
+    if not isinstance(value, (int, float, str)):
+        raise ValueError(f"num_layers: {value!r} is not a number of layers")
+    layers = int(value)
     if name.startswith("transformer"):
         records = _base_records(name, tuple(sorted({**sizes, "num_layers": 1}.items())))
         if len(records) == 3:  # decoder-only: embedding, layer, head
