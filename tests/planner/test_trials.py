@@ -87,3 +87,14 @@ def test_measure_plan_times_real_steps_and_counts_memory_per_stage() -> None:
     params = [sum(p.numel() for p in part.parameters()) for part in (model[:cut], model[cut:])]
     assert len(stage_bytes) == 2
     assert all(b > 16 * p for b, p in zip(stage_bytes, params))  # parameter state plus saved activations
+
+
+def test_a_plan_is_the_pipeline_options_that_run_it() -> None:
+    c = plan(4, 0.01).candidate
+    run = PipelineOptions(partitions=3, chunks=8, seed=7, timeout=9.0, deferred_batch_norm=True)
+    applied = c.applied_to(run)
+    assert applied == c.options.replace(seed=7, timeout=9.0, deferred_batch_norm=True)  # the run's other options kept
+    assert applied.chunks == 4 and applied.balance == [2, 2] and run.chunks == 8  # the run's options untouched
+    same = plan(4, 0.02).candidate
+    assert same == c and {c: 1}[same] == 1  # a plan is a dict key
+    assert c.describe() == "K=2 M=4 balance=[2, 2] schedule=gpipe checkpoint=never"

@@ -45,6 +45,7 @@ class Candidate:
         return hash(self.describe())
 
     def describe(self) -> str:
+        """One line: K, M, balance, schedule (and virtual stages) and checkpoint mode."""
         o = self.options
         v = f" virtual_stages={o.virtual_stages}" if o.virtual_stages > 1 else ""
         return (f"K={o.partitions} M={o.chunks} balance={o.balance} "
