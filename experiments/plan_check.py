@@ -3,7 +3,7 @@
     python -m experiments.plan_check                      # results/plan_check.md (--out results)
     python -m experiments.plan_check --tiny --out /tmp/pc
 
-For the Transformer and AmoebaNet analogues the planner (``planner.auto_run.plan_model``: a fresh
+For the Transformer and AmoebaNet analogues the planner (``planner.search.plan_model``: a fresh
 profile, then the search) chooses a plan at two budgets per stage: a loose one that every plan fits,
 and a tight one halfway between the least memory any plan needs and what the loose choice uses, which
 forces re-materialization, more micro-batches or another cut. Then every plan of the grid the planner
@@ -39,9 +39,8 @@ from experiments.plan_check_lib import (
 from gpipe_lab.bench import WorkloadSpec
 from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
-from gpipe_lab.planner.auto import DEFAULT_SCHEDULES, VIRTUAL_STAGES
-from gpipe_lab.planner.memory_size import format_bytes
-from gpipe_lab.planner.trials import DEFAULT_TRIALS
+from gpipe_lab.planner.memory import format_bytes
+from gpipe_lab.planner.plan_types import DEFAULT_SCHEDULES, DEFAULT_TRIALS, VIRTUAL_STAGES
 
 #: label: (preset, sizes, mini-batch, largest M); small analogues of Table 2's workloads that run in seconds
 #: here

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_lab.bench import EmulatedSpec, Progress, WorkloadSpec
-from gpipe_lab.planner.auto import Candidate, PlanResult, Scored, candidates, plan_auto
-from gpipe_lab.planner.auto_run import plan_model
 from gpipe_lab.planner.layer_timing import layer_times
+from gpipe_lab.planner.plan_types import DEFAULT_TRIALS, Candidate, PlanResult, Scored
 from gpipe_lab.planner.profile_cache import Profile
-from gpipe_lab.planner.trials import DEFAULT_TRIALS, measure_plan, refine_by_trials
+from gpipe_lab.planner.search import candidates, plan_auto, plan_model
+from gpipe_lab.planner.trials import measure_plan, refine_by_trials
 
 BYTES_PER_PARAM = 16.0  # Adam: weights, gradients and two slots in float32
 DEVICES = 2  # this machine's cores: one thread per CPU stage
@@ -70,9 +70,8 @@ def screened(spec: Spec, grid: list[Scored], budgets: list[float], chosen: list[
 def predictions(profile: Profile, grid: list[Scored], batch: int) -> dict[Candidate, float]:
     """The cost model's step for every plan of the grid (as the search predicts it)."""
     cost = profile.cost_model()
-    return {s.candidate: cost.predict(list(s.candidate.balance), s.candidate.microbatches, batch,
-                                      s.candidate.schedule, s.candidate.checkpoint, profile.split_backward,
-                                      s.candidate.virtual_stages).step_time for s in grid}
+    return {s.candidate: cost.predict_options(s.candidate.options, batch, profile.split_backward).step_time
+            for s in grid}
 
 
 def row(label: str, name: str, budget: float, result: PlanResult, refined: PlanResult,

@@ -1,6 +1,6 @@
 """``gpipe-train pipeline.plan=auto``: plan before training, run the plan, record predicted beside measured.
 
-``choose_plan`` runs the planner (``planner.auto_run.plan_model``) on the run's model, mini-batch,
+``choose_plan`` runs the planner (``planner.search.plan_model``) on the run's model, mini-batch,
 optimizer and budget (``plan_config``), prints the plan and returns the pipeline options that run
 it. ``PlanRecord.compare`` puts the prediction beside the run's measured figures in the summary
 (``summary.json`` and the wandb summary):
@@ -10,7 +10,7 @@ it. ``PlanRecord.compare`` puts the prediction beside the run's measured figures
 - ``predicted_bubble`` / ``measured_bubble``;
 - ``predicted_stage_peak_bytes`` / ``measured_stage_peak_bytes`` (and their maxima
   ``predicted_peak_bytes`` / ``measured_peak_bytes``): per stage, parameter state (parameters x
-  ``plan_bytes_per_param``) plus the peak saved-activation bytes, predicted by ``planner.stage_memory``,
+  ``plan_bytes_per_param``) plus the peak saved-activation bytes, predicted by ``planner.memory``,
   measured by the engine's tracking (per device: a device's virtual stages summed); ``measured_within_budget`` compares the measured maximum with
   ``plan_memory_per_device_bytes``.
 """
@@ -26,8 +26,8 @@ from omegaconf import DictConfig
 from gpipe_lab.config_schema import ConfigError
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.plan_config import PlannerConfig
-from gpipe_lab.planner.auto import NoPlanFits, PlanResult
-from gpipe_lab.planner.auto_run import bytes_per_param_of, format_result, plan_model
+from gpipe_lab.planner.plan_types import NoPlanFits, PlanResult
+from gpipe_lab.planner.search import bytes_per_param_of, plan_model
 from gpipe_lab.planner.trials import per_device
 
 __all__ = ["PlanRecord", "choose_plan"]
@@ -60,7 +60,7 @@ class PlanRecord:
         params = summary.get("stage_parameter_bytes") or []
         acts = summary.get("stage_peak_activation_bytes") or []
         rows = [{"parameter_bytes": p, "peak_activation_bytes": a} for p, a in zip(params, acts)]
-        devices = self.result.chosen.candidate.partitions
+        devices = self.result.chosen.candidate.options.num_stages
         measured = [int(b) for b in per_device(rows, devices, self.bytes_per_param)] if rows else []
         peak = max(measured) if measured else None
         return {"measured_step_s": mean(walls) if walls else None,
@@ -72,7 +72,8 @@ class PlanRecord:
 def choose_plan(cfg: DictConfig, options: PipelineOptions, planner: PlannerConfig,
                 sizes: dict[str, Any]) -> tuple[PipelineOptions, PlanRecord]:
     """Plan the run's model (preset ``cfg.model.name`` with ``sizes``) at ``data.batch_size``; returns
-    ``options`` with the chosen partitions, balance, chunks, schedule and checkpoint, and the record.
+    ``options`` with the chosen plan's fields (``plan_types.PLANNED``; ``cost`` ``params``, unused with a
+    balance), and the record.
 
     Raises:
         ConfigError: no plan fits (naming the smallest memory that would and its plan), no
@@ -83,16 +84,13 @@ def choose_plan(cfg: DictConfig, options: PipelineOptions, planner: PlannerConfi
         raise ConfigError(f"pipeline.plan=auto: plans for data.batch_size, which is {batch!r}")
     try:
         bpp = bytes_per_param_of(cfg.optimizer.get("name"), cfg.optimizer.get("momentum"))
-        assert planner.budget_bytes is not None  # validate_planner requires it with auto
-        result, _, facts = plan_model(cfg.model.name, sizes, batch, planner.budget_bytes, planner.devices,
-                                      planner.schedules, bytes_per_param=bpp, trials=planner.trials)
+        budget = planner.budget_bytes
+        assert budget is not None  # validate_planner requires it with auto
+        result, _, facts = plan_model(cfg.model.name, sizes, batch, budget, planner.devices_available,
+                                      planner.schedules_allowed, bytes_per_param=bpp, trials=planner.plan_trials)
     except NoPlanFits as exc:
         raise ConfigError(f"pipeline.memory_per_device: {exc}") from None
     except ValueError as exc:
         raise ConfigError(f"pipeline.plan=auto: {exc}") from None
-    print(format_result(result, f"pipeline.plan=auto ({cfg.model.name})", facts))
-    c = result.chosen.candidate
-    chosen = options.replace(partitions=c.partitions, balance=list(c.balance), chunks=c.microbatches,
-                             schedule=c.schedule, checkpoint=c.checkpoint, virtual_stages=c.virtual_stages,
-                             cost="params")
-    return chosen, PlanRecord(result, bpp, facts)
+    print(result.describe(f"pipeline.plan=auto ({cfg.model.name})", facts))
+    return result.chosen.candidate.applied_to(options).replace(cost="params"), PlanRecord(result, bpp, facts)

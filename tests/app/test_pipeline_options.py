@@ -4,7 +4,7 @@ and default) plus the default run's own choices; the optimizer and the task come
 from __future__ import annotations
 
 import inspect
-from dataclasses import fields
+from dataclasses import asdict, fields
 
 import pytest
 from omegaconf import OmegaConf
@@ -12,14 +12,14 @@ from omegaconf import OmegaConf
 from gpipe_lab.config import ConfigError, validate
 from gpipe_lab.lightning.modules import ImageClassifier, Translator, make_optimizer
 from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.plan_config import PlannerConfig
 from gpipe_lab.train import CONFIG_DIR, build_module
 from helpers.app import make_config
 
 #: conf/pipeline/default.yaml's own choices for the default run (K=2 balanced by FLOPs).
 APP_CHOICES = {"partitions": 2, "cost": "flops"}
-#: the planner's keys (the app's, not engine options: gpipe_lab.plan_config) and their defaults
-PLANNER = {"plan": "manual", "memory_per_device": None, "devices_available": None, "schedules_allowed": None,
-           "plan_trials": 3}
+#: the planner's keys (the app's, not engine options) and their defaults
+PLANNER = asdict(PlannerConfig())
 
 
 def test_pipeline_yaml_holds_only_the_default_runs_choices() -> None:

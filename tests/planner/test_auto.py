@@ -8,13 +8,11 @@ import pytest
 from gpipe_lab.bench import WorkloadSpec
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.schedules import get_schedule
-from gpipe_lab.planner.auto import CHECKPOINTS, VIRTUAL_STAGES, NoPlanFits, candidates, plan_auto
-from gpipe_lab.planner.auto_run import plan_model
-from gpipe_lab.planner.capacity import layer_records
 from gpipe_lab.planner.cli import main
-from gpipe_lab.planner.memory_size import format_bytes, parse_memory
+from gpipe_lab.planner.memory import StageMemoryModel, format_bytes, layer_records, parse_memory
+from gpipe_lab.planner.plan_types import CHECKPOINTS, VIRTUAL_STAGES, NoPlanFits
 from gpipe_lab.planner.profile_cache import fixed_bytes, load_or_measure
-from gpipe_lab.planner.stage_memory import StageMemoryModel
+from gpipe_lab.planner.search import candidates, plan_auto, plan_model
 from gpipe_lab.planner.trials import per_device
 from helpers.fake_timing import use_fake_timing
 
@@ -42,7 +40,7 @@ def test_every_stage_of_the_chosen_plan_fits_and_a_tighter_budget_changes_it(pro
     tight = plan_auto(profile, tight_budget, devices=2)
     for result, budget in ((loose, 2**30), (tight, tight_budget)):
         assert all(b <= budget for b in result.chosen.stage_bytes)
-        assert result.chosen.candidate.partitions <= 2
+        assert result.chosen.candidate.options.partitions <= 2
     assert tight.chosen.candidate != loose.chosen.candidate
     assert tight.chosen.step_time >= loose.chosen.step_time  # the loose search could have chosen it
     # the runner-ups say why they lost, computed from their own figures
@@ -96,16 +94,16 @@ def test_the_stage_memory_model_bounds_what_the_engine_tracks(schedule, checkpoi
 
 def test_interleaved_plans_are_searched_with_virtual_stages_and_described(profile):
     every = candidates(profile, devices=2)
-    interleaved = [s.candidate for s in every if s.candidate.schedule == "interleaved-1f1b"]
+    interleaved = [s.candidate.options for s in every if s.candidate.options.schedule == "interleaved-1f1b"]
     assert {c.virtual_stages for c in interleaved} == set(VIRTUAL_STAGES) - {v for v in VIRTUAL_STAGES
                                                                               if 2 * v > profile.num_layers}
     assert all(c.partitions == 2 and len(c.balance) == 2 * c.virtual_stages for c in interleaved)
-    c = interleaved[0]
-    assert f"schedule=interleaved-1f1b virtual_stages={c.virtual_stages} " in c.describe()
+    c = next(s.candidate for s in every if s.candidate.options == interleaved[0])
+    assert f"schedule=interleaved-1f1b virtual_stages={c.options.virtual_stages} " in c.describe()
     only = candidates(profile, devices=2, schedules=["interleaved-1f1b"])  # without 1f1b: v=1 is searched too
-    assert {s.candidate.virtual_stages for s in only if s.candidate.partitions == 1} == {1}
+    assert {s.candidate.options.virtual_stages for s in only if s.candidate.options.partitions == 1} == {1}
     best = plan_auto(profile, 2**40, devices=2, schedules=["interleaved-1f1b"])
-    assert best.chosen.step_time is not None and best.chosen.candidate.schedule == "interleaved-1f1b"
+    assert best.chosen.step_time is not None and best.chosen.candidate.options.schedule == "interleaved-1f1b"
 
 
 @pytest.mark.parametrize(("text", "expected"), [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1.5e9),
@@ -150,7 +148,7 @@ def test_cli_prints_the_chosen_plan_and_the_runner_ups(monkeypatch, tmp_path, ca
 
 def test_a_schedule_that_cannot_run_an_m_is_left_out_of_the_search(profile, monkeypatch):
     from gpipe_lab.pipeline.schedules import get_schedule
-    from gpipe_lab.planner import auto
+    from gpipe_lab.planner import search
 
     with pytest.raises(ValueError, match="cannot run M=32"):
         get_schedule("interleaved-1f1b", 5, 32, 2)  # deadlocks: M must be a multiple of 5 here
@@ -160,23 +158,21 @@ def test_a_schedule_that_cannot_run_an_m_is_left_out_of_the_search(profile, monk
             raise ValueError("interleaved 1F1B with K=2, v=2 cannot run M=4 micro-batches")
         return get_schedule(name, k, m, v)
 
-    monkeypatch.setattr(auto, "get_schedule", refusing)
-    every = [s.candidate for s in candidates(profile, devices=2, schedules=["interleaved-1f1b"])]
-    assert not any((c.partitions, c.microbatches, c.virtual_stages) == (2, 4, 2) for c in every)
-    assert any((c.partitions, c.microbatches, c.virtual_stages) == (2, 8, 2) for c in every)
+    monkeypatch.setattr(search, "get_schedule", refusing)
+    every = [s.candidate.options for s in candidates(profile, devices=2, schedules=["interleaved-1f1b"])]
+    assert not any((c.partitions, c.chunks, c.virtual_stages) == (2, 4, 2) for c in every)
+    assert any((c.partitions, c.chunks, c.virtual_stages) == (2, 8, 2) for c in every)
 
 
 def test_the_bound_never_exceeds_a_prediction_and_the_search_finds_the_brute_force_best(profile):
-    from gpipe_lab.planner import auto
+    from gpipe_lab.planner.rank import TIE
 
     cost, split = profile.cost_model(), profile.split_backward
     every = candidates(profile, devices=3)
     for s in every:
-        c = s.candidate
-        full = cost.predict(list(c.balance), c.microbatches, profile.batch, c.schedule, c.checkpoint, split,
-                            c.virtual_stages).step_time
-        assert auto._bound(c, cost, profile.batch, split) <= full * (1 + 1e-9), c.describe()
+        full = cost.predict_options(s.candidate.options, profile.batch, split).step_time
+        assert cost.lower_bound(s.candidate.options, profile.batch, split) <= full * (1 + 1e-9), s.candidate.describe()
         s.step_time = full
     best = min(s.step_time for s in every)
     chosen = plan_auto(profile, 2**40, devices=3).chosen
-    assert chosen.step_time <= best * (1 + auto.TIE)
+    assert chosen.step_time <= best * (1 + TIE)

@@ -7,9 +7,10 @@ import json
 import pytest
 
 from gpipe_lab.models import amoebanet_d_params, build
-from gpipe_lab.planner import capacity, layer_memory
-from gpipe_lab.planner.capacity import GiB, best_plan, layer_records, plan_memory
+from gpipe_lab.planner import capacity, memory
+from gpipe_lab.planner.capacity import GiB, best_plan, plan_memory
 from gpipe_lab.planner.cli import main
+from gpipe_lab.planner.memory import layer_records
 
 AMOEBA_CONFIGS = [(18, 208, 81_505_540), (18, 416, 319_024_120), (18, 544, None), (36, 544, None),
                   (72, 512, None)]
@@ -35,9 +36,9 @@ def test_transformer_l_paper_configs_have_the_paper_parameter_count(layers, expe
 
 
 def test_replicated_records_equal_measuring_every_layer():
-    full = layer_memory._records_of(build("amoebanet_d", "meta", num_layers=15, num_filters=16, image_size=32))
+    full = memory._records_of(build("amoebanet_d", "meta", num_layers=15, num_filters=16, image_size=32))
     assert list(layer_records("amoebanet_d", num_layers=15, num_filters=16, image_size=32)) == full
-    full_t = layer_memory._records_of(build("transformer_l", "meta", num_layers=3, seq_len=16))
+    full_t = memory._records_of(build("transformer_l", "meta", num_layers=3, seq_len=16))
     assert list(layer_records("transformer_l", num_layers=3, seq_len=16)) == full_t
 
 

@@ -1,4 +1,9 @@
-"""Planning before running: the schedule simulator (and the capacity model)."""
+"""Planning before running: the schedule simulator, the memory and capacity models, and the search.
+
+The search (``planner.search``) reads as its steps: profile (``profile_cache``) → candidates
+(``search.plans``) → memory filter (``memory``) → time prediction (``cost_model``) → rank (``rank``)
+→ trials (``trials``). A plan is a ``Candidate`` holding the ``PipelineOptions`` that run it.
+"""
 
 from gpipe_lab.planner.simulator import (
     Prediction,

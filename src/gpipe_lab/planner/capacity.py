@@ -1,7 +1,7 @@
 """Capacity planner: per-partition parameter and peak activation memory, and the largest model that fits.
 
-Per-layer facts (``LayerMemory``) are measured on the ``meta`` device by ``layer_memory.py``;
-this file sums them into partitions and searches the largest model that fits.
+Per-layer facts (``LayerMemory``) are measured on the ``meta`` device and summed per chain of layers
+by ``planner.memory``; this file sums them into partitions and searches the largest model that fits.
 
 Memory model of partition k (mini-batch N, M micro-batches of N/M, bytes per
 parameter b: RMSProp = 4 weight + 4 gradient + 4 slot = 12):
@@ -19,14 +19,14 @@ workspaces, gradient buffers inside a layer, compiler fusion.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gpipe_lab.pipeline.partitioning.partition import balance_by_cost
-from gpipe_lab.planner.layer_memory import LayerMemory, layer_records
+from gpipe_lab.pipeline import balance_by_cost
+from gpipe_lab.planner.memory import LayerMemory, layer_records, partition_bytes
 
-__all__ = ["LayerMemory", "PartitionMemory", "Plan", "GiB", "layer_records", "partition_bytes", "plan_memory",
-           "best_plan", "max_transformer_layers", "max_amoebanet_filters", "RMSPROP_BYTES_PER_PARAM"]
+__all__ = ["PartitionMemory", "Plan", "GiB", "plan_memory", "best_plan", "max_transformer_layers",
+           "max_amoebanet_filters", "RMSPROP_BYTES_PER_PARAM"]
 
 GiB = 2**30
 RMSPROP_BYTES_PER_PARAM = 12
@@ -67,43 +67,6 @@ class Plan:
         return self.peak_bytes <= self.capacity_bytes
 
 
-def _partition_bytes(records: Sequence[LayerMemory]) -> tuple[int, int, int]:
-    """(input I, output O, internals S) bytes per sample of a chain of layers."""
-    next_id, sizes = 0, {}
-    current: list[int] = []
-    for j, b in enumerate(records[0].inputs):
-        sizes[j] = b
-        current.append(j)
-    next_id = len(current)
-    first = set(current)
-    saved_ids: set[int] = set()
-    other = 0
-    for r in records:
-        saved_ids.update(current[i] for i in r.saved_inputs if i < len(current))
-        outs = []
-        for j, (src, b) in enumerate(zip(r.passthrough, r.outputs)):
-            if 0 <= src < len(current):
-                outs.append(current[src])
-            elif src < -1:  # the same tensor as an earlier output (e.g. the stem's (x, x))
-                outs.append(outs[-2 - src])
-            else:
-                sizes[next_id] = b
-                outs.append(next_id)
-                if j in r.saved_outputs:
-                    saved_ids.add(next_id)
-                next_id += 1
-        other += r.saved_other
-        current = outs
-    internals = other + sum(sizes[i] for i in saved_ids - first)
-    return sum(sizes[i] for i in first), sum(sizes[i] for i in set(current)), internals
-
-
-def partition_bytes(records: Sequence[LayerMemory]) -> tuple[int, int, int]:
-    """(input I, output O, saved internals S) bytes per sample of a chain of layers (the input excluded
-    from S: a stage counts its boundary inputs on their own)."""
-    return _partition_bytes(records)
-
-
 def plan_memory(records: Sequence[LayerMemory], balance: Sequence[int], capacity_bytes: float,
                 batch: int, microbatches: int = 1, remat: bool = True,
                 bytes_per_param: float = RMSPROP_BYTES_PER_PARAM, activation_scale: float = 1.0) -> Plan:
@@ -123,7 +86,7 @@ def plan_memory(records: Sequence[LayerMemory], balance: Sequence[int], capacity
     for count in balance:
         chain = records[start:start + count]
         start += count
-        i, o, s = _partition_bytes(chain)
+        i, o, s = partition_bytes(chain)
         act = i * batch + (s + i + o) * micro if remat else (i + s) * batch
         params = sum(r.params for r in chain)
         parts.append(PartitionMemory(count, params, params * bytes_per_param, act * activation_scale))
@@ -147,12 +110,12 @@ def best_plan(records: Sequence[LayerMemory], partitions: int, capacity_bytes: f
     return min(plans, key=lambda p: p.peak_bytes)
 
 
-def _largest(fits: object, low: int, high: int) -> int:
+def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
     """Largest n in [low, high] with fits(n) (monotone), or low - 1 if none."""
     best = low - 1
     while low <= high:
         mid = (low + high) // 2
-        if fits(mid):  # type: ignore[operator]
+        if fits(mid):
             best, low = mid, mid + 1
         else:
             high = mid - 1

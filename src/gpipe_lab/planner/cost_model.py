@@ -25,7 +25,7 @@ import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpipe_lab.pipeline.gpipe import checkpointed_microbatches
+from gpipe_lab.pipeline import PipelineOptions, checkpointed_microbatches
 from gpipe_lab.pipeline.schedules import Schedule, get_schedule
 from gpipe_lab.planner.contention import predict_contended
 from gpipe_lab.planner.simulator import Prediction, StageCosts, predict_step
@@ -34,6 +34,10 @@ from gpipe_lab.planner.simulator import Prediction, StageCosts, predict_step
 KINDS = ("forward_grad", "forward_nograd", "backward")
 #: An optional kind: a checkpointed micro-batch's replayed forward (``forward_grad`` when absent).
 RECOMPUTE = "recompute"
+#: Schedules whose backward is split into B and W (``CostModel.lower_bound`` lets B + W cost their least).
+SPLIT_BACKWARD = ("gpipe-bw", "zb-h1", "zb-h2")
+#: A split backward's B and W per stage as multiples of the full backward (``CostModel.predict``'s ``split``).
+Split = Sequence[tuple[float, float]]
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,7 @@ class CostModel:
         return out
 
     def predict(self, balance: Sequence[int], chunks: int, batch: int, schedule: str = "gpipe",
-                checkpoint: str = "except_last", split: Sequence[tuple[float, float]] | None = None,
+                checkpoint: str = "except_last", split: Split | None = None,
                 virtual_stages: int = 1) -> Prediction:
         """The simulator's step for ``balance`` with ``chunks`` micro-batches of a ``batch``-sample mini-batch.
 
@@ -247,9 +251,44 @@ class CostModel:
         contended = _split(self.durations(balance, chunks, batch, checkpoint, True), plan, split)
         return predict_contended(plan, costs, alone, contended, replayed)
 
+    def predict_options(self, options: PipelineOptions, batch: int, split: Split | None = None) -> Prediction:
+        """``predict`` for the plan ``options`` hold (balance, chunks, schedule, checkpoint, virtual stages).
+
+        Raises:
+            ValueError: as ``predict``; no ``balance`` in ``options``.
+        """
+        if options.balance is None:
+            raise ValueError("balance: a plan's options name the balance, got None")
+        return self.predict(options.balance, options.chunks, batch, options.schedule, options.checkpoint, split,
+                            options.virtual_stages)
+
+    def lower_bound(self, options: PipelineOptions, batch: int, split: Split | None = None) -> float:
+        """A lower bound of ``predict_options``' step, without simulating: the busiest device's actions
+        end to end, and one micro-batch's forward and backward through every stage (this model's own
+        costs; a split backward's B + W at the least they may cost).
+
+        Raises:
+            ValueError: as ``predict_options``.
+        """
+        if options.balance is None:
+            raise ValueError("balance: a plan's options name the balance, got None")
+        m, samples = options.chunks, batch / options.chunks
+        grad, nograd, back, again = (self.stage_seconds(kind, options.balance, samples)
+                                     for kind in (*KINDS, RECOMPUTE))
+        replayed = len(checkpointed_microbatches(options.checkpoint, m))
+        here = split if split and options.schedule in SPLIT_BACKWARD else None
+        both = min(1.0, min(b + w for b, w in here)) if here else 1.0  # B + W of a micro-batch
+        only_b = min(1.0, min(b for b, _ in here)) if here else 1.0  # B alone: the backward's path
+        stage = [(m - replayed) * g + replayed * (n + a) + m * b * both
+                 for g, n, b, a in zip(grad, nograd, back, again)]
+        k = len(stage) // options.virtual_stages
+        busiest = max(sum(stage[s] for s in range(d, len(stage), k)) for d in range(k))
+        path = sum(min(g, n) for g, n in zip(grad, nograd)) + only_b * sum(back)
+        return max(busiest, path)
+
 
 def _split(durations: dict[tuple[int, str, int], float], plan: Schedule,
-           split: Sequence[tuple[float, float]] | None) -> dict[tuple[int, str, int], float]:
+           split: Split | None) -> dict[tuple[int, str, int], float]:
     """``durations`` with each split backward's B and W as ``split``'s multiples of the full backward."""
     if split is None:
         return durations

@@ -196,5 +196,6 @@ def split_backward(work: WorkloadSpec, steps: int = 2) -> tuple[tuple[float, flo
         return [{kind: statistics.median(s[k][kind] for s in sums[1:]) for kind in "BW"} for k in range(2)]
 
     full, split = seconds("gpipe"), seconds("zb-h1")
-    return tuple((split[k]["B"] / full[k]["B"], split[k]["W"] / full[k]["B"]) if full[k]["B"] > 0 else (0.5, 0.5)
-                 for k in range(2))  # type: ignore[return-value]
+    first, later = ((split[k]["B"] / full[k]["B"], split[k]["W"] / full[k]["B"]) if full[k]["B"] > 0 else (0.5, 0.5)
+                    for k in range(2))
+    return first, later

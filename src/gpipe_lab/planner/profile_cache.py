@@ -1,6 +1,6 @@
 """A model's measured profile for the planner, measured once per (model, batch, sizes) and kept on disk.
 
-A ``Profile`` holds what ``planner.auto`` needs to predict any plan without running it:
+The search's first step (``planner.search``). A ``Profile`` holds what the search needs to predict any plan without running it:
 
 - per-layer seconds of each kind (``layer_timing.layer_times``: forward with and without autograd,
   replayed forward, backward; one thread) at every micro-batch size the search may use, alone and,
@@ -8,7 +8,7 @@ A ``Profile`` holds what ``planner.auto`` needs to predict any plan without runn
 - the engine's own per-action overhead and hand-over per hop (``layer_timing.engine_costs``);
 - what splitting the backward costs (``layer_timing.split_backward``: a first and a later stage's
   ``B`` and ``W`` under ``zb-h1`` as multiples of their full backward under ``gpipe``);
-- per-layer parameters and per-sample saved / boundary bytes (``capacity.layer_records``, counted on
+- per-layer parameters and per-sample saved / boundary bytes (``memory.layer_records``, counted on
   the meta device by the rule the engine's memory tracking uses), and each layer's saved bytes per
   call that do not grow with the samples (BatchNorm's per-channel statistics: ``fixed_bytes``, the
   intercept of the saved bytes counted on the CPU at 2 and 4 samples).
@@ -33,8 +33,8 @@ from gpipe_lab.bench import WorkloadSpec
 from gpipe_lab.models import example_input
 from gpipe_lab.pipeline.measuring.costs import measure_layers, untouched
 from gpipe_lab.planner import layer_timing
-from gpipe_lab.planner.capacity import LayerMemory, layer_records
 from gpipe_lab.planner.cost_model import CostModel
+from gpipe_lab.planner.memory import LayerMemory, layer_records
 
 __all__ = ["Profile", "cache_dir", "load_or_measure", "profile_key"]
 

@@ -9,6 +9,8 @@ machine hits every plan alike), and chooses the fastest measured plan whose meas
 memory fits the budget. Each trialled plan keeps its prediction beside its measurement.
 
     result = refine_by_trials(plan_auto(profile, budget, devices), spec, trials=3)
+
+This is the search's last step (``planner.search``).
 """
 
 from __future__ import annotations
@@ -18,30 +20,29 @@ from collections.abc import Callable
 
 from gpipe_lab.bench import WorkloadSpec, time_call
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.planner.memory_size import format_bytes
-from gpipe_lab.planner.plan_types import DEFAULT_TRIALS, Candidate, PlanResult
+from gpipe_lab.planner.memory import format_bytes
+from gpipe_lab.planner.plan_types import BYTES_PER_PARAM, DEFAULT_TRIALS, Candidate, PlanResult
 
-__all__ = ["DEFAULT_TRIALS", "Measure", "measure_plan", "per_device", "refine_by_trials"]
+__all__ = ["Measure", "measure_plan", "per_device", "refine_by_trials"]
 
 #: ``(spec, plan, steps, bytes_per_param)`` -> (seconds of each timed step, memory of each stage)
 Measure = Callable[[WorkloadSpec, Candidate, int, float], tuple[list[float], list[float]]]
 
 
-def measure_plan(spec: WorkloadSpec, c: Candidate, steps: int, bytes_per_param: float = 16.0,
+def measure_plan(spec: WorkloadSpec, c: Candidate, steps: int, bytes_per_param: float = BYTES_PER_PARAM,
                  ) -> tuple[list[float], list[float]]:
     """Seconds of each of ``steps`` timed ``GPipe`` training steps of plan ``c`` (after one warm-up),
     and each stage's memory as the planner counts it: parameter state (parameters x
     ``bytes_per_param``) plus the engine's tracked peak saved activations. CPU stages, one thread each.
     """
     built = spec.build(1)
-    pipe = GPipe(built.module, balance=list(c.balance), chunks=c.microbatches, checkpoint=c.checkpoint,
-                 schedule=c.schedule, virtual_stages=c.virtual_stages, threads_per_stage=1, seed=0)
+    pipe = GPipe(built.module, options=c.options.replace(threads_per_stage=1, seed=0))
     timing = time_call(lambda: pipe.train_step(built.inputs, built.targets, built.loss_fn), steps, warmup=1,
                        between=lambda: built.module.zero_grad(set_to_none=True))
-    return list(timing.times), per_device(pipe.memory(), c.partitions, bytes_per_param)
+    return list(timing.times), per_device(pipe.memory(), c.options.num_stages, bytes_per_param)
 
 
-def per_device(rows: list[dict[str, int]], devices: int, bytes_per_param: float = 16.0) -> list[float]:
+def per_device(rows: list[dict[str, int]], devices: int, bytes_per_param: float = BYTES_PER_PARAM) -> list[float]:
     """Each device's memory as the planner counts it, from the engine's per-stage ``memory()`` rows
     (stage s on device ``s % devices``): parameter state (parameters x ``bytes_per_param``, from the
     float32 parameter bytes) plus peak saved activations, summed over the device's stages."""
@@ -50,7 +51,7 @@ def per_device(rows: list[dict[str, int]], devices: int, bytes_per_param: float 
 
 
 def refine_by_trials(result: PlanResult, spec: WorkloadSpec, trials: int = DEFAULT_TRIALS, rounds: int = 2,
-                     bytes_per_param: float = 16.0, measure: Measure = measure_plan) -> PlanResult:
+                     bytes_per_param: float = BYTES_PER_PARAM, measure: Measure = measure_plan) -> PlanResult:
     """``result`` with its choice made by measurement among its ``trials`` fastest predicted plans that
     fit (see the module docstring); ``trials`` 0 returns ``result`` as it is.
 
