@@ -13,11 +13,11 @@ batch-independent drops out; FLOPs and output bytes are measured at batch 2.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
-from gpipe_lab.models import build, example_input
+from gpipe_lab.models import ModelSpec, build, example_input
 from gpipe_lab.pipeline.measuring.costs import (
     COST_KINDS,
     layer_costs,
@@ -35,8 +35,8 @@ def _meta_model(model: nn.Sequential) -> nn.Sequential:
     spec = getattr(model, "spec", None)
     if spec is None:
         return model
-    defaults = build(spec.name, device="meta")
-    overrides = {k: v for k, v in spec.options.items() if defaults.spec.options.get(k) != v}
+    defaults = cast(ModelSpec, build(spec.name, device="meta").spec)  # build's module carries its spec
+    overrides = {k: v for k, v in spec.options.items() if defaults.options.get(k) != v}
     replica = build(spec.name, device="meta", **{k: v for k, v in overrides.items() if k != "genotype"})
     replica.train(model.training)
     return replica
