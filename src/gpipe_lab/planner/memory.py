@@ -38,8 +38,8 @@ from torch import Tensor, nn
 
 from gpipe_lab.models import build, example_input, preset_options
 from gpipe_lab.pipeline import checkpointed_microbatches
-from gpipe_lab.pipeline.schedules import Schedule
 from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes, storage_key, storage_keys
+from gpipe_lab.pipeline.schedules import Schedule
 
 __all__ = ["UNITS", "LayerMemory", "StageMemoryModel", "activation_peaks", "format_bytes", "layer_records",
            "parse_memory", "partition_bytes"]
