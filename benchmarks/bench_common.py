@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from gpipe_lab.app.provenance import commit_of
 from gpipe_lab.bench import Workload, WorkloadSpec, mlp, tiny_linear
 from gpipe_lab.pipeline import retain_freed_memory
-from gpipe_lab.provenance import commit_of
 
 #: The repository's root (for the commit a result was measured at).
 ROOT = Path(__file__).resolve().parents[1]

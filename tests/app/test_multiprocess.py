@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_lab.config import ConfigError, trainer_devices, validate
-from gpipe_lab.train import run
+from gpipe_lab.app.config.groups import ConfigError, trainer_devices, validate
+from gpipe_lab.app.train import run
 from helpers.app import gpipe_train, make_config
 
 

@@ -9,15 +9,15 @@ from dataclasses import fields
 import pytest
 from omegaconf import OmegaConf
 
-from gpipe_lab.config import ConfigError, validate
+from gpipe_lab.app.config.groups import ConfigError, validate
+from gpipe_lab.app.train import CONFIG_DIR, build_module
 from gpipe_lab.lightning.modules import ImageClassifier, Translator, make_optimizer
 from gpipe_lab.pipeline.options import PipelineOptions
-from gpipe_lab.train import CONFIG_DIR, build_module
 from helpers.app import make_config
 
 #: conf/pipeline/default.yaml's own choices for the default run (K=2 balanced by FLOPs).
 APP_CHOICES = {"partitions": 2, "cost": "flops"}
-#: the planner's keys (the app's, not engine options: gpipe_lab.plan_config) and their defaults
+#: the planner's keys (the app's, not engine options: gpipe_lab.app.config.planner) and their defaults
 PLANNER = {"plan": "manual", "memory_per_device": None, "devices_available": None, "schedules_allowed": None,
            "plan_trials": 3}
 

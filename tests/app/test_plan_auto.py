@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_lab.config import ConfigError, validate
+from gpipe_lab.app.config.groups import ConfigError, validate
 from helpers.app import SMALL, cli_here, make_config
 from helpers.fake_timing import use_fake_timing
 

@@ -18,7 +18,7 @@ training (Ctrl-C too).
 ``samples_per_s``, ``tokens_per_s``, ``bubble_measured``, ``bubble_theory``) as aliases. It
 also holds the run name, optimizer, learning rate, D (data-parallel replicas), the run's
 command-line overrides (so a sweep's rows show what each job swept) and, once the final model
-is tested (``gpipe_lab.evaluation``), the test metrics.
+is tested (``gpipe_lab.app.evaluation``), the test metrics.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def continue_run(cfg: DictConfig) -> DictConfig:
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
 
-    from gpipe_lab.evaluation import evaluates
+    from gpipe_lab.app.evaluation import evaluates
     from gpipe_lab.lightning.resume import resolve_ckpt_path
 
     try:

@@ -10,11 +10,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from gpipe_lab.config import ConfigError
+from gpipe_lab.app.config.groups import ConfigError
+from gpipe_lab.app.config.resume import check_resume
+from gpipe_lab.app.evaluation import check_weights, evaluates
 from gpipe_lab.data.checks import DataNotFoundError
-from gpipe_lab.evaluation import check_weights, evaluates
 from gpipe_lab.lightning.resume import load_initial_weights
-from gpipe_lab.lightning.resume_checks import check_resume
 
 
 def fetch_data(cfg: DictConfig, datamodule: Any) -> None:

@@ -19,13 +19,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from gpipe_lab.config_checks import validate_model_data, validate_trainer_values, validate_transfer
-from gpipe_lab.config_schema import ConfigError, check_positive  # also registers the generated nodes
-from gpipe_lab.evaluation import validate_mode
+from gpipe_lab.app.config.mistakes import validate_model_data, validate_trainer_values, validate_transfer
+from gpipe_lab.app.config.planner import engine_section, validate_planner
+from gpipe_lab.app.config.schema import ConfigError, check_positive  # also registers the generated nodes
+from gpipe_lab.app.evaluation import validate_mode
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
 from gpipe_lab.pipeline.partition import check_layer_count
-from gpipe_lab.plan_config import engine_section, validate_planner
 
 LOGGERS = ("wandb", "csv", "none")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -84,7 +84,7 @@ def _check_keys(section: Any, allowed: list[str], key: str, what: str) -> None:
 
 def validate_pipeline(cfg: DictConfig) -> PipelineOptions:
     """The ``pipeline`` group as ``PipelineOptions``, every option checked once (the planner's keys,
-    ``gpipe_lab.plan_config``, are the app's and left out).
+    ``gpipe_lab.app.config.planner``, are the app's and left out).
 
     Raises:
         ConfigError: an unknown key, a wrong type or a bad value, naming ``pipeline.<key>``.

@@ -1,7 +1,7 @@
 """``preflight(cfg)``: every check a run makes before it trains, made first by the run itself,
-its dry run (``dry_run=true``) and each job of a sweep (``gpipe_lab.sweep_check``).
+its dry run (``dry_run=true``) and each job of a sweep (``gpipe_lab.app.sweep_check``).
 
-- ``gpipe_lab.config.validate``: keys, values and combinations of the groups;
+- ``gpipe_lab.app.config.groups.validate``: keys, values and combinations of the groups;
 - the pipeline against the model's layer count (the model is built on the ``meta`` device:
   nothing is allocated, so Table 1's giants cost no memory);
 - the checkpoint to resume (``ckpt_path``, ``last`` included) or to start from (``init_from``)
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gpipe_lab.config import ConfigError, validate, validate_layer_count
+from gpipe_lab.app.config.groups import ConfigError, validate, validate_layer_count
 from gpipe_lab.models import build
 from gpipe_lab.pipeline.devices import resolve_devices
 from gpipe_lab.pipeline.distributed.topology import check_world

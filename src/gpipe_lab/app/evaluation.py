@@ -5,7 +5,7 @@
   ``parallel_text``; ``trainer.limit_test_batches=0`` skips it);
 - ``mode=validate`` / ``mode=test``: evaluate the checkpoint ``ckpt_path`` on the validation /
   test set without training (Lightning's ``Trainer.validate`` / ``Trainer.test``), with the
-  checkpoint's run's overrides (``gpipe_lab.continuation``) and a wandb run of its own.
+  checkpoint's run's overrides (``gpipe_lab.app.continuation``) and a wandb run of its own.
 
 The test metrics (``test/loss`` and ``test/acc``, or ``test/bleu`` by sacrebleu over the whole
 test set and ``test/token_acc``) go to the loggers (wandb's history), and to ``summary.json``
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from gpipe_lab.config_schema import ConfigError
+from gpipe_lab.app.config.schema import ConfigError
 
 MODES = ("train", "validate", "test")
 
@@ -60,7 +60,7 @@ def check_test_set(cfg: DictConfig, datamodule: Any) -> None:
 
 def check_weights(ckpt_path: str, module: torch.nn.Module) -> None:
     """Raises: ConfigError: the checkpoint's weights do not fit ``module`` (names or shapes)."""
-    from gpipe_lab.lightning.resume_checks import differing_weights
+    from gpipe_lab.app.config.resume import differing_weights
 
     state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     bad = differing_weights(state, module)

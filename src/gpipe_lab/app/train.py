@@ -1,4 +1,4 @@
-"""The Hydra app ``gpipe-train`` (also ``python -m gpipe_lab.train``).
+"""The Hydra app ``gpipe-train`` (also ``python -m gpipe_lab.app.train``).
 
     gpipe-train                                   # the default: AmoebaNet-D tiny, K=2, M=4, CPU
     gpipe-train -m pipeline.partitions=1,2 pipeline.chunks=1,4,8
@@ -6,13 +6,13 @@
     gpipe-train ckpt_path=/path/to/run/checkpoints/last.ckpt pipeline.partitions=4   # resume, another K
     gpipe-train ckpt_path=last                    # resume the newest run's last.ckpt
     gpipe-train experiment=transfer_synthetic init_from=/path/to/last.ckpt   # fine-tune
-    gpipe-train mode=test ckpt_path=/path/to/last.ckpt   # evaluate a checkpoint on the test set (gpipe_lab.evaluation)
+    gpipe-train mode=test ckpt_path=/path/to/last.ckpt   # evaluate a checkpoint on the test set (gpipe_lab.app.evaluation)
     gpipe-train pipeline.plan=auto pipeline.memory_per_device=8MiB   # the planner chooses K, M, ... (plan_run)
 
 Every run writes ``summary.json`` (with the test metrics when the data has a test split),
 ``timeline_{first,last}.png``, ``checkpoints/last.ckpt``
 (every ``callbacks.checkpoint_every_n_steps`` steps, at the end and on Ctrl-C) and (by
-default) an offline wandb run under its output directory. ``gpipe_lab.preflight`` checks the
+default) an offline wandb run under its output directory. ``gpipe_lab.app.config.environment`` checks the
 whole config first (the dry run and each job of a sweep make the same checks).
 """
 
@@ -32,25 +32,15 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-import gpipe_lab.config_schema  # noqa: F401  (registers the generated config nodes)
-from gpipe_lab.config import ConfigError, trainer_devices, validate_callbacks, validate_pipeline
-from gpipe_lab.continuation import continue_run
-from gpipe_lab.data import build_datamodule as build_named_datamodule
-from gpipe_lab.data.checks import DataNotFoundError
-from gpipe_lab.evaluation import check_test_set, evaluate_checkpoint, evaluates, final_test
-from gpipe_lab.lightning import GPipeStrategy
-from gpipe_lab.lightning.callbacks import PipelineMetrics
-from gpipe_lab.lightning.known_warnings import silence_known_warnings
-from gpipe_lab.lightning.resume import BestCheckpoint, ResumableCheckpoint, resumed_options
-from gpipe_lab.lightning.wandb_run import build_wandb_logger, job_run_name
-from gpipe_lab.models import build, preset_costs
-from gpipe_lab.pipeline.distributed.failure import PeerFailedError
-from gpipe_lab.pipeline.options import PipelineOptions
-from gpipe_lab.plan_config import validate_planner
-from gpipe_lab.plan_run import choose_plan
-from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
-from gpipe_lab.provenance import source_commit
-from gpipe_lab.run_console import (
+import gpipe_lab.app.config.schema  # noqa: F401  (registers the generated config nodes)
+from gpipe_lab.app.config.environment import model_overrides, preflight, resolve_checkpoint
+from gpipe_lab.app.config.groups import ConfigError, trainer_devices, validate_callbacks, validate_pipeline
+from gpipe_lab.app.config.planner import validate_planner
+from gpipe_lab.app.continuation import continue_run
+from gpipe_lab.app.evaluation import check_test_set, evaluate_checkpoint, evaluates, final_test
+from gpipe_lab.app.plan_run import choose_plan
+from gpipe_lab.app.provenance import source_commit
+from gpipe_lab.app.run_console import (
     CompileNotice,
     ProgressBar,
     ValidateAtTheEnd,
@@ -62,17 +52,27 @@ from gpipe_lab.run_console import (
     summary_line,
     tell_interrupted,
 )
-from gpipe_lab.run_start import fetch_data, load_weights, saved_config_path
-from gpipe_lab.suggest import suggest_overrides
-from gpipe_lab.sweep_check import job_sweep_values
-from gpipe_lab.torchrun_dir import publish_run_dir, rank_overrides
+from gpipe_lab.app.run_start import fetch_data, load_weights, saved_config_path
+from gpipe_lab.app.suggest import suggest_overrides
+from gpipe_lab.app.sweep_check import job_sweep_values
+from gpipe_lab.app.torchrun_dir import publish_run_dir, rank_overrides
+from gpipe_lab.data import build_datamodule as build_named_datamodule
+from gpipe_lab.data.checks import DataNotFoundError
+from gpipe_lab.lightning import GPipeStrategy
+from gpipe_lab.lightning.callbacks import PipelineMetrics
+from gpipe_lab.lightning.known_warnings import silence_known_warnings
+from gpipe_lab.lightning.resume import BestCheckpoint, ResumableCheckpoint, resumed_options
+from gpipe_lab.lightning.wandb_run import build_wandb_logger, job_run_name
+from gpipe_lab.models import build, preset_costs
+from gpipe_lab.pipeline.distributed.failure import PeerFailedError
+from gpipe_lab.pipeline.options import PipelineOptions
 
 __all__ = ["CONFIG_DIR", "build_datamodule", "build_logger", "build_module", "cli", "engine_options",
            "main", "model_overrides", "run"]
 
 # The YAML ships inside the package (``gpipe_lab/conf``; in a checkout a link to the top-level
 # ``conf/``), so an installed wheel finds it too.
-CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parent / "conf")))
+CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parents[1] / "conf")))
 
 
 def build_datamodule(cfg: DictConfig) -> Any:
@@ -178,7 +178,7 @@ def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output
 def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metrics: PipelineMetrics,
         ckpt_path: str | None) -> None:
     """Train (resuming ``ckpt_path``), then validate the final model when the last validation was
-    earlier and test it (``gpipe_lab.evaluation``); or with ``mode=validate|test`` evaluate
+    earlier and test it (``gpipe_lab.app.evaluation``); or with ``mode=validate|test`` evaluate
     ``ckpt_path`` only. The wandb run is closed whatever happens."""
     try:
         try:

@@ -7,7 +7,7 @@ from functools import cache
 from pathlib import Path
 
 #: The checkout this package was imported from (an editable install or a source tree).
-SOURCE_ROOT = Path(__file__).resolve().parents[2]
+SOURCE_ROOT = Path(__file__).resolve().parents[3]
 
 
 @cache

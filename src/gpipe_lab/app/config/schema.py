@@ -4,9 +4,9 @@ once) and the error type every config check raises.
 ``pipeline/schema`` holds every ``PipelineOptions`` field with its dataclass default;
 ``conf/pipeline/default.yaml`` starts from it and lists only the default run's own
 choices. Importing this module registers the nodes in Hydra's ``ConfigStore``
-(``gpipe_lab.train`` and ``gpipe_lab.config`` import it, so every compose sees them).
+(``gpipe_lab.app.train`` and ``gpipe_lab.app.config.groups`` import it, so every compose sees them).
 The node is a plain mapping, not a typed one: values are checked by
-``gpipe_lab.config.validate``, whose errors name the key and what is allowed.
+``gpipe_lab.app.config.groups.validate``, whose errors name the key and what is allowed.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 what a sweep varies (``swept_keys``), which a job's run name and the sweep's table show.
 
 ``gpipe-train -m pipeline.chunks=4,64,2`` composes each job of the basic sweeper and makes the
-single run's checks on it (``gpipe_lab.preflight``: the config, K against the model's layers,
+single run's checks on it (``gpipe_lab.app.config.environment``: the config, K against the model's layers,
 the checkpoints, the accelerator); when some jobs cannot run, the sweep stops before the first
 one trains, with one line per failing job (its number, overrides and the error). Registered in
 ``conf/hydra/default.yaml`` (``hydra.callbacks.sweep_check``). Other sweepers (whose jobs are not
@@ -69,8 +69,8 @@ def failing_jobs(config: DictConfig, config_name: str) -> list[str]:
     """One line per job of the sweep whose composed config fails ``preflight``."""
     from hydra import compose
 
-    from gpipe_lab.config import ConfigError
-    from gpipe_lab.preflight import preflight
+    from gpipe_lab.app.config.environment import preflight
+    from gpipe_lab.app.config.groups import ConfigError
 
     failed = []
     for num, overrides in enumerate(sweep_jobs(config)):

@@ -232,7 +232,7 @@ def discard_run_dir(failed: bool = False) -> None:
         return
     if hydra_cfg.mode != RunMode.RUN or not hydra_cfg.runtime.output_dir:
         return
-    if rank_zero_only.rank != 0:  # a process in rank 0's folder (torchrun: gpipe_lab.torchrun_dir; Lightning's launch)
+    if rank_zero_only.rank != 0:  # a process in rank 0's folder (torchrun: gpipe_lab.app.torchrun_dir; Lightning's launch)
         return
     run_dir = Path(hydra_cfg.runtime.output_dir)
     before = {n for n in os.listdir(run_dir) if not n.endswith(".log")} if run_dir.is_dir() else set()
