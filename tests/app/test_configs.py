@@ -55,7 +55,7 @@ def test_every_config_file_composes_and_instantiates(group: str, name: str, tmp_
         with open_dict(cfg):
             if name == "wandb":
                 cfg.logger.mode = "disabled"
-        logger = build_logger(cfg, tmp_path / "run")
+        logger = build_logger(validate(cfg), tmp_path / "run")
         assert (logger is False) == (name == "none")
         if name == "wandb":
             import wandb

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gpipe_lab.app.wandb_reader import find_run_files, read_run
-from gpipe_lab.lightning.wandb_run import finish_and_flush, run_config, run_name, sweep_group
+from gpipe_lab.app.wandb_run import finish_and_flush, run_config, run_name, sweep_group
 from gpipe_lab.pipeline.options import PipelineOptions
 from helpers.app import make_config
 

@@ -69,7 +69,7 @@ def test_config_key_is_validated_and_reaches_the_strategy(tmp_path: Path, monkey
     assert make_config().pipeline.nonfinite == "raise"
     with pytest.raises(ConfigError, match=r"pipeline\.nonfinite: must be one of \['raise', 'skip', 'ignore'\]"):
         validate(make_config("pipeline.nonfinite=maybe"))
-    assert validate(make_config("pipeline.nonfinite=skip")).nonfinite == "skip"
+    assert validate(make_config("pipeline.nonfinite=skip")).options.nonfinite == "skip"
 
     import gpipe_lab.app.train as train
 

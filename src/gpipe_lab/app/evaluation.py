@@ -1,4 +1,5 @@
-"""Test-set evaluation in ``gpipe-train``, chosen by the root key ``mode``.
+"""Test-set evaluation in ``gpipe-train``, chosen by the root key ``mode`` (checked by
+``gpipe_lab.app.config.groups.validate_mode``).
 
 - ``mode=train`` (the default): train, then test the final model (``final_test``) on the data's test split when
   it has one (``data.num_test`` of the synthetic tasks, ``data.test_src``/``data.test_ref`` of
@@ -22,28 +23,11 @@ from omegaconf import DictConfig
 
 from gpipe_lab.app.config.schema import ConfigError
 
-MODES = ("train", "validate", "test")
-
 #: How each dataset gets a test split, for the error of ``mode=test`` without one.
 TEST_SET_HINT = {
     "parallel_text": "set data.test_src and data.test_ref (plain-text files, sacrebleu's format)",
     "synthetic_images": "set data.num_test above 0", "synthetic_translation": "set data.num_test above 0",
 }
-
-
-def validate_mode(cfg: DictConfig) -> str:
-    """The run's ``mode``.
-
-    Raises:
-        ConfigError: an unknown mode, or ``validate`` / ``test`` without a checkpoint to evaluate.
-    """
-    mode = cfg.get("mode", "train")
-    if mode not in MODES:
-        raise ConfigError(f"mode: must be one of {list(MODES)}, got {mode!r}")
-    if mode != "train" and cfg.get("ckpt_path") is None:
-        raise ConfigError(f"mode={mode}: give the checkpoint to evaluate, ckpt_path=<run dir>/checkpoints/last.ckpt "
-                          f"(or ckpt_path=last, the newest run's)")
-    return str(mode)
 
 
 def evaluates(cfg: DictConfig) -> bool:
@@ -89,7 +73,7 @@ def final_test(trainer: Any, module: Any, datamodule: Any, metrics: Any) -> None
 def evaluate_checkpoint(mode: str, trainer: Any, module: Any, datamodule: Any, metrics: Any, ckpt_path: str) -> None:
     """``mode=validate`` / ``mode=test``: evaluate ``ckpt_path`` without training; the summary holds
     the metrics (the validation ones as a trained run's do) and, as ``steps``, the checkpoint's step."""
-    from gpipe_lab.lightning.wandb_run import checkpoint_step
+    from gpipe_lab.app.wandb_run import checkpoint_step
 
     evaluate = trainer.validate if mode == "validate" else trainer.test
     results = evaluate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)[0]

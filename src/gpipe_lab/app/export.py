@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gpipe_lab.app.config.groups import ConfigError
+from gpipe_lab.app.config import ConfigError
 
 #: where a PipelineModule holds its nn.Sequential
 PREFIX = "layers."

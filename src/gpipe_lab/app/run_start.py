@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from gpipe_lab.app.config.groups import ConfigError
+from gpipe_lab.app.config import ConfigError
 from gpipe_lab.app.config.resume import check_resume
 from gpipe_lab.app.evaluation import check_weights, evaluates
 from gpipe_lab.data.checks import DataNotFoundError

@@ -91,7 +91,7 @@ def log_wandb_table(rows: list[dict[str, Any]], sweep_dir: Path, logger: DictCon
     """One wandb run in the sweep's group holding the table (``logger``: the ``logger`` group)."""
     import wandb
 
-    from gpipe_lab.lightning.wandb_run import console_settings, finish_and_flush
+    from gpipe_lab.app.wandb_run import console_settings, finish_and_flush
 
     headers, data = table_rows(rows)
     group = logger.get("group") or sweep_dir.name

@@ -294,18 +294,19 @@ def resume_command(last: Path) -> str:
 
 
 # ---------------------------------------------------------------------- ckpt_path=last
-def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path, runs_dir: Path | None = None) -> str | None:
+def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path | None, runs_dir: Path | None = None) -> str | None:
     """``ckpt_path`` for ``Trainer.fit``: a path as given, or ``"last"``: this run directory's
-    ``checkpoints/last.ckpt`` when it exists (``hydra.run.dir=<an old run>``), else the newest
-    ``*/checkpoints/last.ckpt`` under ``runs_dir`` (the app's ``logs/<task>/runs``).
+    ``checkpoints/last.ckpt`` when it exists (``hydra.run.dir=<an old run>``; none without
+    ``output_dir``), else the newest ``*/checkpoints/last.ckpt`` under ``runs_dir`` (the app's
+    ``logs/<task>/runs``).
 
     Raises:
         FileNotFoundError: ``last`` and no such checkpoint exists.
     """
     if ckpt_path is None or str(ckpt_path) != "last":
         return None if ckpt_path is None else str(ckpt_path)
-    own = output_dir / "checkpoints" / "last.ckpt"
-    if own.exists():
+    own = output_dir / "checkpoints" / "last.ckpt" if output_dir is not None else None
+    if own is not None and own.is_file():
         return str(own)
     found = sorted(runs_dir.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime) if runs_dir else []
     if not found:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gpipe_lab.app.config.groups import ConfigError
+from gpipe_lab.app.config.schema import ConfigError
 from gpipe_lab.pipeline.distributed.state import named_after
 
 #: The config keys that decide the weights' names and shapes.
