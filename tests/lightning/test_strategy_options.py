@@ -49,7 +49,7 @@ def test_module_is_attached_during_fit_and_plain_afterwards() -> None:
 def test_bad_options_are_refused_once_naming_the_key() -> None:
     with pytest.raises(OptionError, match=r"^virtual_stages: must be an integer >= 1, got 0"):
         GPipeStrategy(virtual_stages=0)
-    with pytest.raises(TypeError, match="options must be a PipelineOptions, got dict"):
+    with pytest.raises(OptionError, match="^options: must be a PipelineOptions, got dict"):
         GPipeStrategy({"partitions": 2})  # type: ignore[arg-type]
 
 
