@@ -13,6 +13,7 @@ When ``gpipe-train`` resumes a checkpoint that lies in another run directory
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,7 +45,7 @@ def continue_run(cfg: DictConfig) -> DictConfig:
     from gpipe_lab.lightning.resume import resolve_ckpt_path
 
     try:
-        hydra_cfg = HydraConfig.get()
+        hydra_cfg = cast(DictConfig, HydraConfig.get())  # a DictConfig, typed as Hydra's dataclass
     except ValueError:  # called outside a Hydra run
         return cfg
     run_dir = OmegaConf.select(hydra_cfg, "runtime.output_dir", throw_on_missing=False)
@@ -63,7 +64,7 @@ def continue_run(cfg: DictConfig) -> DictConfig:
         return cfg
     current = [o for o in hydra_cfg.overrides.task if _key(o) != "ckpt_path"]
     given = {_key(o) for o in current}
-    carried = [o for o in OmegaConf.load(saved)
+    carried = [o for o in map(str, OmegaConf.load(saved))
                if _key(o) not in given and not _key(o).startswith(NOT_CARRIED)]
     new_cfg = compose(hydra_cfg.job.config_name, overrides=[*carried, *current, f"ckpt_path='{ckpt}'"])
     run_id = wandb_run_id(old_run)  # continued (and rewound) by gpipe_lab.app.wandb_run

@@ -67,7 +67,8 @@ def job_sweep_values() -> dict[str, str]:
     saved = Path(hydra_cfg.sweep.dir) / "multirun.yaml"
     if not saved.is_file():
         return {}
-    keys = swept_keys(OmegaConf.load(saved))
+    multirun = OmegaConf.load(saved)
+    keys = swept_keys(multirun) if isinstance(multirun, DictConfig) else []
     values = {_key(o): o.split("=", 1)[1] for o in hydra_cfg.overrides.task if "=" in o}
     return {k: values[k] for k in keys if k in values}
 

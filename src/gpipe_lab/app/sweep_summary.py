@@ -100,7 +100,7 @@ def log_wandb_table(rows: list[dict[str, Any]], sweep_dir: Path, logger: DictCon
                      group=group, name=f"{group}-summary", job_type="sweep-summary", mode=mode,
                      tags=list(logger.get("tags") or []), settings=console_settings(mode))
     try:
-        run.log({"sweep/summary": wandb.Table(columns=headers, data=data)})
+        run.log({"sweep/summary": wandb.Table(columns=list[str | int](headers), data=data)})
     finally:
         finish_and_flush(run)
 

@@ -22,20 +22,19 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from gpipe_lab.app.config import CheckedConfig, ConfigError, check_config  # registers the generated nodes
 from gpipe_lab.app.config.environment import model_overrides
 from gpipe_lab.app.config.groups import trainer_devices
-from gpipe_lab.app.config.schema import CallbacksConfig
+from gpipe_lab.app.config.schema import CallbacksConfig, resolved_dict
 from gpipe_lab.app.continuation import continue_run
 from gpipe_lab.app.evaluation import check_test_set, evaluate_checkpoint, evaluates, final_test
 from gpipe_lab.app.plan_run import choose_plan
@@ -46,6 +45,7 @@ from gpipe_lab.app.run_console import (
     ValidateAtTheEnd,
     close_progress_bars,
     discard_run_dir,
+    global_rank,
     print_lightning_logs_once,
     record_failure,
     stage_summary,
@@ -77,7 +77,7 @@ CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().
 
 def build_datamodule(cfg: DictConfig) -> Any:
     """The ``data`` group's datamodule."""
-    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "name"}
+    kwargs = {k: v for k, v in resolved_dict(cfg.data).items() if k != "name"}
     return build_named_datamodule(cfg.data.name, seed=cfg.seed, **kwargs)
 
 
@@ -118,7 +118,8 @@ def build_callbacks(c: CallbacksConfig, output_dir: Path, trainer_kwargs: dict[s
 
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     """The run's config with every interpolation resolved (Hydra's own node left out)."""
-    return {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
+    # node by node: Hydra's own node is not resolved (its ${hydra:...} need a running app)
+    return {str(k): OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
             for k, v in cfg.items() if k != "hydra"}
 
 
@@ -162,7 +163,7 @@ def build_trainer(checked: CheckedConfig, options: PipelineOptions, module: Any,
     """The Lightning trainer: the ``trainer`` group, the GPipe strategy (``options``: the checked ones,
     as planned and resumed), the logger and callbacks."""
     cfg = checked.cfg
-    trainer_kwargs = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))
+    trainer_kwargs = resolved_dict(cfg.trainer)
     trainer_kwargs["devices"] = trainer_devices(cfg, options)
     # Lightning's summary shows one ``layers | Sequential`` row and 0 FLOPs; ``stage_summary`` replaces it.
     trainer_kwargs.setdefault("enable_model_summary", False)
@@ -170,7 +171,7 @@ def build_trainer(checked: CheckedConfig, options: PipelineOptions, module: Any,
     if options.compile:
         callbacks.append(CompileNotice())
     strategy = GPipeStrategy(options=engine_options(cfg, options, module))
-    if rank_zero_only.rank == 0 and trainer_kwargs.get("enable_model_summary") is False:
+    if global_rank() == 0 and trainer_kwargs.get("enable_model_summary") is False:
         print(stage_summary(strategy.options, module.layers))
     return pl.Trainer(**trainer_kwargs, strategy=strategy, logger=build_logger(checked, output_dir, options),
                       callbacks=callbacks, default_root_dir=str(output_dir))

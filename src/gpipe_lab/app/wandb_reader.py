@@ -120,7 +120,7 @@ def read_run(path: str | Path, cut_end: bool = False) -> WandbRun:
 
     run = WandbRun()
     for payload in (_payloads_before_any_cut(path) if cut_end else iter_payloads(path)):
-        record = wandb_internal_pb2.Record()
+        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # protobuf-generated: its stub declares no messages
         record.ParseFromString(payload)
         kind = record.WhichOneof("record_type") or "unknown"
         run.kinds[kind] = run.kinds.get(kind, 0) + 1

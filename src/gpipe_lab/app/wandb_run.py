@@ -127,12 +127,13 @@ def build_wandb_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptio
     """A ``WandbLogger`` writing to ``output_dir/wandb``, continuing ``ckpt_path``'s wandb run
     (see the module docstring)."""
     from lightning.pytorch.loggers import WandbLogger
-    from lightning.pytorch.utilities import rank_zero_only
+
+    from gpipe_lab.app.run_console import global_rank
 
     output_dir.mkdir(parents=True, exist_ok=True)
     name = job_run_name(options)
     experiment = None
-    if rank_zero_only.rank == 0:
+    if global_rank() == 0:
         import wandb
 
         common = dict(dir=str(output_dir), project=cfg.logger.project, entity=cfg.logger.entity,

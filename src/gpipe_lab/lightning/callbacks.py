@@ -105,7 +105,8 @@ class PipelineMetrics(pl.Callback):
         measured = batch_idx >= self.warmup_steps or trainer.max_steps == 1
         from gpipe_lab.lightning.resume import ResumableCheckpoint
 
-        skipped_by_lightning = bool(trainer.global_step % max(1, trainer.log_every_n_steps))
+        every = getattr(trainer, "log_every_n_steps", 1)  # set by the Trainer, not in its stubs
+        skipped_by_lightning = bool(trainer.global_step % max(1, every))
         final = ResumableCheckpoint.is_final_step(trainer)
         quiet = skipped_by_lightning and self._pictured and not final
         if quiet and (strategy.transport == "distributed" or strategy.root_device.type == "cuda"):
@@ -137,7 +138,7 @@ class PipelineMetrics(pl.Callback):
             if strategy.last_loss is not None:
                 metrics["train/loss"] = float(strategy.last_loss)
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step - 1)
+                logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step - 1)
         if not self._pictured:
             self._pictured = True
             self._picture(trainer, strategy, "first")

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from gpipe_lab.app.config.schema import ConfigError
+from gpipe_lab.app.config.schema import ConfigError, resolved_dict
 from gpipe_lab.lightning.resume import resolve_ckpt_path
 from gpipe_lab.models import build
 from gpipe_lab.pipeline.devices import resolve_devices
@@ -32,9 +32,7 @@ QUOTING = "quote a path holding '=' as \"ckpt_path='.../epoch=0-step=60.ckpt'\""
 
 def model_overrides(cfg: DictConfig) -> dict[str, Any]:
     """The ``model`` group's ``gpipe_lab.models.build`` overrides (all but ``name`` and ``task``)."""
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    assert isinstance(model, dict)  # the model group is a mapping (checked by validate_model)
-    return {str(k): v for k, v in model.items() if k not in ("name", "task")}
+    return {k: v for k, v in resolved_dict(cfg.model).items() if k not in ("name", "task")}
 
 
 def layer_count(cfg: DictConfig) -> int:

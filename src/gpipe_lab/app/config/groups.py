@@ -216,8 +216,10 @@ def validate_monitor(cfg: DictConfig, best: Any) -> None:
     from hydra.utils import get_class
 
     try:
-        logged = get_class(str(cfg.model.task._target_)).VALIDATION_METRICS
+        logged = getattr(get_class(str(cfg.model.task._target_)), "VALIDATION_METRICS", None)
     except Exception:  # noqa: BLE001 - a task of the user's: its metrics are not known here
+        return
+    if logged is None:  # a task that does not list them
         return
     if best.monitor not in logged:
         raise ConfigError(f"callbacks.model_checkpoint.monitor: {best.monitor!r} is not logged by "

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from gpipe_lab.pipeline.options import PipelineOptions
 
@@ -34,6 +35,18 @@ def check_positive(value: Any, key: str) -> None:
     """
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ConfigError(f"{key}: must be a positive integer, got {value!r}")
+
+
+def resolved_dict(node: Any) -> dict[str, Any]:
+    """A mapping of the config (a group, ``trainer``, ``model``, ...) resolved, as a plain dict.
+
+    Raises:
+        ConfigError: ``node`` is not a mapping.
+    """
+    values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    if not isinstance(values, dict):
+        raise ConfigError(f"expected a mapping of keys, got {values!r}")
+    return {str(k): v for k, v in values.items()}
 
 
 @dataclass
