@@ -152,7 +152,7 @@ def test_gpipe_train_passes_every_option(started: list[PipelineCore], tmp_path: 
 
 def test_gpipe_train_times_layers_at_the_micro_batch_size_for_cost_time(started: list[PipelineCore], tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpipe_lab import train
+    from gpipe_lab.app import train
     from gpipe_lab.app.train import build_module, run
     from helpers.app import make_config
 
