@@ -1,6 +1,6 @@
 """The product-path row: ``gpipe-train``'s step (Lightning + ``GPipeStrategy``) vs the raw engine's.
 
-One run, alternating rounds: ``gpipe-train``'s pieces (``gpipe_lab.train``'s datamodule,
+One run, alternating rounds: ``gpipe-train``'s pieces (``gpipe_lab.app.train``'s datamodule,
 module and logger, ``GPipeStrategy``, CSV logging on, progress bar off) train the Table-2
 analogue; at the start of every training batch a callback runs the raw engine on the same
 batch (``GPipe.train_step`` + the optimizer step, on a second copy of the model with the
@@ -34,11 +34,11 @@ from typing import Any
 import lightning.pytorch as pl
 from hydra import compose, initialize_config_dir
 
-import gpipe_lab.config_schema  # noqa: F401  (registers the generated pipeline/schema node)
-from gpipe_lab.config import validate_pipeline
+import gpipe_lab.app.config.schema  # noqa: F401  (registers the generated pipeline/schema node)
+from gpipe_lab.app.config.groups import validate_pipeline
+from gpipe_lab.app.train import build_datamodule, build_module, engine_options
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.pipeline import GPipe
-from gpipe_lab.train import build_datamodule, build_module, engine_options
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -48,7 +48,7 @@ import torch
 
 from benchmarks.gpu_check_engine import PROGRESS, Context, section_progress
 from gpipe_lab.bench.machine import load_average, machine_info
-from gpipe_lab.provenance import source_commit
+from gpipe_lab.bench.provenance import source_commit
 
 # name, "module:function", cap in seconds; on one GPU the caps sum to 460 s (8 minutes less start-up)
 SECTIONS: list[tuple[str, str, int]] = [

@@ -5,7 +5,7 @@ default a fresh ``logs/experiments/<script>/<date>_<time>/``, so that only
 ``--out results`` replaces a committed result), ``--tiny`` (a seconds-long smoke run at toy sizes) and
 ``--wandb`` (also log the table and plots to an offline wandb run under DIR).
 Its settings come from Hydra ``experiment=`` configs (``conf/experiment/paper_*.yaml``,
-composed with ``gpipe_lab.bench.experiment_config.compose_experiment``; the script-only settings are in their
+composed with ``gpipe_lab.app.config.experiments.compose_experiment``; the script-only settings are in their
 ``experiment:`` block); Hydra-style ``key=value`` arguments override them, and
 ``--tiny`` is a fixed set of such overrides applied first.
 """
@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.multirun import MultirunError
-from gpipe_lab.bench.experiment_config import compose_experiment
+from gpipe_lab.app.config.experiments import compose_experiment
 from gpipe_lab.bench.machine import ROOT, figure_metadata, provenance_meta
 from gpipe_lab.bench.script_launch import fresh_out
 

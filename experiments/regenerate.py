@@ -5,7 +5,7 @@
     python -m experiments.regenerate --only table1_capacity transfer
     python -m experiments.regenerate --resume            # skip jobs already done at this commit
 
-"Commit" here is the source commit (``gpipe_lab.provenance.commit_of``: the last commit that changed
+"Commit" here is the source commit (``gpipe_lab.bench.provenance.commit_of``: the last commit that changed
 anything but ``results/`` and Markdown), so a regeneration may commit its files as it goes, stop, and
 go on later with ``--resume``: every file still names the one code that made it.
 
@@ -39,9 +39,9 @@ from gpipe_lab.bench.machine import ROOT, git_commit, load_average, machine_info
 
 PY = [sys.executable, "-m"]
 #: every cell three times (``seed=0,1,2``): the collector reports mean [min, max] and the spread
-SWEEP = ["gpipe_lab.train", "-m", "pipeline.partitions=1,2", "seed=0,1,2", "logger=csv"]
+SWEEP = ["gpipe_lab.app.train", "-m", "pipeline.partitions=1,2", "seed=0,1,2", "logger=csv"]
 #: the unpipelined model on one thread, with and without re-materialization (experiments.microbatch_cost)
-ONE_THREAD_K1 = ["gpipe_lab.train", "-m", "pipeline.partitions=1", "pipeline.threads_per_stage=1",
+ONE_THREAD_K1 = ["gpipe_lab.app.train", "-m", "pipeline.partitions=1", "pipeline.threads_per_stage=1",
                  "pipeline.checkpoint=never,except_last", "seed=0", "logger=csv"]
 MICROBATCH_COST = [("paper_table2_amoebanet", "logs/table2_mb_cost"), ("paper_table2_transformer", "logs/table2_mb_cost_tf")]
 #: job name: its commands, in order (those of results/README.md's table)

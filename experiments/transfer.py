@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.common import log_wandb, parser, write
+from gpipe_lab.app.config.experiments import compose_experiment, experiment_names
 from gpipe_lab.bench import Progress, md_table
-from gpipe_lab.bench.experiment_config import compose_experiment, experiment_names
 from gpipe_lab.bench.machine import provenance
 from gpipe_lab.data import Cutout, build_datamodule
 from gpipe_lab.models import build

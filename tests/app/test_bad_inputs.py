@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpipe_lab import GPipe
-from gpipe_lab.config import ConfigError
+from gpipe_lab.app.config.groups import ConfigError
 
 SMALL_APP = ["trainer=smoke", "logger=none", "data.num_train=16", "data.num_val=8", "data.batch_size=8",
              "model.num_filters=8", "data.image_size=8", "model.image_size=8"]
@@ -71,7 +71,7 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from gpipe_lab.train import CONFIG_DIR
+    from gpipe_lab.app.train import CONFIG_DIR
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return hydra_compose("train", overrides=overrides)
@@ -81,7 +81,7 @@ def config(*overrides: str, num_layers: int | None = None) -> Callable[[Path], o
     """``gpipe-train``'s validation of the config composed from ``overrides`` (no training)."""
 
     def call(_: Path) -> object:
-        from gpipe_lab.config import validate
+        from gpipe_lab.app.config.groups import validate
 
         return validate(compose(list(overrides)), num_layers=num_layers)
 
@@ -92,7 +92,7 @@ def train_resume(make_checkpoint: Callable[[Path], Path | str]) -> Callable[[Pat
     """``gpipe-train ckpt_path=...`` in-process (``train.run``), small AmoebaNet config."""
 
     def call(tmp: Path) -> object:
-        from gpipe_lab.train import run
+        from gpipe_lab.app.train import run
 
         ckpt = make_checkpoint(tmp)
         return run(compose([*SMALL_APP, f"paths.log_dir={tmp}/logs", f"ckpt_path={ckpt}"]))

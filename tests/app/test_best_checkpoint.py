@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpipe_lab.config import ConfigError, validate
+from gpipe_lab.app.config.groups import ConfigError, validate
 from helpers.app import SMALL, gpipe_train, make_config
 
 #: 2 steps an epoch, validated at each epoch's end: 3 validations in 6 steps

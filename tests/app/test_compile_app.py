@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpipe_lab.config import ConfigError, validate_pipeline
+from gpipe_lab.app.config.groups import ConfigError, validate_pipeline
+from gpipe_lab.app.train import run
 from gpipe_lab.lightning.known_warnings import silence_known_warnings
-from gpipe_lab.train import run
 from helpers.app import gpipe_train, make_config
 
 STEPS = 2

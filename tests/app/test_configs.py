@@ -9,8 +9,8 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from gpipe_lab.config import ConfigError, validate
-from gpipe_lab.train import CONFIG_DIR, build_logger, build_module, model_overrides, run
+from gpipe_lab.app.config.groups import ConfigError, validate
+from gpipe_lab.app.train import CONFIG_DIR, build_logger, build_module, model_overrides, run
 from helpers.app import make_config
 
 CONF = Path(CONFIG_DIR)
@@ -40,7 +40,7 @@ def test_every_config_file_composes_and_instantiates(group: str, name: str, tmp_
         layers = build(cfg.model.name, device="meta", **options)
         assert len(layers) >= 2
     elif group == "data":
-        from gpipe_lab.train import build_datamodule
+        from gpipe_lab.app.train import build_datamodule
 
         if "root" in cfg.data:
             with pytest.raises((FileNotFoundError, RuntimeError, ValueError)):
@@ -55,14 +55,14 @@ def test_every_config_file_composes_and_instantiates(group: str, name: str, tmp_
         with open_dict(cfg):
             if name == "wandb":
                 cfg.logger.mode = "disabled"
-        logger = build_logger(cfg, tmp_path / "run")
+        logger = build_logger(validate(cfg), tmp_path / "run")
         assert (logger is False) == (name == "none")
         if name == "wandb":
             import wandb
 
             wandb.finish()
     elif group == "optimizer":
-        from gpipe_lab.train import build_datamodule
+        from gpipe_lab.app.train import build_datamodule
 
         module = build_module(cfg, build_datamodule(cfg))
         assert module.configure_optimizers() is not None

@@ -37,9 +37,9 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         ("skip", "the fresh venv and the install are .ci/run's; gpipe-train runs below"),
     "python -m pytest -q -n auto": ("skip", "this test suite"),
     "torchrun --nproc-per-node 2 -m gpipe_lab.pipeline.distributed.demo": ("run", DEMO, ""),
-    "torchrun --nproc-per-node 4 -m gpipe_lab.train pipeline.transport=distributed trainer=distributed "
+    "torchrun --nproc-per-node 4 -m gpipe_lab.app.train pipeline.transport=distributed trainer=distributed "
     "pipeline.partitions=2 trainer.devices=4": ("run", IMAGES + " trainer.enable_checkpointing=false", ""),
-    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m gpipe_lab.train "
+    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m gpipe_lab.app.train "
     "pipeline.transport=distributed trainer=distributed pipeline.partitions=8 trainer.devices=8 trainer.num_nodes=2":
         ("skip", "needs two nodes of 8 processes"),
     "gpipe-train": ("covered", "tests/app/test_train.py::test_default_app_logs_everything_to_offline_wandb", ""),
@@ -78,7 +78,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-id job42 --rdzv-backend c10d --rdzv-endpoint node0.example:29500 "
     "-m gpipe_lab.pipeline.distributed.demo --stages 8": ("skip", "needs two nodes of 8 processes"),
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-id job43 --rdzv-backend c10d --rdzv-endpoint node0.example:29500 "
-    "-m gpipe_lab.train pipeline.transport=distributed trainer=distributed pipeline.partitions=8 trainer.devices=8 "
+    "-m gpipe_lab.app.train pipeline.transport=distributed trainer=distributed pipeline.partitions=8 trainer.devices=8 "
     "trainer.num_nodes=2": ("skip", "needs two nodes of 8 processes"),
     SLURM: ("skip", "a SLURM batch script (a cluster with GPUs)"),
     "gpipe-plan auto --model transformer_l --set num_layers=8 --set d_model=64 --set ffn_dim=256 --set num_heads=4 "

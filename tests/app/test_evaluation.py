@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from gpipe_lab.app.train import build_datamodule, build_module
+from gpipe_lab.app.wandb_reader import find_run_files, read_run
 from gpipe_lab.data import SyntheticLanguagePair
-from gpipe_lab.train import build_datamodule, build_module
-from gpipe_lab.wandb_reader import find_run_files, read_run
 from helpers.app import SMALL, cli_here, make_config
 
 #: SMALL with a test split of one batch, logged to wandb, keeping its checkpoint

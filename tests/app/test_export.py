@@ -21,7 +21,7 @@ RUN = [*SMALL, "trainer.max_steps=2", "trainer.limit_val_batches=0", "trainer.en
 
 
 def export(ckpt: Path, out: Path) -> str:
-    proc = run_module("gpipe_lab.export", [str(ckpt), str(out)], cwd=out.parent, timeout=120)
+    proc = run_module("gpipe_lab.app.export", [str(ckpt), str(out)], cwd=out.parent, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -65,7 +65,7 @@ def test_a_file_that_cannot_be_exported_is_one_line(tmp_path, content):
     ckpt = tmp_path / "x.ckpt"
     if content is not None:
         ckpt.write_bytes(content)
-    proc = run_module("gpipe_lab.export", [str(ckpt), str(tmp_path / "out.pt")], cwd=tmp_path, timeout=120)
+    proc = run_module("gpipe_lab.app.export", [str(ckpt), str(tmp_path / "out.pt")], cwd=tmp_path, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"export error: checkpoint={ckpt}: ") and not (tmp_path / "out.pt").exists()

@@ -7,9 +7,9 @@ import csv
 
 import pytest
 
+from gpipe_lab.app.train import run
 from gpipe_lab.lightning.callbacks import ALIASES, theory_bubble
 from gpipe_lab.pipeline import analytic_bubble
-from gpipe_lab.train import run
 from helpers.app import make_config
 
 SMALL = ["trainer=smoke", "logger=csv", "data.num_train=64", "data.num_val=8", "data.batch_size=8",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_lab.config import ConfigError, trainer_devices, validate
-from gpipe_lab.train import run
+from gpipe_lab.app.config.groups import ConfigError, trainer_devices, validate
+from gpipe_lab.app.train import run
 from helpers.app import gpipe_train, make_config
 
 
@@ -22,7 +22,7 @@ from helpers.app import gpipe_train, make_config
 ])
 def test_trainer_devices_follow_k_unless_set(overrides, devices) -> None:
     cfg = make_config(*overrides)
-    assert trainer_devices(cfg, validate(cfg)) == devices
+    assert trainer_devices(cfg, validate(cfg).options) == devices
 
 
 def test_a_conflicting_device_count_names_both_keys_and_the_fix() -> None:

@@ -137,7 +137,7 @@ def override_value(value: object) -> str:
 
 
 def test_gpipe_train_passes_every_option(started: list[PipelineCore], tmp_path: Path) -> None:
-    from gpipe_lab.train import build_module, run
+    from gpipe_lab.app.train import build_module, run
     from helpers.app import make_config
 
     base = ["logger=none", "trainer=smoke", "trainer.max_steps=1", "data.batch_size=8"]
@@ -152,8 +152,8 @@ def test_gpipe_train_passes_every_option(started: list[PipelineCore], tmp_path: 
 
 def test_gpipe_train_times_layers_at_the_micro_batch_size_for_cost_time(started: list[PipelineCore], tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpipe_lab import train
-    from gpipe_lab.train import build_module, run
+    from gpipe_lab.app import train
+    from gpipe_lab.app.train import build_module, run
     from helpers.app import make_config
 
     sizes: list[int] = []

@@ -9,16 +9,16 @@ from dataclasses import asdict, fields
 import pytest
 from omegaconf import OmegaConf
 
-from gpipe_lab.config import ConfigError, validate
+from gpipe_lab.app.config.groups import ConfigError, validate
+from gpipe_lab.app.config.planner import PlannerConfig
+from gpipe_lab.app.train import CONFIG_DIR, build_module
 from gpipe_lab.lightning.modules import ImageClassifier, Translator, make_optimizer
 from gpipe_lab.pipeline.options import PipelineOptions
-from gpipe_lab.plan_config import PlannerConfig
-from gpipe_lab.train import CONFIG_DIR, build_module
 from helpers.app import make_config
 
 #: conf/pipeline/default.yaml's own choices for the default run (K=2 balanced by FLOPs).
 APP_CHOICES = {"partitions": 2, "cost": "flops"}
-#: the planner's keys (the app's, not engine options) and their defaults
+#: the planner's keys (the app's, not engine options: gpipe_lab.app.config.planner) and their defaults
 PLANNER = asdict(PlannerConfig())
 
 
@@ -35,7 +35,7 @@ def test_composed_pipeline_is_the_dataclass_defaults_and_the_choices() -> None:
 
 
 def test_validate_returns_the_options_the_strategy_takes() -> None:
-    options = validate(make_config("pipeline.chunks=8", "pipeline.schedule=1f1b"))
+    options = validate(make_config("pipeline.chunks=8", "pipeline.schedule=1f1b")).options
     assert options == PipelineOptions(**{**APP_CHOICES, "chunks": 8, "schedule": "1f1b"})
 
 
@@ -70,5 +70,5 @@ def test_optimizer_key_errors_name_the_key() -> None:
 @pytest.mark.parametrize("transport", ["local", "distributed"])
 def test_interleaved_schedule_with_virtual_stages_is_accepted(transport: str) -> None:
     options = validate(make_config("pipeline.schedule=interleaved-1f1b", f"pipeline.transport={transport}",
-                                   "pipeline.virtual_stages=2", "trainer.devices=2"))
+                                   "pipeline.virtual_stages=2", "trainer.devices=2")).options
     assert (options.schedule, options.virtual_stages, options.transport) == ("interleaved-1f1b", 2, transport)

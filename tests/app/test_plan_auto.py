@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_lab.config import ConfigError, validate
+from gpipe_lab.app.config.groups import ConfigError, validate
 from helpers.app import SMALL, cli_here, make_config
 from helpers.fake_timing import use_fake_timing
 
@@ -60,4 +60,4 @@ def test_bad_planner_keys_are_one_line(override: str, message: str) -> None:
 def test_plan_auto_needs_a_budget() -> None:
     with pytest.raises(ConfigError, match=r"pipeline\.memory_per_device: pipeline\.plan=auto needs a memory budget"):
         validate(make_config("pipeline.plan=auto"))
-    assert validate(make_config("pipeline.memory_per_device=1GiB")).partitions == 2  # manual: the options as given
+    assert validate(make_config("pipeline.memory_per_device=1GiB")).options.partitions == 2  # manual: the options as given

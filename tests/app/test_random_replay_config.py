@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe_lab.config import validate
-from gpipe_lab.config_schema import ConfigError
+from gpipe_lab.app.config.groups import validate
+from gpipe_lab.app.config.schema import ConfigError
 from helpers.app import make_config
 
 

@@ -1,6 +1,6 @@
 """``gpipe-train`` under interruption: Ctrl-C and SIGKILL lose nothing, and runs are bitwise repeatable.
 
-Every test starts the real console app (``python -m gpipe_lab.train``, forked: ``helpers.forked``)
+Every test starts the real console app (``python -m gpipe_lab.app.train``, forked: ``helpers.forked``)
 with a small AmoebaNet-D config (4 steps per epoch, a checkpoint every 3 optimizer steps,
 all of them kept, per-step losses in the CSV logger), follows its steps on the progress bar
 it prints (bounded by each test's timeout mark), and kills its whole process group in ``finally``.
@@ -54,7 +54,7 @@ def start_app(run_dir: Path, *overrides: str, sigint_ignored: bool = False) -> F
     what was read. ``sigint_ignored``: what ``gpipe-train ... &`` in a script does to the child."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
-    proc = ForkedProcess("gpipe_lab.train", [*APP, *overrides, f"hydra.run.dir={run_dir}",
+    proc = ForkedProcess("gpipe_lab.app.train", [*APP, *overrides, f"hydra.run.dir={run_dir}",
                                              f"paths.log_dir={run_dir.parent / 'logs'}"],
                          cwd=run_dir, env=env, new_session=True, sigint_ignored=sigint_ignored)
     proc.log = open(run_dir / "console.log", "wb")  # type: ignore[attr-defined]  # noqa: SIM115 - closed by stop()

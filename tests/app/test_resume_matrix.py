@@ -26,10 +26,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from gpipe_lab.lightning.resume_checks import differing_keys
+from gpipe_lab.app.config.environment import model_overrides
+from gpipe_lab.app.config.resume import differing_keys
 from gpipe_lab.models import build
 from gpipe_lab.pipeline.distributed.state_dict import by_index, by_name
-from gpipe_lab.preflight import model_overrides
 from helpers.app import CONF, gpipe_train, make_config, numbered_copy
 
 PRESETS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
@@ -149,8 +149,8 @@ def test_every_checkpoint_resumes_on_either_transport_at_any_k(uninterrupted, so
 def test_every_transports_checkpoint_exports_as_the_unpipelined_model(uninterrupted, transport):
     """``gpipe-export``'s file loads strictly into the model as gpipe-train builds it, unpipelined
     (that it computes what the pipeline computes: ``tests/app/test_export.py``)."""
-    from gpipe_lab.export import export
-    from gpipe_lab.train import build_datamodule, build_module
+    from gpipe_lab.app.export import export
+    from gpipe_lab.app.train import build_datamodule, build_module
 
     model, tmp, reference = uninterrupted
     out = tmp / f"{transport}.pt"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpipe_lab.config import ConfigError, validate
-from gpipe_lab.train import cli, run
+from gpipe_lab.app.config.groups import ConfigError, validate
+from gpipe_lab.app.train import cli, run
 from helpers.app import gpipe_train, make_config
 
 SMALL = ["trainer=smoke", "logger=none", "data.num_train=16", "data.num_val=8", "data.batch_size=8",
@@ -79,8 +79,8 @@ def test_another_model_without_a_saved_config_names_checkpoint_and_model_shapes(
 
 
 def test_init_from_starts_a_fresh_classifier_unless_asked_to_keep_it(finished):
+    from gpipe_lab.app.train import build_datamodule, build_module
     from gpipe_lab.lightning.init_from import load_initial_weights
-    from gpipe_lab.train import build_datamodule, build_module
 
     cfg = make_config(*SMALL)
     saved = torch.load(finished, map_location="cpu", weights_only=False)["state_dict"]
@@ -93,8 +93,8 @@ def test_init_from_starts_a_fresh_classifier_unless_asked_to_keep_it(finished):
 
 
 def test_init_from_shape_mismatch_names_model_and_checkpoint(finished):
+    from gpipe_lab.app.train import build_datamodule, build_module
     from gpipe_lab.lightning.init_from import load_initial_weights
-    from gpipe_lab.train import build_datamodule, build_module
 
     cfg = make_config(*[o for o in SMALL if "num_filters" not in o], "model.num_filters=16")
     module = build_module(cfg, build_datamodule(cfg))
@@ -124,7 +124,7 @@ def test_synthetic_augmentation_flips_and_cuts_only_training_images():
 
 @pytest.mark.slow
 def test_ckpt_path_last_continues_the_run_with_its_overrides_and_wandb_run(tmp_path):
-    from gpipe_lab.continuation import wandb_run_id
+    from gpipe_lab.app.continuation import wandb_run_id
 
     small = [o for o in SMALL if o != "logger=none"]
     gpipe_train([*small, "logger=wandb", "trainer.max_steps=2"], tmp_path)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_lab.train import cli
-from gpipe_lab.wandb_reader import branch_point, find_run_files, read_run, synced_history
-from gpipe_lab.wandb_reader import main as reader_main
+from gpipe_lab.app.train import cli
+from gpipe_lab.app.wandb_reader import branch_point, find_run_files, read_run, synced_history
+from gpipe_lab.app.wandb_reader import main as reader_main
 from helpers.app import SMALL
 
 
@@ -122,7 +122,7 @@ def test_a_resumed_wandb_run_leaves_one_value_per_step(resumed):
 
 
 def test_the_wandb_readers_text_agrees_with_its_json_and_the_training_step(resumed, capsys):
-    """``python -m gpipe_lab.wandb_reader <run>`` on the two real offline runs: each row printed is
+    """``python -m gpipe_lab.app.wandb_reader <run>`` on the two real offline runs: each row printed is
     (training step, value) of a --json row, the first and the last included; the resumed run names
     its checkpoint's training step."""
     tmp_path, _ = resumed

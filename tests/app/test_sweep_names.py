@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from gpipe_lab.lightning.wandb_run import run_name
+from gpipe_lab.app.sweep_check import job_sweep_values
+from gpipe_lab.app.wandb_reader import find_run_files, read_run
+from gpipe_lab.app.wandb_run import run_name
 from gpipe_lab.pipeline.options import PipelineOptions
-from gpipe_lab.sweep_check import job_sweep_values
-from gpipe_lab.wandb_reader import find_run_files, read_run
 from helpers.app import SMALL, cli_here, make_config
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_lab.wandb_reader import find_run_files, read_run
+from gpipe_lab.app.wandb_reader import find_run_files, read_run
 from helpers.app import cli_here, gpipe_train
 
 SMALL = ["data.num_train=256", "data.num_val=64", "trainer.max_steps=6", "trainer.log_every_n_steps=2",

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe_lab.config import ConfigError, validate
-from gpipe_lab.suggest import suggest_overrides
-from gpipe_lab.train import CONFIG_DIR
+from gpipe_lab.app.config.groups import ConfigError, validate
+from gpipe_lab.app.suggest import suggest_overrides
+from gpipe_lab.app.train import CONFIG_DIR
 from helpers.app import SMALL, make_config, user_app
 
 app = user_app

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from gpipe_lab.wandb_reader import BARS, BLOCK_BYTES, iter_payloads, main, read_run
+from gpipe_lab.app.wandb_reader import BARS, BLOCK_BYTES, iter_payloads, main, read_run
 
 
 def _write_log(path: Path, payloads: list[bytes]) -> None:

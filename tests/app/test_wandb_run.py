@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_lab.lightning.wandb_run import finish_and_flush, run_config, run_name, sweep_group
+from gpipe_lab.app.wandb_reader import find_run_files, read_run
+from gpipe_lab.app.wandb_run import finish_and_flush, run_config, run_name, sweep_group
 from gpipe_lab.pipeline.options import PipelineOptions
-from gpipe_lab.wandb_reader import find_run_files, read_run
 from helpers.app import make_config
 
 

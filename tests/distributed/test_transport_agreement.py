@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_lab.train import run
+from gpipe_lab.app.train import run
 from helpers.app import gpipe_train, make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(300)]

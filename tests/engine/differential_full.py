@@ -40,7 +40,7 @@ from differential_distributed import run_distributed  # noqa: E402
 from differential_run import judge, run_engine  # noqa: E402
 
 import gpipe_lab.pipeline  # noqa: E402
-from gpipe_lab.provenance import source_commit  # noqa: E402
+from gpipe_lab.bench.provenance import source_commit  # noqa: E402
 
 CHUNK = 3000  # cases per log line (from the command line, a chunk's distributed cases in one launch per K)
 HARNESS = ("differential_cases.py", "differential_run.py", "differential_compare.py",

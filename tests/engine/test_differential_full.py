@@ -9,7 +9,7 @@ import differential_full as full
 import pytest
 from differential_cases import Case
 
-from gpipe_lab.provenance import source_commit
+from gpipe_lab.bench.provenance import source_commit
 
 CASES = [Case.parse(r) for r in (
     "door=train_step,K=2,M=3,batch=10,checkpoint=except_last,schedule=gpipe,bn=plain,rand=dropout,"

@@ -15,8 +15,8 @@ from benchmarks import gpu_check
 from benchmarks.gpu_check_engine import Context, record_case
 from benchmarks.gpu_check_probes import order_violations
 
+from gpipe_lab.bench.provenance import source_commit
 from gpipe_lab.pipeline.measuring.step_timeline import Event
-from gpipe_lab.provenance import source_commit
 
 
 def test_dry_run_wires_every_section(tmp_path: Path) -> None:

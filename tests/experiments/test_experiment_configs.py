@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_lab.bench.experiment_config import compose_experiment
+from gpipe_lab.app.config.experiments import compose_experiment
 from helpers.forked import run_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def compose(name: str, *overrides: str) -> object:
 
 @pytest.mark.parametrize("name", PAPER_CONFIGS)
 def test_paper_config_composes_validates_and_names_its_script_and_commands(name: str) -> None:
-    from gpipe_lab.config import validate
+    from gpipe_lab.app.config.groups import validate
 
     text = (CONF / f"{name}.yaml").read_text()
     assert text.startswith("# @package _global_\n")
@@ -176,7 +176,7 @@ def test_tiny_multirun_is_collected_into_table2(tmp_path: Path, scripts: object,
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     sweep = tmp_path / "sweep"
     train = run_module(
-        "gpipe_lab.train", ["-m", "experiment=paper_table2_amoebanet", "pipeline.partitions=2",
+        "gpipe_lab.app.train", ["-m", "experiment=paper_table2_amoebanet", "pipeline.partitions=2",
          "pipeline.chunks=1,4", "trainer=smoke", "trainer.max_steps=1", "trainer.limit_val_batches=1",
          "model.num_layers=3", "model.num_filters=8", "data.batch_size=64", "data.num_train=128", "data.num_val=32",
          "logger=none",

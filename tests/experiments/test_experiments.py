@@ -99,7 +99,7 @@ def test_transfer_backbone_loading_swaps_only_the_classifier(tmp_path):
 def test_paper_experiment_configs_validate(experiment):
     from hydra import compose, initialize_config_dir
 
-    from gpipe_lab.config import validate
+    from gpipe_lab.app.config.groups import validate
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose("train", overrides=[f"experiment={experiment}", "logger=none"])

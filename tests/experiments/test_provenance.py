@@ -73,8 +73,8 @@ def test_benchmark_figures_name_commit_and_module_command(monkeypatch):
 def test_jobs_record_the_commit_of_their_code_and_the_sweep_summary_shows_it(tmp_path):
     import re
 
-    from gpipe_lab.provenance import source_commit
-    from gpipe_lab.sweep_summary import table_rows
+    from gpipe_lab.app.sweep_summary import table_rows
+    from gpipe_lab.bench.provenance import source_commit
 
     assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", source_commit())
     assert source_commit(tmp_path) == "unknown"  # not a git checkout
@@ -85,7 +85,7 @@ def test_jobs_record_the_commit_of_their_code_and_the_sweep_summary_shows_it(tmp
 def test_the_commit_of_results_is_the_last_one_that_changed_code(tmp_path):
     import subprocess
 
-    from gpipe_lab.provenance import commit_of
+    from gpipe_lab.bench.provenance import commit_of
 
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True,

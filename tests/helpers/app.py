@@ -15,7 +15,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-from gpipe_lab.train import CONFIG_DIR, cli
+from gpipe_lab.app.train import CONFIG_DIR, cli
 from helpers.forked import run_module, run_torchrun
 
 CONF = Path(CONFIG_DIR)
@@ -37,16 +37,16 @@ def make_config(*overrides: str, tmp_path: Path | None = None) -> DictConfig:
 def gpipe_train(args: list[str], tmp_path: Path, timeout: float = 240, torchrun: int | None = None,
                 ) -> subprocess.CompletedProcess:
     """``gpipe-train *args`` with its logs under ``tmp_path``, forked (``helpers.forked``); with
-    ``torchrun=N`` as ``torchrun --nproc-per-node N -m gpipe_lab.train`` (each rank forked, none started
+    ``torchrun=N`` as ``torchrun --nproc-per-node N -m gpipe_lab.app.train`` (each rank forked, none started
     by Lightning's launcher in a fresh interpreter)."""
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
     flags = [a for a in args if a.startswith("-")]
     overrides = [a for a in args if not a.startswith("-")]
     argv = [*flags, f"paths.log_dir={tmp_path}", *overrides]
     if torchrun is None:
-        proc = run_module("gpipe_lab.train", argv, cwd=tmp_path, env=env, timeout=timeout)
+        proc = run_module("gpipe_lab.app.train", argv, cwd=tmp_path, env=env, timeout=timeout)
     else:
-        proc = run_torchrun(torchrun, "gpipe_lab.train", argv, cwd=tmp_path, env=env, timeout=timeout)
+        proc = run_torchrun(torchrun, "gpipe_lab.app.train", argv, cwd=tmp_path, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -60,7 +60,7 @@ def user_app(args: list[str], tmp_path: Path, timeout: float = 240) -> subproces
     """``gpipe-train`` as a user runs it (no HYDRA_FULL_ERROR), in ``tmp_path``."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")
-    return run_module("gpipe_lab.train", [*args, f"paths.log_dir={tmp_path}"], cwd=tmp_path, env=env,
+    return run_module("gpipe_lab.app.train", [*args, f"paths.log_dir={tmp_path}"], cwd=tmp_path, env=env,
                       timeout=timeout)
 
 

@@ -9,7 +9,7 @@ first on ``sys.path``, ``sys.argv``, fresh stdin, stdout and stderr (captured to
 the real command gives; only what torch reads from the environment at import time
 (``OMP_NUM_THREADS``, ...) is the server's (Lightning's rank, read from ``RANK`` at import, is set again).
 
-    done = run_module("gpipe_lab.train", ["trainer=smoke"], cwd=tmp_path, timeout=240)
+    done = run_module("gpipe_lab.app.train", ["trainer=smoke"], cwd=tmp_path, timeout=240)
     done.returncode, done.stdout, done.stderr
 """
 
@@ -33,9 +33,9 @@ from gpipe_lab.pipeline.distributed.spawn import add_preload as _add_preload
 
 # what the app imports, but not the module it runs (``python -m`` runs that fresh), nor wandb (its import
 # makes a temporary folder that the first run to exit would remove for all)
-PRELOAD = ["torch", "lightning.pytorch", "hydra", "omegaconf", "gpipe_lab.config", "gpipe_lab.lightning",
-           "gpipe_lab.lightning.callbacks", "gpipe_lab.models", "gpipe_lab.data", "gpipe_lab.preflight",
-           "gpipe_lab.run_console", "gpipe_lab.run_start", "gpipe_lab.suggest", "gpipe_lab.continuation"]
+PRELOAD = ["torch", "lightning.pytorch", "hydra", "omegaconf", "gpipe_lab.app.config.groups", "gpipe_lab.lightning",
+           "gpipe_lab.lightning.callbacks", "gpipe_lab.models", "gpipe_lab.data", "gpipe_lab.app.config.environment",
+           "gpipe_lab.app.run_console", "gpipe_lab.app.run_start", "gpipe_lab.app.suggest", "gpipe_lab.app.continuation"]
 _CONTEXT = multiprocessing.get_context("forkserver")
 _add_preload(_CONTEXT, PRELOAD)
 

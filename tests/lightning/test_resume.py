@@ -16,14 +16,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from gpipe_lab.config import ConfigError
-from gpipe_lab.config import validate as validate_config
+from gpipe_lab.app.config.groups import ConfigError
+from gpipe_lab.app.config.groups import validate as validate_config
+from gpipe_lab.app.train import run
 from gpipe_lab.data import TokenBucketBatchSampler
 from gpipe_lab.data.image_datamodule import EpochRandomSampler
 from gpipe_lab.data.resumable import ResumableDataLoader
 from gpipe_lab.lightning import GPipeStrategy, PipelineModule
 from gpipe_lab.lightning.resume import ResumableCheckpoint, load_initial_weights, resolve_ckpt_path
-from gpipe_lab.train import run
 from helpers.app import make_config
 
 STEPS_PER_EPOCH = 4

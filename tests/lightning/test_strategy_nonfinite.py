@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_lab.config import ConfigError, validate
+from gpipe_lab.app.config.groups import ConfigError, validate
 from gpipe_lab.lightning import GPipeStrategy
 from gpipe_lab.pipeline import NonFiniteError
 from helpers.faults import BAD_STEP, Faulty, InfAtStep, nonfinite_worker
@@ -69,9 +69,9 @@ def test_config_key_is_validated_and_reaches_the_strategy(tmp_path: Path, monkey
     assert make_config().pipeline.nonfinite == "raise"
     with pytest.raises(ConfigError, match=r"pipeline\.nonfinite: must be one of \['raise', 'skip', 'ignore'\]"):
         validate(make_config("pipeline.nonfinite=maybe"))
-    assert validate(make_config("pipeline.nonfinite=skip")).nonfinite == "skip"
+    assert validate(make_config("pipeline.nonfinite=skip")).options.nonfinite == "skip"
 
-    import gpipe_lab.train as train
+    import gpipe_lab.app.train as train
 
     built = train.build_module
 

@@ -49,7 +49,7 @@ def test_module_is_attached_during_fit_and_plain_afterwards() -> None:
 def test_bad_options_are_refused_once_naming_the_key() -> None:
     with pytest.raises(OptionError, match=r"^virtual_stages: must be an integer >= 1, got 0"):
         GPipeStrategy(virtual_stages=0)
-    with pytest.raises(TypeError, match="options must be a PipelineOptions, got dict"):
+    with pytest.raises(OptionError, match="^options: must be a PipelineOptions, got dict"):
         GPipeStrategy({"partitions": 2})  # type: ignore[arg-type]
 
 
@@ -114,6 +114,16 @@ def test_the_transport_picks_the_strategy_type() -> None:
     assert type(GPipeStrategy(PipelineOptions(transport="distributed"), transport="local")) is LocalGPipeStrategy
     assert type(StrategyRegistry.get("gpipe")) is LocalGPipeStrategy
     assert type(copy.deepcopy(distributed)) is DistributedGPipeStrategy
+
+
+def test_every_abstract_method_of_lightning_is_implemented_and_each_transport_has_its_collectives() -> None:
+    assert not GPipeStrategy.__abstractmethods__  # GPipeStrategy(...) type-checks as a concrete class
+    local, distributed = GPipeStrategy(partitions=2), GPipeStrategy(PipelineOptions(transport="distributed"))
+    tensor = torch.ones(2)
+    assert local.reduce(tensor) is tensor and local.broadcast("x") == "x"  # one process: the identity
+    for name in ("reduce", "barrier", "broadcast"):  # the process group's: DDP's, not the one-process ones
+        assert getattr(type(distributed), name) is getattr(DDPStrategy, name), name
+    assert type(distributed).root_device is DDPStrategy.root_device
 
 
 def test_keywords_are_options_and_unknown_ones_are_refused() -> None:

@@ -8,10 +8,10 @@ from dataclasses import asdict, fields
 
 from omegaconf import OmegaConf
 
-from gpipe_lab.plan_config import PLANNER_KEYS, PlannerConfig, validate_planner
+from gpipe_lab.app.config.planner import PLANNER_KEYS, PlannerConfig, validate_planner
+from gpipe_lab.app.train import CONFIG_DIR
 from gpipe_lab.planner import plan_types
 from gpipe_lab.planner.cli import build_parser
-from gpipe_lab.train import CONFIG_DIR
 
 
 def test_the_yaml_restates_the_dataclass_defaults() -> None:

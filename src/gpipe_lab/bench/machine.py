@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from gpipe_lab.provenance import SOURCE_ROOT, commit_of
+from gpipe_lab.bench.provenance import SOURCE_ROOT, commit_of
 
 #: The checkout the scripts run from: ``benchmarks/`` and ``experiments/`` sit beside this package's ``src/``.
 ROOT = SOURCE_ROOT
@@ -54,7 +54,7 @@ def machine_info(device: str) -> dict[str, object]:
 
 
 def git_commit() -> str:
-    """The checkout's source commit (``gpipe_lab.provenance.commit_of``: ``+dirty`` when tracked files
+    """The checkout's source commit (``gpipe_lab.bench.provenance.commit_of``: ``+dirty`` when tracked files
     outside ``results/`` and Markdown differ from it, so regenerating results does not mark the next
     result dirty; ``unknown`` outside a git checkout)."""
     return commit_of(ROOT)

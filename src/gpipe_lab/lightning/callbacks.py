@@ -17,8 +17,8 @@ training (Ctrl-C too).
 ``bubble_measured_over`` says so) and keeps the flat names (``final_train_loss``,
 ``samples_per_s``, ``tokens_per_s``, ``bubble_measured``, ``bubble_theory``) as aliases. It
 also holds the run name, optimizer, learning rate, D (data-parallel replicas), the run's
-command-line overrides (so a sweep's rows show what each job swept) and, once the final model
-is tested (``gpipe_lab.evaluation``), the test metrics.
+command-line overrides (``overrides``, given by the app: so a sweep's rows show what each job swept) and, once the final model
+is tested (``gpipe_lab.app.evaluation``), the test metrics.
 """
 
 from __future__ import annotations
@@ -54,23 +54,16 @@ def theory_bubble(schedule: str, num_stages: int, chunks: int) -> float:
     return float(predict_step(get_schedule(schedule, num_stages, chunks), costs).bubble)
 
 
-def job_overrides() -> list[str]:
-    """The Hydra job's command-line overrides (none outside a Hydra run)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return list(HydraConfig.get().overrides.task)
-    except (ImportError, ValueError):
-        return []
-
-
 class PipelineMetrics(pl.Callback):
     """See the module docstring. ``output_dir`` receives ``summary.json`` and ``timeline_*.png``."""
 
     def __init__(self, output_dir: str | Path, extra_summary: dict[str, Any] | None = None,
                  warmup_steps: int = 1,
-                 derived: Callable[[dict[str, Any], list[float]], dict[str, Any]] | None = None) -> None:
+                 derived: Callable[[dict[str, Any], list[float]], dict[str, Any]] | None = None,
+                 overrides: list[str] | None = None) -> None:
         self.output_dir = Path(output_dir)
+        #: the run's command-line overrides (the summary's ``overrides``)
+        self.overrides = list(overrides or [])
         self.extra_summary = dict(extra_summary or {})
         #: more summary keys computed from the summary and the counted steps' wall times
         self.derived = derived
@@ -112,7 +105,8 @@ class PipelineMetrics(pl.Callback):
         measured = batch_idx >= self.warmup_steps or trainer.max_steps == 1
         from gpipe_lab.lightning.resume import ResumableCheckpoint
 
-        skipped_by_lightning = bool(trainer.global_step % max(1, trainer.log_every_n_steps))
+        every = getattr(trainer, "log_every_n_steps", 1)  # set by the Trainer, not in its stubs
+        skipped_by_lightning = bool(trainer.global_step % max(1, every))
         final = ResumableCheckpoint.is_final_step(trainer)
         quiet = skipped_by_lightning and self._pictured and not final
         if quiet and (strategy.transport == "distributed" or strategy.root_device.type == "cuda"):
@@ -144,7 +138,7 @@ class PipelineMetrics(pl.Callback):
             if strategy.last_loss is not None:
                 metrics["train/loss"] = float(strategy.last_loss)
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step - 1)
+                logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step - 1)
         if not self._pictured:
             self._pictured = True
             self._picture(trainer, strategy, "first")
@@ -234,7 +228,7 @@ class PipelineMetrics(pl.Callback):
             **self.extra_summary,
             "optimizer": type(optimizers[0]).__name__.lower() if optimizers else None,
             "lr": optimizers[0].param_groups[0]["lr"] if optimizers else None,
-            "overrides": job_overrides(),
+            "overrides": self.overrides,
             "steps": trainer.global_step,
             "final_train_loss": metrics.get("train/loss"),
             "validation_metric": val_key,

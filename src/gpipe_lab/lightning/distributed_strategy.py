@@ -40,6 +40,13 @@ class DistributedGPipeStrategy(GPipeStrategy, DDPStrategy, transport="distribute
 
     _cpu_threads: int | None = None  # set in setup_environment
 
+    # The process group's devices and collectives are DDP's (GPipeStrategy's are those of a
+    # process holding every stage, which come first in the method order).
+    root_device = DDPStrategy.root_device
+    reduce = DDPStrategy.reduce
+    barrier = DDPStrategy.barrier
+    broadcast = DDPStrategy.broadcast
+
     def transport_arguments(self, process_group_backend: str | None) -> dict[str, Any]:
         """The process group's backend and timeout (the pipeline's, at least a minute)."""
         return {"process_group_backend": process_group_backend,

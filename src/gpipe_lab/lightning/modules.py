@@ -35,22 +35,24 @@ def make_optimizer(params: Any, name: str = "adam", lr: float = 0.003, momentum:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        return torch.optim.Adam(params, lr=lr, betas=(betas[0], betas[1]), weight_decay=weight_decay)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, betas=(betas[0], betas[1]), weight_decay=weight_decay)
     raise ValueError(f"optimizer.name must be one of {list(OPTIMIZERS)}, got {name!r}")
 
 
-class _OptimizerMixin:
+class _WithOptimizer(PipelineModule):
+    """A ``PipelineModule`` trained with the optimizer its ``optimizer_spec`` names."""
+
     optimizer_spec: OptimizerSpec
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         spec = self.optimizer_spec
-        params = self.parameters()  # type: ignore[attr-defined]
+        params = self.parameters()
         return spec(params) if callable(spec) else make_optimizer(params, **(spec or {}))
 
 
-class ImageClassifier(_OptimizerMixin, PipelineModule):
+class ImageClassifier(_WithOptimizer):
     """Cross-entropy classification of images; logs loss and top-1 accuracy."""
 
     #: what validation logs (a best checkpoint's ``callbacks.model_checkpoint.monitor`` is one of them)
@@ -79,7 +81,7 @@ class ImageClassifier(_OptimizerMixin, PipelineModule):
         return result
 
 
-class Translator(_OptimizerMixin, PipelineModule):
+class Translator(_WithOptimizer):
     """Token cross-entropy over non-PAD targets (exact per-token mean across micro-batches).
 
     Validation logs the loss, the token accuracy and corpus BLEU (sacrebleu) of greedy
@@ -108,7 +110,9 @@ class Translator(_OptimizerMixin, PipelineModule):
 
     def count_samples(self, inputs: Any, targets: Any) -> tuple[int, Tensor]:
         # the token count stays on the targets' device: read per step, it would be a second sync
-        return int(inputs[0].shape[0]), self.loss_normalizer(targets).detach()
+        from gpipe_lab.models import count_tokens  # this module's loss_normalizer
+
+        return int(inputs[0].shape[0]), count_tokens(targets).detach()
 
     def on_validation_epoch_start(self) -> None:
         self._hyps, self._refs = [], []
@@ -127,7 +131,7 @@ class Translator(_OptimizerMixin, PipelineModule):
     def _translate(self, batch: Any, batch_idx: int, split: str) -> None:
         """Greedy-decode ``batch`` and keep its hypotheses and references for the split's BLEU."""
         datamodule = getattr(self.trainer, "datamodule", None)
-        if not hasattr(datamodule, "batch_references"):
+        if datamodule is None or not hasattr(datamodule, "batch_references"):
             return
         from gpipe_lab.models import greedy_decode
 

@@ -171,13 +171,14 @@ class PipelineModule(pl.LightningModule):
         """
         if not self.automatic_optimization:
             optimizer = self.optimizers()
-            optimizer.zero_grad()  # type: ignore[union-attr]
+            assert not isinstance(optimizer, list), "manual optimization here steps one optimizer"
+            optimizer.zero_grad()
             loss = self.pipeline_loss(batch)
             self.manual_backward(loss)
             clip = self.trainer.gradient_clip_val
             if clip:
                 self.configure_gradient_clipping(optimizer, clip, self.trainer.gradient_clip_algorithm or "norm")
-            optimizer.step()  # type: ignore[union-attr]
+            optimizer.step()
             return None
         return self.pipeline_loss(batch)
 

@@ -22,7 +22,7 @@ restored when training starts. So is the intra-op thread count of the CPU stages
 (``THREADS_KEY``): kernels reduce in an order that depends on it, and its default follows the
 machine's load, so ``resumed_options`` gives the resumed run the recorded count unless
 ``threads_per_stage`` is set. The pipeline's per-(step, stage, micro-batch) generators
-follow from Lightning's restored batch counter (``pipeline_runner``). Together: the same
+follow from Lightning's restored batch counter (``GPipeStrategy.run_pipeline``). Together: the same
 losses as an uninterrupted run, bitwise on CPU with the same K and M.
 
 Never saved at an epoch end or on another exception: Lightning 2.6 resumes an epoch-end
@@ -192,7 +192,7 @@ class ResumableCheckpoint(ModelCheckpoint):
         stepped = step > self._step_at_batch_start  # not inside an accumulation window
         periodic = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0
         due = periodic or self.interrupt_requested or self.is_final_step(trainer)
-        if stepped and due and step != self._saved_at_step and not trainer.fast_dev_run:
+        if stepped and due and step != self._saved_at_step and not getattr(trainer, "fast_dev_run", False):  # set by the Trainer, not in its stubs
             self.save_now(trainer)
         if self.interrupt_requested:
             self._stop_pending = True
@@ -275,8 +275,8 @@ class BestCheckpoint(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        value = trainer.callback_metrics.get(self.monitor)
-        value = None if value is None else float(value)
+        metric = trainer.callback_metrics.get(self.monitor)
+        value = None if metric is None else float(metric)
         better = value is not None and (self.best is None or (value > self.best if self.mode == "max"
                                                                else value < self.best))
         if trainer.strategy.broadcast(better, src=0):  # rank 0 decides: saving is a collective
@@ -294,18 +294,19 @@ def resume_command(last: Path) -> str:
 
 
 # ---------------------------------------------------------------------- ckpt_path=last
-def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path, runs_dir: Path | None = None) -> str | None:
+def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path | None, runs_dir: Path | None = None) -> str | None:
     """``ckpt_path`` for ``Trainer.fit``: a path as given, or ``"last"``: this run directory's
-    ``checkpoints/last.ckpt`` when it exists (``hydra.run.dir=<an old run>``), else the newest
-    ``*/checkpoints/last.ckpt`` under ``runs_dir`` (the app's ``logs/<task>/runs``).
+    ``checkpoints/last.ckpt`` when it exists (``hydra.run.dir=<an old run>``; none without
+    ``output_dir``), else the newest ``*/checkpoints/last.ckpt`` under ``runs_dir`` (the app's
+    ``logs/<task>/runs``).
 
     Raises:
         FileNotFoundError: ``last`` and no such checkpoint exists.
     """
     if ckpt_path is None or str(ckpt_path) != "last":
         return None if ckpt_path is None else str(ckpt_path)
-    own = output_dir / "checkpoints" / "last.ckpt"
-    if own.exists():
+    own = output_dir / "checkpoints" / "last.ckpt" if output_dir is not None else None
+    if own is not None and own.is_file():
         return str(own)
     found = sorted(runs_dir.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime) if runs_dir else []
     if not found:

@@ -19,7 +19,9 @@ def rng_states() -> dict[str, Any]:
     try:
         import numpy as np
 
-        name, keys, pos, has_gauss, gauss = np.random.get_state()  # plain types: weights_only loads them
+        state = np.random.get_state()
+        assert isinstance(state, tuple)  # the legacy form (the default): MT19937's tuple
+        name, keys, pos, has_gauss, gauss = state  # plain types: weights_only loads them
         states["numpy"] = [str(name), torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)]
     except ImportError:  # pragma: no cover - numpy is a torch dependency in practice
         pass

@@ -12,7 +12,7 @@ wait for the device, so the loss is unscaled by a device tensor (``unscale_loss`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -54,4 +54,5 @@ def agreeing_precision(precision_plugin: Any) -> Any:
                                  growth_factor=scaler.get_growth_factor(),
                                  backoff_factor=scaler.get_backoff_factor(),
                                  growth_interval=scaler.get_growth_interval(), process_group=dist.group.WORLD)
-    return MixedPrecision(precision_plugin.precision, precision_plugin.device, scaler=agreeing)
+    mixed = cast(Literal["16-mixed", "bf16-mixed"], precision_plugin.precision)  # a MixedPrecision's own
+    return MixedPrecision(mixed, precision_plugin.device, scaler=agreeing)

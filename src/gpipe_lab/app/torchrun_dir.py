@@ -13,6 +13,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 #: How long a rank waits for rank 0 to name its folder (rank 0 composes the same config first).
 WAIT_S = 300.0
@@ -27,7 +31,7 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _store(timeout_s: float) -> object:
+def _store(timeout_s: float) -> Store:
     from torch.distributed import TCPStore
 
     return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -52,7 +56,7 @@ def rank_overrides(args: Sequence[str]) -> list[str]:
             or {"-m", "--multirun"} & set(args):
         return []
     try:
-        run_dir = _store(WAIT_S).get(_key()).decode()  # type: ignore[attr-defined]  # blocks until rank 0 sets it
+        run_dir = _store(WAIT_S).get(_key()).decode()  # blocks until rank 0 sets it
     except RuntimeError as exc:  # the store's timeout, or rank 0's agent gone
         raise SystemExit(f"rank {_rank()}: rank 0 did not name its run folder within {WAIT_S:.0f} s "
                          f"({str(exc).splitlines()[0]})") from None
@@ -62,4 +66,4 @@ def rank_overrides(args: Sequence[str]) -> list[str]:
 def publish_run_dir(run_dir: str) -> None:
     """On rank 0 of a torchrun launch: name ``run_dir`` to the other ranks (nothing elsewhere)."""
     if under_torchrun() and _rank() == 0:
-        _store(WAIT_S).set(_key(), run_dir)  # type: ignore[attr-defined]
+        _store(WAIT_S).set(_key(), run_dir)

@@ -1,11 +1,12 @@
-"""Test-set evaluation in ``gpipe-train``, chosen by the root key ``mode``.
+"""Test-set evaluation in ``gpipe-train``, chosen by the root key ``mode`` (checked by
+``gpipe_lab.app.config.groups.validate_mode``).
 
 - ``mode=train`` (the default): train, then test the final model (``final_test``) on the data's test split when
   it has one (``data.num_test`` of the synthetic tasks, ``data.test_src``/``data.test_ref`` of
   ``parallel_text``; ``trainer.limit_test_batches=0`` skips it);
 - ``mode=validate`` / ``mode=test``: evaluate the checkpoint ``ckpt_path`` on the validation /
   test set without training (Lightning's ``Trainer.validate`` / ``Trainer.test``), with the
-  checkpoint's run's overrides (``gpipe_lab.continuation``) and a wandb run of its own.
+  checkpoint's run's overrides (``gpipe_lab.app.continuation``) and a wandb run of its own.
 
 The test metrics (``test/loss`` and ``test/acc``, or ``test/bleu`` by sacrebleu over the whole
 test set and ``test/token_acc``) go to the loggers (wandb's history), and to ``summary.json``
@@ -20,30 +21,13 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from gpipe_lab.config_schema import ConfigError
-
-MODES = ("train", "validate", "test")
+from gpipe_lab.app.config.schema import ConfigError
 
 #: How each dataset gets a test split, for the error of ``mode=test`` without one.
 TEST_SET_HINT = {
     "parallel_text": "set data.test_src and data.test_ref (plain-text files, sacrebleu's format)",
     "synthetic_images": "set data.num_test above 0", "synthetic_translation": "set data.num_test above 0",
 }
-
-
-def validate_mode(cfg: DictConfig) -> str:
-    """The run's ``mode``.
-
-    Raises:
-        ConfigError: an unknown mode, or ``validate`` / ``test`` without a checkpoint to evaluate.
-    """
-    mode = cfg.get("mode", "train")
-    if mode not in MODES:
-        raise ConfigError(f"mode: must be one of {list(MODES)}, got {mode!r}")
-    if mode != "train" and cfg.get("ckpt_path") is None:
-        raise ConfigError(f"mode={mode}: give the checkpoint to evaluate, ckpt_path=<run dir>/checkpoints/last.ckpt "
-                          f"(or ckpt_path=last, the newest run's)")
-    return str(mode)
 
 
 def evaluates(cfg: DictConfig) -> bool:
@@ -60,7 +44,7 @@ def check_test_set(cfg: DictConfig, datamodule: Any) -> None:
 
 def check_weights(ckpt_path: str, module: torch.nn.Module) -> None:
     """Raises: ConfigError: the checkpoint's weights do not fit ``module`` (names or shapes)."""
-    from gpipe_lab.lightning.resume_checks import differing_weights
+    from gpipe_lab.app.config.resume import differing_weights
 
     state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     bad = differing_weights(state, module)
@@ -89,7 +73,7 @@ def final_test(trainer: Any, module: Any, datamodule: Any, metrics: Any) -> None
 def evaluate_checkpoint(mode: str, trainer: Any, module: Any, datamodule: Any, metrics: Any, ckpt_path: str) -> None:
     """``mode=validate`` / ``mode=test``: evaluate ``ckpt_path`` without training; the summary holds
     the metrics (the validation ones as a trained run's do) and, as ``steps``, the checkpoint's step."""
-    from gpipe_lab.lightning.wandb_run import checkpoint_step
+    from gpipe_lab.app.wandb_run import checkpoint_step
 
     evaluate = trainer.validate if mode == "validate" else trainer.test
     results = evaluate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)[0]

@@ -32,7 +32,7 @@ def compose_experiment(name: str, overrides: Sequence[str] = ()) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import gpipe_lab.config_schema  # noqa: F401  (registers the generated pipeline/schema node)
+    import gpipe_lab.app.config.schema  # noqa: F401  (registers the generated pipeline/schema node)
 
     names = experiment_names()
     if name not in names:

@@ -29,6 +29,12 @@ from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.pipeline.partitioning.partition import resolve_balance
 
 
+def global_rank() -> int:
+    """This process's global rank as Lightning sets it (``rank_zero_only.rank``, an attribute the
+    type stubs do not declare); 0 before any launcher set one."""
+    return int(getattr(rank_zero_only, "rank", 0))
+
+
 def stage_summary(options: PipelineOptions, layers: Any) -> str:
     """The pipeline as it will run: K, M, schedule, and each stage's layers and parameters."""
     balance = resolve_balance(layers, options)
@@ -103,7 +109,8 @@ class ProgressBar(TQDMProgressBar):
         super().on_train_start(trainer, pl_module)
         if trainer.fit_loop.restarted_mid_epoch:
             self.on_train_epoch_start(trainer, pl_module)
-            bar, done = self.train_progress_bar, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            current = trainer.fit_loop.epoch_loop.batch_progress.current
+            bar, done = self.train_progress_bar, current.processed  # type: ignore[attr-defined]  # a _ProcessedTracker, typed as its base
             if bar.total is not None:  # Lightning's total counts the steps left to max_steps from here
                 bar.total = min(done + bar.total, trainer.num_training_batches)
             bar.n = bar.initial = done
@@ -232,7 +239,7 @@ def discard_run_dir(failed: bool = False) -> None:
         return
     if hydra_cfg.mode != RunMode.RUN or not hydra_cfg.runtime.output_dir:
         return
-    if rank_zero_only.rank != 0:  # a process in rank 0's folder (torchrun: gpipe_lab.torchrun_dir; Lightning's launch)
+    if global_rank() != 0:  # a process in rank 0's folder (torchrun: gpipe_lab.app.torchrun_dir; Lightning's launch)
         return
     run_dir = Path(hydra_cfg.runtime.output_dir)
     before = {n for n in os.listdir(run_dir) if not n.endswith(".log")} if run_dir.is_dir() else set()

@@ -1,9 +1,8 @@
-"""``preflight(cfg)``: every check a run makes before it trains, made first by the run itself,
-its dry run (``dry_run=true``) and each job of a sweep (``gpipe_lab.sweep_check``).
+"""The config against this machine: what it names must exist here, checked by
+``gpipe_lab.app.config.check_config`` after the groups' own checks.
 
-- ``gpipe_lab.config.validate``: keys, values and combinations of the groups;
-- the pipeline against the model's layer count (the model is built on the ``meta`` device:
-  nothing is allocated, so Table 1's giants cost no memory);
+- the model's layer count (the model is built on the ``meta`` device: nothing is allocated, so
+  Table 1's giants cost no memory), which the pipeline is checked against;
 - the checkpoint to resume (``ckpt_path``, ``last`` included) or to start from (``init_from``)
   exists, and the one to resume is a whole checkpoint file (a sweep refuses a damaged one first);
 - ``trainer=gpu`` finds a GPU, and ``pipeline.devices`` names devices this machine has;
@@ -18,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from gpipe_lab.config import ConfigError, validate, validate_layer_count
+from gpipe_lab.app.config.schema import ConfigError, resolved_dict
+from gpipe_lab.lightning.resume import resolve_ckpt_path
 from gpipe_lab.models import build
 from gpipe_lab.pipeline.devices.assignment import resolve_devices
 from gpipe_lab.pipeline.distributed.topology import check_world
@@ -32,8 +32,7 @@ QUOTING = "quote a path holding '=' as \"ckpt_path='.../epoch=0-step=60.ckpt'\""
 
 def model_overrides(cfg: DictConfig) -> dict[str, Any]:
     """The ``model`` group's ``gpipe_lab.models.build`` overrides (all but ``name`` and ``task``)."""
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    return {k: v for k, v in model.items() if k not in ("name", "task")}  # type: ignore[union-attr]
+    return {k: v for k, v in resolved_dict(cfg.model).items() if k not in ("name", "task")}
 
 
 def layer_count(cfg: DictConfig) -> int:
@@ -64,14 +63,11 @@ def resolve_checkpoint(cfg: DictConfig, output_dir: Path | None = None) -> str |
     given = cfg.get("ckpt_path")
     if given is None:
         return None
-    if str(given) == "last":
-        own = [output_dir / "checkpoints" / "last.ckpt"] if output_dir is not None else []
-        runs = sorted(runs_dir_of(cfg).glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-        found = [p for p in own if p.is_file()] or runs[-1:]
-        if not found:
-            raise ConfigError(f"ckpt_path=last: no run under {runs_dir_of(cfg)} has a checkpoints/last.ckpt yet; "
-                              f"train one first (gpipe-train), or give ckpt_path=<run dir>/checkpoints/last.ckpt")
-        given = found[0]
+    try:
+        given = resolve_ckpt_path(str(given), output_dir, runs_dir_of(cfg))  # the rule of ``last``
+    except FileNotFoundError:
+        raise ConfigError(f"ckpt_path=last: no run under {runs_dir_of(cfg)} has a checkpoints/last.ckpt yet; "
+                          f"train one first (gpipe-train), or give ckpt_path=<run dir>/checkpoints/last.ckpt") from None
     for last in (Path(str(given)) / "checkpoints" / "last.ckpt", Path(str(given)) / "last.ckpt"):
         if last.is_file():
             raise ConfigError(f"ckpt_path={given}: a run directory, not a checkpoint; resume its newest one with "
@@ -132,19 +128,3 @@ def check_launcher_world_size(options: PipelineOptions) -> None:
                         f"(or a multiple of {k}), or a pipeline.partitions dividing {world}")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-
-
-def preflight(cfg: DictConfig, output_dir: Path | None = None) -> PipelineOptions:
-    """See the module docstring; returns the pipeline's validated options.
-
-    Raises:
-        ConfigError: naming the key, value and a fix, before anything is built or trained.
-    """
-    options = validate(cfg)
-    validate_layer_count(cfg, options, layer_count(cfg))
-    resolve_checkpoint(cfg, output_dir)
-    check_init_from(cfg)
-    check_accelerator(cfg)
-    check_devices(options)
-    check_launcher_world_size(options)
-    return options

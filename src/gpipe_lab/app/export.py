@@ -1,4 +1,4 @@
-"""``gpipe-export CKPT OUT`` (also ``python -m gpipe_lab.export``): a trained pipeline as the unpipelined model.
+"""``gpipe-export CKPT OUT`` (also ``python -m gpipe_lab.app.export``): a trained pipeline as the unpipelined model.
 
     gpipe-export logs/train/runs/<time>/checkpoints/best.ckpt model.pt
     layers.load_state_dict(torch.load("model.pt", weights_only=True))   # layers: the nn.Sequential
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gpipe_lab.config import ConfigError
+from gpipe_lab.app.config import ConfigError
 
 #: where a PipelineModule holds its nn.Sequential
 PREFIX = "layers."
@@ -28,9 +28,9 @@ PREFIX = "layers."
 
 def saved_layers(ckpt: Path) -> torch.nn.Sequential | None:
     """The layers of the model the checkpoint's run built (on ``meta``), if its config is saved."""
-    from gpipe_lab.lightning.resume_checks import saved_config
+    from gpipe_lab.app.config.environment import model_overrides
+    from gpipe_lab.app.config.resume import saved_config
     from gpipe_lab.models import build
-    from gpipe_lab.preflight import model_overrides
 
     saved = saved_config(ckpt)
     if saved is None or saved.get("model") is None:
@@ -45,7 +45,7 @@ def unpipelined_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
         ConfigError: not a gpipe-train checkpoint, or one without ``layers`` weights, or with layer
             indices and no saved config to name them.
     """
-    from gpipe_lab.lightning.resume_checks import read_checkpoint
+    from gpipe_lab.app.config.resume import read_checkpoint
     from gpipe_lab.pipeline.distributed.state_dict import named_after
 
     saved = read_checkpoint(ckpt, key="checkpoint")["state_dict"]

@@ -11,9 +11,9 @@ summary updates in ``record.summary.update``, the config in ``record.config.upda
 
 From the command line (a user tool to check an offline run before ``wandb sync``)::
 
-    python -m gpipe_lab.wandb_reader logs/train/runs/<date>            # summary and the loss per step
-    python -m gpipe_lab.wandb_reader logs/train/runs/<date> --key perf/samples_per_s
-    python -m gpipe_lab.wandb_reader logs/train/runs/<date> --json     # config, summary, every row
+    python -m gpipe_lab.app.wandb_reader logs/train/runs/<date>            # summary and the loss per step
+    python -m gpipe_lab.app.wandb_reader logs/train/runs/<date> --key perf/samples_per_s
+    python -m gpipe_lab.app.wandb_reader logs/train/runs/<date> --json     # config, summary, every row
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def read_run(path: str | Path, cut_end: bool = False) -> WandbRun:
 
     run = WandbRun()
     for payload in (_payloads_before_any_cut(path) if cut_end else iter_payloads(path)):
-        record = wandb_internal_pb2.Record()
+        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # protobuf-generated: its stub declares no messages
         record.ParseFromString(payload)
         kind = record.WhichOneof("record_type") or "unknown"
         run.kinds[kind] = run.kinds.get(kind, 0) + 1
@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns 1 (and says so) when the folder holds no ``.wandb`` file.
     """
-    parser = argparse.ArgumentParser(prog="python -m gpipe_lab.wandb_reader", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gpipe_lab.app.wandb_reader", description=main.__doc__)
     parser.add_argument("directory", help="a run or sweep folder (searched recursively for *.wandb)")
     parser.add_argument("--key", default="train/loss", help="the history key to show per step (train/loss)")
     parser.add_argument("--json", action="store_true", help="config, summary and every history row as JSON")

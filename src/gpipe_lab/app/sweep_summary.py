@@ -91,7 +91,7 @@ def log_wandb_table(rows: list[dict[str, Any]], sweep_dir: Path, logger: DictCon
     """One wandb run in the sweep's group holding the table (``logger``: the ``logger`` group)."""
     import wandb
 
-    from gpipe_lab.lightning.wandb_run import console_settings, finish_and_flush
+    from gpipe_lab.app.wandb_run import console_settings, finish_and_flush
 
     headers, data = table_rows(rows)
     group = logger.get("group") or sweep_dir.name
@@ -100,7 +100,7 @@ def log_wandb_table(rows: list[dict[str, Any]], sweep_dir: Path, logger: DictCon
                      group=group, name=f"{group}-summary", job_type="sweep-summary", mode=mode,
                      tags=list(logger.get("tags") or []), settings=console_settings(mode))
     try:
-        run.log({"sweep/summary": wandb.Table(columns=headers, data=data)})
+        run.log({"sweep/summary": wandb.Table(columns=list[str | int](headers), data=data)})
     finally:
         finish_and_flush(run)
 

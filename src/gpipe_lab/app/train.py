@@ -1,4 +1,4 @@
-"""The Hydra app ``gpipe-train`` (also ``python -m gpipe_lab.train``).
+"""The Hydra app ``gpipe-train`` (also ``python -m gpipe_lab.app.train``).
 
     gpipe-train                                   # the default: AmoebaNet-D tiny, K=2, M=4, CPU
     gpipe-train -m pipeline.partitions=1,2 pipeline.chunks=1,4,8
@@ -6,14 +6,14 @@
     gpipe-train ckpt_path=/path/to/run/checkpoints/last.ckpt pipeline.partitions=4   # resume, another K
     gpipe-train ckpt_path=last                    # resume the newest run's last.ckpt
     gpipe-train experiment=transfer_synthetic init_from=/path/to/last.ckpt   # fine-tune
-    gpipe-train mode=test ckpt_path=/path/to/last.ckpt   # evaluate a checkpoint on the test set (gpipe_lab.evaluation)
+    gpipe-train mode=test ckpt_path=/path/to/last.ckpt   # evaluate a checkpoint on the test set (gpipe_lab.app.evaluation)
     gpipe-train pipeline.plan=auto pipeline.memory_per_device=8MiB   # the planner chooses K, M, ... (plan_run)
 
 Every run writes ``summary.json`` (with the test metrics when the data has a test split),
 ``timeline_{first,last}.png``, ``checkpoints/last.ckpt``
 (every ``callbacks.checkpoint_every_n_steps`` steps, at the end and on Ctrl-C) and (by
-default) an offline wandb run under its output directory. ``gpipe_lab.preflight`` checks the
-whole config first (the dry run and each job of a sweep make the same checks).
+default) an offline wandb run under its output directory. ``gpipe_lab.app.config.check_config`` checks the
+whole config first, once (the dry run and each job of a sweep make the same call).
 """
 
 from __future__ import annotations
@@ -29,56 +29,56 @@ import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-import gpipe_lab.config_schema  # noqa: F401  (registers the generated config nodes)
-from gpipe_lab.config import ConfigError, trainer_devices, validate_callbacks, validate_pipeline
-from gpipe_lab.continuation import continue_run
-from gpipe_lab.data import build_datamodule as build_named_datamodule
-from gpipe_lab.data.checks import DataNotFoundError
-from gpipe_lab.evaluation import check_test_set, evaluate_checkpoint, evaluates, final_test
-from gpipe_lab.lightning import GPipeStrategy
-from gpipe_lab.lightning.callbacks import PipelineMetrics
-from gpipe_lab.lightning.known_warnings import silence_known_warnings
-from gpipe_lab.lightning.resume import BestCheckpoint, ResumableCheckpoint, resumed_options
-from gpipe_lab.lightning.wandb_run import build_wandb_logger, job_run_name
-from gpipe_lab.models import build
-from gpipe_lab.pipeline.distributed.failure import PeerFailedError
-from gpipe_lab.pipeline.options import PipelineOptions
-from gpipe_lab.plan_config import validate_planner
-from gpipe_lab.plan_run import choose_plan
-from gpipe_lab.planner.preset_costs import preset_costs
-from gpipe_lab.preflight import model_overrides, preflight, resolve_checkpoint
-from gpipe_lab.provenance import source_commit
-from gpipe_lab.run_console import (
+from gpipe_lab.app.config import CheckedConfig, ConfigError, check_config  # registers the generated nodes
+from gpipe_lab.app.config.environment import model_overrides
+from gpipe_lab.app.config.groups import trainer_devices
+from gpipe_lab.app.config.schema import CallbacksConfig, resolved_dict
+from gpipe_lab.app.continuation import continue_run
+from gpipe_lab.app.evaluation import check_test_set, evaluate_checkpoint, evaluates, final_test
+from gpipe_lab.app.plan_run import choose_plan
+from gpipe_lab.app.run_console import (
     CompileNotice,
     ProgressBar,
     ValidateAtTheEnd,
     close_progress_bars,
     discard_run_dir,
+    global_rank,
     print_lightning_logs_once,
     record_failure,
     stage_summary,
     summary_line,
     tell_interrupted,
 )
-from gpipe_lab.run_start import fetch_data, load_weights, saved_config_path
-from gpipe_lab.suggest import suggest_overrides
-from gpipe_lab.sweep_check import job_sweep_values
-from gpipe_lab.torchrun_dir import publish_run_dir, rank_overrides
+from gpipe_lab.app.run_start import fetch_data, load_weights, saved_config_path
+from gpipe_lab.app.suggest import suggest_overrides
+from gpipe_lab.app.sweep_check import job_overrides, job_sweep_values
+from gpipe_lab.app.torchrun_dir import publish_run_dir, rank_overrides
+from gpipe_lab.app.wandb_run import build_wandb_logger, job_run_name
+from gpipe_lab.bench.provenance import source_commit
+from gpipe_lab.data import build_datamodule as build_named_datamodule
+from gpipe_lab.data.checks import DataNotFoundError
+from gpipe_lab.lightning import GPipeStrategy
+from gpipe_lab.lightning.callbacks import PipelineMetrics
+from gpipe_lab.lightning.known_warnings import silence_known_warnings
+from gpipe_lab.lightning.resume import BestCheckpoint, ResumableCheckpoint, resumed_options
+from gpipe_lab.models import build
+from gpipe_lab.pipeline.distributed.failure import PeerFailedError
+from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.planner.preset_costs import preset_costs
 
 __all__ = ["CONFIG_DIR", "build_datamodule", "build_logger", "build_module", "cli", "engine_options",
            "main", "model_overrides", "run"]
 
 # The YAML ships inside the package (``gpipe_lab/conf``; in a checkout a link to the top-level
 # ``conf/``), so an installed wheel finds it too.
-CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parent / "conf")))
+CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parents[1] / "conf")))
 
 
 def build_datamodule(cfg: DictConfig) -> Any:
     """The ``data`` group's datamodule."""
-    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "name"}
+    kwargs = {k: v for k, v in resolved_dict(cfg.data).items() if k != "name"}
     return build_named_datamodule(cfg.data.name, seed=cfg.seed, **kwargs)
 
 
@@ -102,12 +102,11 @@ def build_module(cfg: DictConfig, datamodule: Any) -> Any:
     return instantiate(cfg.model.task, layers=layers, optimizer=instantiate(cfg.optimizer))
 
 
-def build_callbacks(cfg: DictConfig, output_dir: Path, trainer_kwargs: dict[str, Any]) -> list[Any]:
-    """The checkpoint callbacks (``callbacks`` group: last and best) and the progress bar, as the trainer
-    config asks."""
+def build_callbacks(c: CallbacksConfig, output_dir: Path, trainer_kwargs: dict[str, Any]) -> list[Any]:
+    """The checkpoint callbacks (the checked ``callbacks`` group: last and best) and the progress bar, as
+    the trainer config asks."""
     callbacks: list[Any] = []
     if trainer_kwargs.get("enable_checkpointing", True):
-        c = validate_callbacks(cfg)
         callbacks.append(ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=c.checkpoint_every_n_steps,
                                              save_top_k=c.keep_checkpoints, handle_sigint=c.graceful_ctrl_c))
         if c.model_checkpoint.monitor is not None:
@@ -120,19 +119,21 @@ def build_callbacks(cfg: DictConfig, output_dir: Path, trainer_kwargs: dict[str,
 
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     """The run's config with every interpolation resolved (Hydra's own node left out)."""
-    return {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
+    # node by node: Hydra's own node is not resolved (its ${hydra:...} need a running app)
+    return {str(k): OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
             for k, v in cfg.items() if k != "hydra"}
 
 
-def build_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptions | None = None) -> Any:
+def build_logger(checked: CheckedConfig, output_dir: Path, options: PipelineOptions | None = None) -> Any:
     """The ``logger`` group's logger (``False`` for ``none``); wandb runs are grouped and named
-    by ``gpipe_lab.lightning.wandb_run``."""
+    by ``gpipe_lab.app.wandb_run`` (after ``options``, default the checked ones)."""
+    cfg = checked.cfg
     name = cfg.logger.name if cfg.get("logger") else "none"
     if name == "csv":
         return CSVLogger(save_dir=str(output_dir), name="csv")
     if name == "wandb":
-        continued = None if evaluates(cfg) else resolve_checkpoint(cfg, output_dir)
-        return build_wandb_logger(cfg, output_dir, options or validate_pipeline(cfg), resolved_config(cfg),
+        continued = None if evaluates(cfg) else checked.ckpt_path
+        return build_wandb_logger(cfg, output_dir, options or checked.options, resolved_config(cfg),
                                   ckpt_path=continued)  # an evaluated checkpoint's wandb run is left as it is
     return False
 
@@ -158,28 +159,29 @@ def output_dir_of(cfg: DictConfig) -> Path:
         return Path(cfg.paths.log_dir) / cfg.task_name / "run"
 
 
-def build_trainer(cfg: DictConfig, options: PipelineOptions, module: Any, output_dir: Path,
+def build_trainer(checked: CheckedConfig, options: PipelineOptions, module: Any, output_dir: Path,
                   metrics: PipelineMetrics) -> pl.Trainer:
-    """The Lightning trainer: the ``trainer`` group, the GPipe strategy, the logger and callbacks."""
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    trainer_kwargs["devices"] = trainer_devices(cfg, options)  # type: ignore[index]
+    """The Lightning trainer: the ``trainer`` group, the GPipe strategy (``options``: the checked ones,
+    as planned and resumed), the logger and callbacks."""
+    cfg = checked.cfg
+    trainer_kwargs = resolved_dict(cfg.trainer)
+    trainer_kwargs["devices"] = trainer_devices(cfg, options)
     # Lightning's summary shows one ``layers | Sequential`` row and 0 FLOPs; ``stage_summary`` replaces it.
-    trainer_kwargs.setdefault("enable_model_summary", False)  # type: ignore[union-attr]
-    callbacks: list[Any] = [metrics, ValidateAtTheEnd(),
-                            *build_callbacks(cfg, output_dir, trainer_kwargs)]  # type: ignore[arg-type]
+    trainer_kwargs.setdefault("enable_model_summary", False)
+    callbacks: list[Any] = [metrics, ValidateAtTheEnd(), *build_callbacks(checked.callbacks, output_dir, trainer_kwargs)]
     if options.compile:
         callbacks.append(CompileNotice())
     strategy = GPipeStrategy(options=engine_options(cfg, options, module))
-    if rank_zero_only.rank == 0 and trainer_kwargs.get("enable_model_summary") is False:  # type: ignore[union-attr]
+    if global_rank() == 0 and trainer_kwargs.get("enable_model_summary") is False:
         print(stage_summary(strategy.options, module.layers))
-    return pl.Trainer(**trainer_kwargs, strategy=strategy, logger=build_logger(cfg, output_dir, options),
+    return pl.Trainer(**trainer_kwargs, strategy=strategy, logger=build_logger(checked, output_dir, options),
                       callbacks=callbacks, default_root_dir=str(output_dir))
 
 
 def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metrics: PipelineMetrics,
         ckpt_path: str | None) -> None:
     """Train (resuming ``ckpt_path``), then validate the final model when the last validation was
-    earlier and test it (``gpipe_lab.evaluation``); or with ``mode=validate|test`` evaluate
+    earlier and test it (``gpipe_lab.app.evaluation``); or with ``mode=validate|test`` evaluate
     ``ckpt_path`` only. The wandb run is closed whatever happens."""
     try:
         try:
@@ -194,7 +196,7 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metr
             final_test(trainer, module, datamodule, metrics)
         finally:
             if cfg.logger.get("name") == "wandb":  # import cost: only a wandb-logged run loads wandb
-                from gpipe_lab.lightning.wandb_run import finish_and_flush
+                from gpipe_lab.app.wandb_run import finish_and_flush
 
                 finish_and_flush()
     except SystemExit:  # Lightning's answer to Ctrl-C: exit(1) once the interrupted state is saved
@@ -209,7 +211,7 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: Any, datamodule: Any, metr
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Check the whole config (``preflight``), build and fit; returns the run's summary
+    """Check the whole config (``check_config``, once), build and fit; returns the run's summary
     (empty for a dry run).
 
     Raises:
@@ -218,24 +220,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     silence_known_warnings()
     print_lightning_logs_once()
     output_dir = output_dir_of(cfg)
-    resolve_checkpoint(cfg, output_dir)  # a missing checkpoint: one line, before continue_run reads it
     cfg = continue_run(cfg)  # ckpt_path: the checkpoint's run's overrides, wandb run and a link to it
-    options = preflight(cfg, output_dir)
+    checked = check_config(cfg, output_dir)
     if cfg.get("dry_run"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return {}
     if saved_config_path() is not None:
         print(f"config: {saved_config_path()} (composed; the command's overrides in overrides.yaml beside it)")
-    ckpt_path = resolve_checkpoint(cfg, output_dir)
+    options, ckpt_path = checked.options, checked.ckpt_path
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg)
     fetch_data(cfg, datamodule)
     check_test_set(cfg, datamodule)
     module = build_module(cfg, datamodule)
     init_from = load_weights(cfg, module, ckpt_path)
-    planner, plan = validate_planner(cfg), None
-    if planner.auto:
-        options, plan = choose_plan(cfg, options, planner, model_sizes(cfg, datamodule))
+    plan = None
+    if checked.planner.auto:
+        options, plan = choose_plan(cfg, options, checked.planner, model_sizes(cfg, datamodule))
     extra = {"model": cfg.model.name, "data": cfg.data.name, "batch_size": cfg.data.get("batch_size"),
              "seed": cfg.seed, "precision": str(cfg.trainer.get("precision")), "mode": cfg.get("mode", "train"),
              "evaluated" if evaluates(cfg) else "resumed_from": ckpt_path,
@@ -243,9 +244,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
              "commit": source_commit()}
     if plan is not None:
         extra.update(plan.summary())
-    metrics = PipelineMetrics(output_dir, extra_summary=extra, derived=plan.compare if plan is not None else None)
+    metrics = PipelineMetrics(output_dir, extra_summary=extra, derived=plan.compare if plan is not None else None,
+                              overrides=job_overrides())
     options = resumed_options(options, ckpt_path)  # the run's thread count: a bitwise continuation
-    trainer = build_trainer(cfg, options, module, output_dir, metrics)
+    trainer = build_trainer(checked, options, module, output_dir, metrics)
     fit(cfg, trainer, module, datamodule, metrics, ckpt_path)
     if trainer.is_global_zero:
         print(summary_line(metrics.summary, output_dir))

@@ -12,7 +12,7 @@
 A run resumed from a checkpoint (``ckpt_path``) continues the wandb run of the checkpoint's run
 directory under the same id, rewound (``resume_from="<id>?_step=<n>"``) to its last history row
 before the checkpoint's step: rows a killed run logged past its checkpoint are dropped, so no
-step has two values once synced (``gpipe_lab.wandb_reader.synced_history`` reads it so offline);
+step has two values once synced (``gpipe_lab.app.wandb_reader.synced_history`` reads it so offline);
 its config's ``resumed_from_step`` is the checkpoint's training step.
 
 The run is created here (``wandb.init``) and handed to Lightning's ``WandbLogger`` as its
@@ -68,7 +68,7 @@ def run_name(options: PipelineOptions, swept: Mapping[str, str] | None = None) -
 
 def job_run_name(options: PipelineOptions) -> str:
     """``run_name`` of this Hydra job: with the values of what its sweep varies."""
-    from gpipe_lab.sweep_check import job_sweep_values
+    from gpipe_lab.app.sweep_check import job_sweep_values
 
     return run_name(options, job_sweep_values())
 
@@ -97,7 +97,7 @@ def resume_arguments(ckpt_path: str | None) -> dict[str, Any]:
                   key=lambda p: p.parent.name.split("run-", 1)[1])
     if not runs:
         return {}
-    from gpipe_lab.wandb_reader import read_run
+    from gpipe_lab.app.wandb_reader import read_run
 
     run_id = runs[-1].stem.removeprefix("run-")
     step = checkpoint_step(ckpt_path)
@@ -127,12 +127,13 @@ def build_wandb_logger(cfg: DictConfig, output_dir: Path, options: PipelineOptio
     """A ``WandbLogger`` writing to ``output_dir/wandb``, continuing ``ckpt_path``'s wandb run
     (see the module docstring)."""
     from lightning.pytorch.loggers import WandbLogger
-    from lightning.pytorch.utilities import rank_zero_only
+
+    from gpipe_lab.app.run_console import global_rank
 
     output_dir.mkdir(parents=True, exist_ok=True)
     name = job_run_name(options)
     experiment = None
-    if rank_zero_only.rank == 0:
+    if global_rank() == 0:
         import wandb
 
         common = dict(dir=str(output_dir), project=cfg.logger.project, entity=cfg.logger.entity,
@@ -162,7 +163,7 @@ def finish_and_flush(run: Any | None = None) -> None:
 
     ``finish`` can return before wandb's service process has written the run's ``.wandb`` file
     (seen empty right after ``finish`` in 1 of 15 offline runs on a quiet machine); a run resumed
-    in the same process and ``gpipe_lab.wandb_reader`` read that file next. ``teardown`` waits for
+    in the same process and ``gpipe_lab.app.wandb_reader`` read that file next. ``teardown`` waits for
     the service; the next run in this process starts a new one.
     """
     import wandb

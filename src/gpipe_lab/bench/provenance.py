@@ -1,4 +1,5 @@
-"""The commit of the code that ran: each gpipe-train job records it in its summary.json."""
+"""The commit of the code that ran: each gpipe-train job records it in its summary.json, each script
+of benchmarks/ and experiments/ in its results (imported by the app and by the scripts alike)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from functools import cache
 from pathlib import Path
 
 #: The checkout this package was imported from (an editable install or a source tree).
-SOURCE_ROOT = Path(__file__).resolve().parents[2]
+SOURCE_ROOT = Path(__file__).resolve().parents[3]
 
 
 @cache

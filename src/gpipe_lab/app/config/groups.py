@@ -1,68 +1,73 @@
-"""Typed schema of the Hydra config and the checks that run before any training.
+"""The config's own checks: keys, values and combinations of its groups, with nothing built or read.
 
 ``validate(cfg)`` raises ``ConfigError`` naming the offending key for:
 
-- an unknown key in a group (``pipeline``, ``trainer``, ``logger``, ``optimizer``; ``model``
-  against ``gpipe_lab.models.build``'s overrides; ``data`` against the datamodule's arguments);
+- an unknown key in a group (``pipeline``, ``trainer``, ``logger``, ``optimizer``, ``callbacks``;
+  ``model`` against ``gpipe_lab.models.build``'s overrides; ``data`` against the datamodule's arguments);
 - a bad value (wrong type, unknown mode / schedule / nonfinite policy / name, non-positive sizes);
 - an impossible combination (partitions > layers, balance not summing to the layers,
   chunks > data.batch_size, distributed world size not divisible by K, local GPU stages
   without enough devices).
+
+It is the first section of ``gpipe_lab.app.config.check_config``, which a run calls once.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, fields, replace
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from gpipe_lab.config_checks import validate_model_data, validate_trainer_values, validate_transfer
-from gpipe_lab.config_schema import ConfigError, check_positive  # also registers the generated nodes
-from gpipe_lab.evaluation import validate_mode
+from gpipe_lab.app.config.mistakes import validate_model_data, validate_trainer_values, validate_transfer
+from gpipe_lab.app.config.planner import PlannerConfig, engine_section, validate_planner
+from gpipe_lab.app.config.schema import (  # also registers the generated nodes
+    CallbacksConfig,
+    ConfigError,
+    LoggerConfig,
+    check_positive,
+)
 from gpipe_lab.pipeline.distributed.topology import check_world
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
 from gpipe_lab.pipeline.partitioning.partition import check_layer_count
-from gpipe_lab.plan_config import engine_section, validate_planner
 
 LOGGERS = ("wandb", "csv", "none")
 WANDB_MODES = ("online", "offline", "disabled")
+MODES = ("train", "validate", "test")
 
 
 #: Root blocks read by experiment scripts (e.g. ``experiments/transfer.py``), ignored by gpipe-train.
 EXTENSION_KEYS = ("transfer",)
 
 
-@dataclass
-class ModelCheckpointConfig:
-    monitor: str | None = None
-    mode: str | None = None
+@dataclass(frozen=True)
+class CheckedConfig:
+    """A config that passed the checks, with what they read from it.
 
+    ``validate`` fills the groups' part; ``check_config`` adds what it found on this machine
+    (``ckpt_path``, ``num_layers``).
+    """
 
-@dataclass
-class CallbacksConfig:
-    checkpoint_every_n_steps: int | None = 50
-    keep_checkpoints: int = 0
-    graceful_ctrl_c: bool = True
-    model_checkpoint: ModelCheckpointConfig = field(default_factory=ModelCheckpointConfig)
-
-
-@dataclass
-class LoggerConfig:
-    name: str = "wandb"
-    mode: str = "offline"
-    project: str = "gpipe-lab"
-    entity: str | None = None
-    group: str | None = None
-    tags: list[str] = field(default_factory=list)
+    #: the composed config, as checked
+    cfg: DictConfig
+    #: the ``pipeline`` group as the engine's options
+    options: PipelineOptions
+    #: the ``pipeline`` group's planner keys
+    planner: PlannerConfig
+    #: the ``callbacks`` group over its defaults (a ``CallbacksConfig``)
+    callbacks: CallbacksConfig
+    #: the checkpoint to resume or evaluate, as an existing file (``None``: none, or not resolved yet)
+    ckpt_path: str | None = None
+    #: the model's layer count (``None``: not built yet)
+    num_layers: int | None = None
 
 
 def _typed(section: Any, schema: type, key: str) -> DictConfig:
     """Merge ``section`` onto the dataclass ``schema``: unknown keys and bad types raise."""
     try:
-        return OmegaConf.merge(OmegaConf.structured(schema), section)  # type: ignore[return-value]
+        return cast(DictConfig, OmegaConf.merge(OmegaConf.structured(schema), section))
     except OmegaConfBaseException as exc:
         bad = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
         message = str(exc.msg if hasattr(exc, "msg") else exc).splitlines()[0]
@@ -84,13 +89,13 @@ def _check_keys(section: Any, allowed: list[str], key: str, what: str) -> None:
 
 def validate_pipeline(cfg: DictConfig) -> PipelineOptions:
     """The ``pipeline`` group as ``PipelineOptions``, every option checked once (the planner's keys,
-    ``gpipe_lab.plan_config``, are the app's and left out).
+    ``gpipe_lab.app.config.planner``, are the app's and left out).
 
     Raises:
         ConfigError: an unknown key, a wrong type or a bad value, naming ``pipeline.<key>``.
     """
     typed = _typed(engine_section(cfg.pipeline), PipelineOptions, "pipeline")
-    options: PipelineOptions = OmegaConf.to_object(typed)  # type: ignore[assignment]
+    options = cast(PipelineOptions, OmegaConf.to_object(typed))
     try:
         options.check(prefix="pipeline.")
     except OptionError as exc:
@@ -101,6 +106,21 @@ def validate_pipeline(cfg: DictConfig) -> PipelineOptions:
         raise ConfigError(f"pipeline.cost: must be one of {list(COST_KINDS)} or a list of per-layer costs, "
                           f"got {options.cost!r}")
     return options
+
+
+def validate_mode(cfg: DictConfig) -> str:
+    """The run's ``mode`` (``gpipe_lab.app.evaluation``).
+
+    Raises:
+        ConfigError: an unknown mode, or ``validate`` / ``test`` without a checkpoint to evaluate.
+    """
+    mode = cfg.get("mode", "train")
+    if mode not in MODES:
+        raise ConfigError(f"mode: must be one of {list(MODES)}, got {mode!r}")
+    if mode != "train" and cfg.get("ckpt_path") is None:
+        raise ConfigError(f"mode={mode}: give the checkpoint to evaluate, ckpt_path=<run dir>/checkpoints/last.ckpt "
+                          f"(or ckpt_path=last, the newest run's)")
+    return str(mode)
 
 
 def validate_model(cfg: DictConfig) -> None:
@@ -162,8 +182,13 @@ def validate_logger(cfg: DictConfig) -> None:
         _check_keys(cfg.logger, ["name"], "logger", f"logger {name!r}")
 
 
-def validate_callbacks(cfg: DictConfig) -> DictConfig:
-    """The ``callbacks`` group (checkpoints and Ctrl-C, see ``gpipe_lab.lightning.resume``)."""
+def validate_callbacks(cfg: DictConfig) -> CallbacksConfig:
+    """The ``callbacks`` group (checkpoints and Ctrl-C, see ``gpipe_lab.lightning.resume``) over its defaults.
+
+    Raises:
+        ConfigError: an unknown key or a bad value (naming ``callbacks.<key>``), or both ``ckpt_path``
+            and ``init_from``.
+    """
     c = _typed(cfg.get("callbacks") or {}, CallbacksConfig, "callbacks")
     every = c.checkpoint_every_n_steps
     if every is not None and every < 0:
@@ -174,10 +199,10 @@ def validate_callbacks(cfg: DictConfig) -> DictConfig:
     if cfg.get("ckpt_path") is not None and cfg.get("init_from") is not None:
         raise ConfigError("init_from: give either ckpt_path (resume a run) or init_from (new run from its "
                           "weights), not both")
-    return c
+    return cast(CallbacksConfig, c)
 
 
-def validate_monitor(cfg: DictConfig, best: DictConfig) -> None:
+def validate_monitor(cfg: DictConfig, best: Any) -> None:
     """``callbacks.model_checkpoint``: ``monitor`` is a metric the model's validation logs, ``mode`` max or min.
 
     Raises:
@@ -191,8 +216,10 @@ def validate_monitor(cfg: DictConfig, best: DictConfig) -> None:
     from hydra.utils import get_class
 
     try:
-        logged = get_class(str(cfg.model.task._target_)).VALIDATION_METRICS
+        logged = getattr(get_class(str(cfg.model.task._target_)), "VALIDATION_METRICS", None)
     except Exception:  # noqa: BLE001 - a task of the user's: its metrics are not known here
+        return
+    if logged is None:  # a task that does not list them
         return
     if best.monitor not in logged:
         raise ConfigError(f"callbacks.model_checkpoint.monitor: {best.monitor!r} is not logged by "
@@ -270,8 +297,9 @@ def validate_combinations(cfg: DictConfig, p: PipelineOptions) -> None:
         raise ConfigError(f"trainer.devices: {devices} GPUs for {k} local pipeline stages; set trainer.devices={k}")
 
 
-def validate(cfg: DictConfig, num_layers: int | None = None) -> PipelineOptions:
-    """Validate the composed config (see the module docstring); returns the pipeline's options.
+def validate(cfg: DictConfig, num_layers: int | None = None) -> CheckedConfig:
+    """Validate the composed config's groups (see the module docstring); with ``num_layers``, the
+    pipeline against the model's layer count too.
 
     Raises:
         ConfigError: naming the key, for unknown keys, bad values and impossible combinations.
@@ -289,15 +317,17 @@ def validate(cfg: DictConfig, num_layers: int | None = None) -> PipelineOptions:
     validate_model(cfg)
     validate_data(cfg)
     validate_model_data(cfg)
-    p = validate_pipeline(cfg)
-    validate_planner(cfg)
+    options = validate_pipeline(cfg)
+    planner = validate_planner(cfg)
     validate_trainer(cfg)
     validate_trainer_values(cfg)
     validate_optimizer(cfg)
     validate_logger(cfg)
-    validate_callbacks(cfg)
+    callbacks = validate_callbacks(cfg)
     validate_transfer(cfg)
-    validate_combinations(cfg, p)
+    validate_combinations(cfg, options)
+    checked = CheckedConfig(cfg, options, planner, callbacks)
     if num_layers is not None:
-        validate_layer_count(cfg, p, num_layers)
-    return p
+        validate_layer_count(cfg, options, num_layers)
+        checked = replace(checked, num_layers=num_layers)
+    return checked

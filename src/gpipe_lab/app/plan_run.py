@@ -23,9 +23,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from gpipe_lab.config_schema import ConfigError
+from gpipe_lab.app.config.planner import PlannerConfig
+from gpipe_lab.app.config.schema import ConfigError
 from gpipe_lab.pipeline.options import PipelineOptions
-from gpipe_lab.plan_config import PlannerConfig
 from gpipe_lab.planner.plan_types import NoPlanFits, PlanResult
 from gpipe_lab.planner.search import bytes_per_param_of, plan_model
 from gpipe_lab.planner.trials import per_device

@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from gpipe_lab.config_schema import ConfigError
+from gpipe_lab.app.config.schema import ConfigError
 from gpipe_lab.planner.plan_types import DEFAULT_TRIALS
 
 __all__ = ["PLANNER_KEYS", "PLANS", "PlannerConfig", "engine_section", "validate_planner"]

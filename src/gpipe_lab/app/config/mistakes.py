@@ -1,4 +1,4 @@
-"""Checks of a first-time user's mistakes, run by ``gpipe_lab.config.validate``.
+"""Checks of a first-time user's mistakes, run by ``gpipe_lab.app.config.groups.validate``.
 
 A model and dataset of different tasks, trainer counts Lightning only rejects inside ``fit``,
 and an experiment's ``transfer`` keys that gpipe-train would otherwise ignore.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from gpipe_lab.config_schema import ConfigError, check_positive
+from gpipe_lab.app.config.schema import ConfigError, check_positive
 
 #: Which datamodules feed which model family (a translation model cannot read images).
 DATA_OF_FAMILY = {"amoebanet": ("synthetic_images", "cifar10", "cifar100", "imagenet"),

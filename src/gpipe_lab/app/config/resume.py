@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gpipe_lab.config import ConfigError
+from gpipe_lab.app.config.schema import ConfigError, resolved_dict
+from gpipe_lab.lightning.pipeline_module import PipelineModule
 from gpipe_lab.pipeline.distributed.state_dict import named_after
 
 #: The config keys that decide the weights' names and shapes.
@@ -31,7 +32,8 @@ MODEL_DATA_KEYS = ("num_classes", "image_size", "vocab_size")
 def saved_config(ckpt_path: str | Path) -> DictConfig | None:
     """The config Hydra saved for the checkpoint's run (``<run>/.hydra/config.yaml``), if any."""
     path = Path(ckpt_path).resolve().parent.parent / ".hydra" / "config.yaml"
-    return OmegaConf.load(path) if path.is_file() else None  # type: ignore[return-value]
+    loaded = OmegaConf.load(path) if path.is_file() else None
+    return loaded if isinstance(loaded, DictConfig) else None
 
 
 def read_checkpoint(path: str | Path, key: str = "ckpt_path") -> dict[str, Any]:
@@ -66,8 +68,8 @@ def differing_keys(saved: DictConfig, cfg: DictConfig) -> list[str]:
     Both sides are compared resolved: Hydra saves the config with its interpolations
     (``label_smoothing: ${model.label_smoothing}``), the run holds their values.
     """
-    old = {f"model.{k}": v for k, v in OmegaConf.to_container(saved.model, resolve=True).items()}
-    new = {f"model.{k}": v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items()}
+    old = {f"model.{k}": v for k, v in resolved_dict(saved.model).items()}
+    new = {f"model.{k}": v for k, v in resolved_dict(cfg.model).items()}
     for key in MODEL_DATA_KEYS:
         old[f"data.{key}"], new[f"data.{key}"] = saved.data.get(key), cfg.data.get(key)
     return [f"{k}: checkpoint {old.get(k)!r}, this run {new.get(k)!r}"
@@ -78,7 +80,7 @@ def differing_weights(state: dict[str, Any], module: torch.nn.Module) -> list[st
     """``name: checkpoint shape vs model shape`` for weights missing on either side or of another shape
     (a checkpoint numbering the layers compared under their names, as the module loads it)."""
     saved = state.get("state_dict", {})
-    if hasattr(module, "layers_prefix"):
+    if isinstance(module, PipelineModule):
         saved = named_after(saved, module.configure_layers(), module.layers_prefix())
     own = module.state_dict()
     out = []

@@ -6,15 +6,15 @@ composed config it runs (``saved_config_path``)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig
 
-from gpipe_lab.config import ConfigError
+from gpipe_lab.app.config import ConfigError
+from gpipe_lab.app.config.resume import check_resume
+from gpipe_lab.app.evaluation import check_weights, evaluates
 from gpipe_lab.data.checks import DataNotFoundError
-from gpipe_lab.evaluation import check_weights, evaluates
 from gpipe_lab.lightning.resume import load_initial_weights
-from gpipe_lab.lightning.resume_checks import check_resume
 
 
 def fetch_data(cfg: DictConfig, datamodule: Any) -> None:
@@ -75,7 +75,7 @@ def saved_config_path() -> Path | None:
 
     if not HydraConfig.initialized():
         return None
-    hydra_cfg = HydraConfig.get()
+    hydra_cfg = cast(DictConfig, HydraConfig.get())  # a DictConfig, typed as Hydra's dataclass
     subdir, run_dir = hydra_cfg.get("output_subdir"), hydra_cfg.runtime.get("output_dir")
     path = Path(run_dir) / subdir / "config.yaml" if subdir and run_dir else None
     return path if path is not None and path.is_file() else None

@@ -2,8 +2,8 @@
 what a sweep varies (``swept_keys``), which a job's run name and the sweep's table show.
 
 ``gpipe-train -m pipeline.chunks=4,64,2`` composes each job of the basic sweeper and makes the
-single run's checks on it (``gpipe_lab.preflight``: the config, K against the model's layers,
-the checkpoints, the accelerator); when some jobs cannot run, the sweep stops before the first
+single run's check on it (``gpipe_lab.app.config.check_config``: the config, K against the model's
+layers, the checkpoints, the accelerator); when some jobs cannot run, the sweep stops before the first
 one trains, with one line per failing job (its number, overrides and the error). Registered in
 ``conf/hydra/default.yaml`` (``hydra.callbacks.sweep_check``). Other sweepers (whose jobs are not
 known in advance) are left alone.
@@ -47,6 +47,13 @@ def swept_keys(config: DictConfig) -> list[str]:
     return [o.key_or_group for o in sweep_overrides(config) if o.is_sweep_override()]
 
 
+def job_overrides() -> list[str]:
+    """The Hydra job's command-line overrides (none outside a Hydra run)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def job_sweep_values() -> dict[str, str]:
     """In a job of a multirun: its values of the keys the sweep varies (``{"optimizer.lr": "0.01"}``),
     read from the sweep's ``multirun.yaml``, which Hydra writes before the first job; empty for a
@@ -60,22 +67,22 @@ def job_sweep_values() -> dict[str, str]:
     saved = Path(hydra_cfg.sweep.dir) / "multirun.yaml"
     if not saved.is_file():
         return {}
-    keys = swept_keys(OmegaConf.load(saved))
+    multirun = OmegaConf.load(saved)
+    keys = swept_keys(multirun) if isinstance(multirun, DictConfig) else []
     values = {_key(o): o.split("=", 1)[1] for o in hydra_cfg.overrides.task if "=" in o}
     return {k: values[k] for k in keys if k in values}
 
 
 def failing_jobs(config: DictConfig, config_name: str) -> list[str]:
-    """One line per job of the sweep whose composed config fails ``preflight``."""
+    """One line per job of the sweep whose composed config fails ``check_config``."""
     from hydra import compose
 
-    from gpipe_lab.config import ConfigError
-    from gpipe_lab.preflight import preflight
+    from gpipe_lab.app.config import ConfigError, check_config
 
     failed = []
     for num, overrides in enumerate(sweep_jobs(config)):
         try:
-            preflight(compose(config_name, overrides=overrides))
+            check_config(compose(config_name, overrides=overrides))
         except ConfigError as exc:
             failed.append(f"  job {num} ({' '.join(overrides)}): {exc}")
     return failed
