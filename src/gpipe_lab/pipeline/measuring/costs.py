@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -78,7 +78,7 @@ def _timed(layer: nn.Module, value: Any) -> tuple[Any, float]:
         outputs = out if isinstance(out, tuple) else (out,)
         loss = sum(t.float().sum() for t in outputs if isinstance(t, Tensor) and t.requires_grad)
         if isinstance(loss, Tensor):
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is unannotated in torch's stubs
     _synchronize(out)
     seconds = time.perf_counter() - start
     detached = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, Tensor) else t
@@ -161,7 +161,7 @@ def layer_costs(module: nn.Sequential, cost: object = None, sample: Any = None) 
     elif callable(cost):
         costs = [float(cost(layer)) for layer in module]
     else:
-        costs = [float(c) for c in cost]  # type: ignore[union-attr]
+        costs = [float(c) for c in cast(Iterable[float], cost)]  # a sequence of numbers: the last kind left
     if len(costs) != len(module):
         raise ValueError(f"got {len(costs)} layer costs for a module of {len(module)} layers")
     for i, c in enumerate(costs):

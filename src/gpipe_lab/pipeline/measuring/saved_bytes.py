@@ -29,7 +29,8 @@ __all__ = ["SavedBytes", "storage_key", "storage_keys"]
 
 def storage_key(t: Tensor) -> int:
     """The identity of ``t``'s storage (shared by all its views), also on the meta device."""
-    return t.untyped_storage()._cdata
+    key: int = t.untyped_storage()._cdata
+    return key
 
 
 def storage_keys(tensors: Iterable[Tensor]) -> frozenset[int]:
@@ -37,7 +38,10 @@ def storage_keys(tensors: Iterable[Tensor]) -> frozenset[int]:
     return frozenset(storage_key(t) for t in tensors)
 
 
-def _view_key(t: Tensor) -> tuple:
+ViewKey = tuple[int, object, tuple[int, ...], tuple[int, ...], torch.dtype]  # offset: an int or a SymInt
+
+
+def _view_key(t: Tensor) -> ViewKey:
     return (storage_key(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
@@ -56,7 +60,7 @@ class SavedBytes:
     def __init__(self, excluded: Iterable[int] = frozenset(), boundary: Iterable[Tensor] = (),
                  on_add: Callable[[int], object] | None = None) -> None:
         self._excluded = excluded if isinstance(excluded, (set, frozenset)) else frozenset(excluded)
-        self._views: set[tuple] = {_view_key(t) for t in boundary}
+        self._views: set[ViewKey] = {_view_key(t) for t in boundary}
         self._storages: dict[int, int] = {}
         self._alive: list[Tensor] | None = None
         self._on_add = on_add

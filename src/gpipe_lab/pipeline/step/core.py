@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 from torch import Tensor, nn
@@ -217,6 +217,26 @@ class PipelineCore(OptionViews, nn.Module):
         if targets is None and not self.channel.holds_all_stages:
             raise ValueError("this rank runs the last stage: train_step needs targets")
         return loss_weights(inputs, targets, num_microbatches, loss_normalizer, self._last.device)
+
+    @overload
+    def train_step(self, inputs: Value | None, targets: object, loss_fn: LossFn,
+                   loss_normalizer: Normalizer | None = None, return_outputs: Literal[False] = False,
+                   step: int | None = None) -> Tensor: ...
+
+    @overload
+    def train_step(self, inputs: Value | None, targets: object, loss_fn: LossFn,
+                   loss_normalizer: Normalizer | None, return_outputs: Literal[True],
+                   step: int | None = None) -> tuple[Tensor, Value | None]: ...
+
+    @overload
+    def train_step(self, inputs: Value | None, targets: object, loss_fn: LossFn,
+                   loss_normalizer: Normalizer | None = None, *, return_outputs: Literal[True],
+                   step: int | None = None) -> tuple[Tensor, Value | None]: ...
+
+    @overload
+    def train_step(self, inputs: Value | None, targets: object, loss_fn: LossFn,
+                   loss_normalizer: Normalizer | None = None, return_outputs: bool = False,
+                   step: int | None = None) -> Tensor | tuple[Tensor, Value | None]: ...
 
     def train_step(self, inputs: Value | None, targets: object, loss_fn: LossFn,
                    loss_normalizer: Normalizer | None = None,
