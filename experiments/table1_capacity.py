@@ -17,7 +17,6 @@ if not __package__:  # started as a file (``python experiments/table1_capacity.p
 
     rerun_as_module(__file__)
 
-from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -26,7 +25,8 @@ from experiments.common import configs, fmt_bytes, fmt_count, log_wandb, parser,
 from gpipe_lab.bench import Progress
 from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
-from gpipe_lab.planner.capacity import GiB, Plan, best_plan, layer_records
+from gpipe_lab.planner.capacity import GiB, Plan, best_plan, largest
+from gpipe_lab.planner.memory import layer_records
 
 EXPERIMENT = "paper_table1_capacity"
 #: ``--tiny``: toy sizes (3-cell AmoebaNets, 8-layer Transformers on at most 4 partitions).
@@ -48,18 +48,6 @@ TRANSFORMER_PAPER = {  # column: (K, layers, params, param memory, peak activati
     "Naive-1": (1, 3, "282.2M", "11.7G", "3.15G"), "Pipeline-1": (1, 13, "785.8M", "8.8G", "6.4G"),
     "Pipeline-8": (8, 103, "5.3B", "59.5G", "50.9G"), "Pipeline-32": (32, 415, "21.0B", "235.1G", "199.9G"),
     "Pipeline-128": (128, 1663, "83.9B", "937.9G", "796.1G")}
-
-
-def largest(fits: Callable[[int], bool], high: int) -> int:
-    """Largest n in [1, high] with ``fits(n)`` (monotone), or 0 if none."""
-    low, best = 1, 0
-    while low <= high:
-        mid = (low + high) // 2
-        if fits(mid):
-            best, low = mid, mid + 1
-        else:
-            high = mid - 1
-    return best
 
 
 def column(block: DictConfig, name: str, paper: dict, width: int) -> list[int]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from gpipe_lab.pipeline import balance_by_cost
 from gpipe_lab.planner.memory import LayerMemory, layer_records, partition_bytes
 
-__all__ = ["PartitionMemory", "Plan", "GiB", "plan_memory", "best_plan", "max_transformer_layers",
+__all__ = ["PartitionMemory", "Plan", "GiB", "plan_memory", "best_plan", "largest", "max_transformer_layers",
            "max_amoebanet_filters", "RMSPROP_BYTES_PER_PARAM"]
 
 GiB = 2**30
@@ -110,8 +110,8 @@ def best_plan(records: Sequence[LayerMemory], partitions: int, capacity_bytes: f
     return min(plans, key=lambda p: p.peak_bytes)
 
 
-def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
-    """Largest n in [low, high] with fits(n) (monotone), or low - 1 if none."""
+def largest(fits: Callable[[int], bool], high: int, low: int = 1) -> int:
+    """Largest n in [low, high] with ``fits(n)`` (monotone), or low - 1 if none."""
     best = low - 1
     while low <= high:
         mid = (low + high) // 2
@@ -131,7 +131,7 @@ def max_transformer_layers(partitions: int, capacity_bytes: float, batch: int, m
         return len(records) >= partitions and best_plan(
             records, partitions, capacity_bytes, batch, microbatches, remat,
             activation_scale=activation_scale).fits
-    return max(0, _largest(fits, 1, upper))
+    return max(0, largest(fits, upper))
 
 
 def max_amoebanet_filters(num_layers: int, partitions: int, capacity_bytes: float, batch: int,
@@ -142,4 +142,4 @@ def max_amoebanet_filters(num_layers: int, partitions: int, capacity_bytes: floa
         records = layer_records("amoebanet_d", num_layers=num_layers, num_filters=units * step, **sizes)
         return best_plan(records, partitions, capacity_bytes, batch, microbatches, remat,
                          activation_scale=activation_scale).fits
-    return max(0, _largest(fits, 1, upper // step)) * step
+    return max(0, largest(fits, upper // step)) * step
