@@ -8,13 +8,16 @@ and collectives of such a process are ``GPipeStrategy``'s own; this class adds t
 
 from __future__ import annotations
 
+import os
 from typing import Any, cast
 
+import torch
 from torch import nn
 
 from gpipe_lab.lightning.engine import PipelineEngine, build_local_engine
 from gpipe_lab.lightning.strategy import GPipeStrategy
 from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.devices.cpu_share import default_threads
 from gpipe_lab.pipeline.options import PipelineOptions
 
 
@@ -31,6 +34,15 @@ class LocalGPipeStrategy(GPipeStrategy, transport="local"):
             raise ValueError(f"process_group_backend={process_group_backend!r}: only the distributed transport "
                              "has a process group; set transport='distributed' or leave it out")
         return {}
+
+    def setup_environment(self) -> None:
+        """On a CPU, the caller's own thread (optimizer step, data, logging, evaluation's host work)
+        gets the free cores' share of one consumer, as a stage does, unless ``OMP_NUM_THREADS`` sets
+        it: torch's default of every core makes each small multi-threaded kernel of the optimizer
+        wait at a barrier for a core another process holds."""
+        super().setup_environment()
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(default_threads(1))
 
     def build_engine(self, layers: nn.Sequential, options: PipelineOptions) -> PipelineEngine:
         return build_local_engine(layers, options, self.local_devices(), self._module().init_layer)
