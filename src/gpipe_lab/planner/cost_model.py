@@ -74,36 +74,6 @@ class PiecewiseCost:
 Layers = Mapping[str, Sequence[LinearCost | PiecewiseCost]]
 
 
-def fit_linear(sizes: Sequence[float], seconds: Sequence[float]) -> LinearCost:
-    """``fixed + per_sample x n`` through (size, seconds) points, both terms kept >= 0.
-
-    The fit minimizes the squared *relative* error: in absolute seconds the largest
-    micro-batch would outweigh the rest, and the fixed cost that dominates the smallest
-    ones (the sizes the fit is for) would be lost in its noise.
-
-    Raises:
-        ValueError: lists of different lengths, or fewer than two distinct sizes.
-    """
-    if len(sizes) != len(seconds):
-        raise ValueError(f"{len(sizes)} sizes but {len(seconds)} times")
-    if len(set(sizes)) < 2:
-        raise ValueError(f"a fixed + per-sample fit needs >= 2 distinct micro-batch sizes, got {sorted(set(sizes))}")
-    floor = max(max(seconds), 1e-30) * 1e-6  # a zero time gets a large weight, not an infinite one
-    weights = [1.0 / max(y, floor) ** 2 for y in seconds]
-    total = sum(weights)
-    mx = sum(w * x for w, x in zip(weights, sizes)) / total
-    my = sum(w * y for w, y in zip(weights, seconds)) / total
-    sxx = sum(w * (x - mx) ** 2 for w, x in zip(weights, sizes))
-    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(weights, sizes, seconds)) / sxx
-    fixed = my - slope * mx
-    if slope < 0:  # noise on a layer too cheap to grow with n: a constant
-        return LinearCost(sum(seconds) / len(seconds), 0.0)
-    if fixed < 0:  # noise on a purely proportional layer: through the origin
-        return LinearCost(0.0, sum(w * x * y for w, x, y in zip(weights, sizes, seconds))
-                          / sum(w * x * x for w, x in zip(weights, sizes)))
-    return LinearCost(fixed, slope)
-
-
 def fit_piecewise(sizes: Sequence[float], seconds: Sequence[float]) -> PiecewiseCost:
     """The line through each pair of neighbouring (size, seconds) points (repeated sizes averaged first).
 
