@@ -27,7 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from gpipe_lab.app.config.environment import model_overrides
-from gpipe_lab.app.config.resume import differing_keys
+from gpipe_lab.app.config.resume_checks import differing_keys
 from gpipe_lab.models import build
 from gpipe_lab.pipeline.distributed.state_dict import by_index, by_name
 from helpers.app import CONF, gpipe_train, make_config, numbered_copy

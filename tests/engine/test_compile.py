@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 
 from gpipe_lab.models import example_input
 from gpipe_lab.models.losses import translation_loss
-from gpipe_lab.models.registry import build
+from gpipe_lab.models.preset_registry import build
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.options import OptionError
 from gpipe_lab.pipeline.stage.random_replay import UnreplayableRandomError

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from gpipe_lab.models.registry import build
+from gpipe_lab.models.preset_registry import build
 from gpipe_lab.pipeline.stage.module_walk import walk
 
 

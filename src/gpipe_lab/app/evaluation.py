@@ -44,7 +44,7 @@ def check_test_set(cfg: DictConfig, datamodule: Any) -> None:
 
 def check_weights(ckpt_path: str, module: torch.nn.Module) -> None:
     """Raises: ConfigError: the checkpoint's weights do not fit ``module`` (names or shapes)."""
-    from gpipe_lab.app.config.resume import differing_weights
+    from gpipe_lab.app.config.resume_checks import differing_weights
 
     state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     bad = differing_weights(state, module)

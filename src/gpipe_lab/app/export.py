@@ -29,7 +29,7 @@ PREFIX = "layers."
 def saved_layers(ckpt: Path) -> torch.nn.Sequential | None:
     """The layers of the model the checkpoint's run built (on ``meta``), if its config is saved."""
     from gpipe_lab.app.config.environment import model_overrides
-    from gpipe_lab.app.config.resume import saved_config
+    from gpipe_lab.app.config.resume_checks import saved_config
     from gpipe_lab.models import build
 
     saved = saved_config(ckpt)
@@ -45,7 +45,7 @@ def unpipelined_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
         ConfigError: not a gpipe-train checkpoint, or one without ``layers`` weights, or with layer
             indices and no saved config to name them.
     """
-    from gpipe_lab.app.config.resume import read_checkpoint
+    from gpipe_lab.app.config.resume_checks import read_checkpoint
     from gpipe_lab.pipeline.distributed.state_dict import named_after
 
     saved = read_checkpoint(ckpt, key="checkpoint")["state_dict"]

@@ -11,7 +11,7 @@ from typing import Any, cast
 from omegaconf import DictConfig
 
 from gpipe_lab.app.config import ConfigError
-from gpipe_lab.app.config.resume import check_resume
+from gpipe_lab.app.config.resume_checks import check_resume
 from gpipe_lab.app.evaluation import check_weights, evaluates
 from gpipe_lab.data.checks import DataNotFoundError
 from gpipe_lab.lightning.resume import load_initial_weights

@@ -8,11 +8,11 @@ detokenized text with sacrebleu.
 """
 
 from gpipe_lab.data.bleu import BleuScore, corpus_bleu
+from gpipe_lab.data.datamodule_registry import DATAMODULES, build_datamodule
 from gpipe_lab.data.image_datamodule import ImageDataModule, SyntheticImageDataModule
 from gpipe_lab.data.image_transforms import Cutout, cifar_transform, imagenet_transform
 from gpipe_lab.data.parallel_text import ParallelTextDataModule
 from gpipe_lab.data.real_images import CIFARDataModule, ImageNetDataModule
-from gpipe_lab.data.registry import DATAMODULES, build_datamodule
 from gpipe_lab.data.synthetic_images import SyntheticImageDataset
 from gpipe_lab.data.synthetic_language import SyntheticLanguagePair
 from gpipe_lab.data.token_batching import TokenBucketBatchSampler, TranslationDataset, collate_translation

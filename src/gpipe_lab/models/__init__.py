@@ -17,7 +17,7 @@ __all__ = [
 from gpipe_lab.models.amoebanet import amoebanet_d_params, build_amoebanet
 from gpipe_lab.models.decoding import beam_search, greedy_decode
 from gpipe_lab.models.losses import count_tokens, token_cross_entropy, translation_loss
-from gpipe_lab.models.registry import PRESETS, ModelSpec, build, preset_names, preset_options
+from gpipe_lab.models.preset_registry import PRESETS, ModelSpec, build, preset_names, preset_options
 from gpipe_lab.models.samples import example_input
 from gpipe_lab.models.transformer import TransformerConfig, build_transformer, ffn_init_scale
 from gpipe_lab.models.transformer_layers import BOS, EOS, PAD, UNK

@@ -164,7 +164,7 @@ def plan_to_dict(plan: Plan) -> dict[str, object]:
 
 def assumptions(args: argparse.Namespace, sizes: Mapping[str, object], micro: int) -> dict[str, object]:
     """What a plan assumes, to print above its table (and in ``--json``)."""
-    from gpipe_lab.models.registry import AMOEBANET_PRESETS, DEFAULT_SEQ_LEN
+    from gpipe_lab.models.preset_registry import AMOEBANET_PRESETS, DEFAULT_SEQ_LEN
     from gpipe_lab.models.transformer_presets import TRANSFORMER_PRESETS
 
     out: dict[str, object] = {"model": args.model, "K": args.partitions, "batch": args.batch, "M": micro}

@@ -125,7 +125,7 @@ def validate_mode(cfg: DictConfig) -> str:
 
 def validate_model(cfg: DictConfig) -> None:
     from gpipe_lab.models import PRESETS
-    from gpipe_lab.models.registry import AMOEBANET_OVERRIDES, AMOEBANET_PRESETS, TRANSFORMER_OVERRIDES
+    from gpipe_lab.models.preset_registry import AMOEBANET_OVERRIDES, AMOEBANET_PRESETS, TRANSFORMER_OVERRIDES
 
     name = cfg.model.get("name")
     if name not in PRESETS:
@@ -140,7 +140,7 @@ def validate_model(cfg: DictConfig) -> None:
 
 def validate_data(cfg: DictConfig) -> None:
     from gpipe_lab.data import DATAMODULES
-    from gpipe_lab.data.registry import accepted_arguments
+    from gpipe_lab.data.datamodule_registry import accepted_arguments
 
     name = cfg.data.get("name")
     if name not in DATAMODULES:

@@ -24,7 +24,7 @@ def validate_model_data(cfg: DictConfig) -> None:
     Raises:
         ConfigError: one line naming ``model=`` and ``data=`` and a pair that works.
     """
-    from gpipe_lab.models.registry import AMOEBANET_PRESETS
+    from gpipe_lab.models.preset_registry import AMOEBANET_PRESETS
 
     model, data = cfg.model.get("name"), cfg.data.get("name")
     family = "amoebanet" if model in AMOEBANET_PRESETS else "transformer"
