@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gpipe_lab.bench import Workload, WorkloadSpec, mlp, tiny_linear
+from gpipe_lab.bench import mlp
 from gpipe_lab.pipeline import retain_freed_memory
+from gpipe_lab.planner.workload import Workload, WorkloadSpec, tiny_linear
 
 #: our schedules beyond torch's ScheduleGPipe / Schedule1F1B, measured beside them on the MLP:
 #: split backward, weight gradients batched (gpipe-bw) or moved into the bubble (zb-h1, zb-h2)

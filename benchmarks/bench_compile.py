@@ -22,11 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_lab.bench import md_table, time_rounds
+from gpipe_lab.bench import md_table
 from gpipe_lab.models import example_input
 from gpipe_lab.models.losses import translation_loss
 from gpipe_lab.models.registry import build
 from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.measuring.call_timing import time_rounds
 from gpipe_lab.pipeline.options import PipelineOptions
 
 K = 2

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.gpu_check_engine import Context, sync
-from gpipe_lab.bench.timing import paired_ratio, time_rounds
 from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.measuring.call_timing import paired_ratio, time_rounds
 
 #: seconds of matrix products before the speed rounds (clocks up from idle)
 WARM_UP_S = 1.0

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpipe_lab.bench import Timing, WorkloadSpec, mlp, paired_ratio, time_call, time_rounds, tiny_linear
+from gpipe_lab.bench import mlp
+from gpipe_lab.pipeline.measuring.call_timing import Timing, paired_ratio, time_call, time_rounds
+from gpipe_lab.planner.workload import WorkloadSpec, tiny_linear
 
 
 def test_rounds_alternate_their_order_and_drop_the_warmup():
