@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 import gpipe_lab
-
-if TYPE_CHECKING:
-    from gpipe_lab.planner.workload import WorkloadSpec
+from gpipe_lab.planner.workload import WorkloadSpec
 
 #: The package's config folder (the checkout's ``conf/``).
 CONF = Path(gpipe_lab.__file__).resolve().parent / "conf"
@@ -54,8 +52,6 @@ def workload_of(block: Any, label: str | None = None) -> WorkloadSpec:
     Raises:
         KeyError: a block without ``preset``, ``sizes`` or ``batch``.
     """
-    from gpipe_lab.planner.workload import WorkloadSpec  # here, so that composing a config loads no torch
-
     if label is None:
         label, block = block.label, block.workload
     data = OmegaConf.to_container(block, resolve=True) if not isinstance(block, dict) else block
