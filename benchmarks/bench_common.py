@@ -1,6 +1,6 @@
 """What every benchmark shares: run sizes, the workloads at those sizes, the process's setup.
 
-The workloads themselves (``gpipe_lab.bench``) are built afresh from the same seed
+The workloads themselves (``gpipe_lab.planner.workload``, ``gpipe_lab.bench.workloads``) are built afresh from the same seed
 by every benchmark, so the pipelined, unpipelined and torch.distributed.pipelining
 runs train the same model on the same data.
 """

@@ -1,4 +1,5 @@
-"""The workloads and the timer the benchmarks and experiments share (``gpipe_lab.bench``).
+"""The workloads and the timer the benchmarks and experiments share (``gpipe_lab.bench``, ``planner.workload``,
+``pipeline.measuring.call_timing``).
 
 No duration is asserted: only what the timer calls, in which order, and what it keeps.
 """
