@@ -25,8 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from gpipe_lab.bench import Workload
-from gpipe_lab.bench.workloads import Inputs
+from gpipe_lab.planner.workload import Inputs, Workload
 
 K = 2
 

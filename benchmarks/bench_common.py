@@ -1,6 +1,6 @@
 """What every benchmark shares: run sizes, the workloads at those sizes, the process's setup.
 
-The workloads themselves (``gpipe_lab.bench``) are built afresh from the same seed
+The workloads themselves (``gpipe_lab.planner.workload``, ``gpipe_lab.bench.workloads``) are built afresh from the same seed
 by every benchmark, so the pipelined, unpipelined and torch.distributed.pipelining
 runs train the same model on the same data.
 """
@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gpipe_lab.bench import Workload, WorkloadSpec, mlp, tiny_linear
+from gpipe_lab.bench import mlp
 from gpipe_lab.pipeline import retain_freed_memory
+from gpipe_lab.planner.workload import Workload, WorkloadSpec, tiny_linear
 
 #: our schedules beyond torch's ScheduleGPipe / Schedule1F1B, measured beside them on the MLP:
 #: split backward, weight gradients batched (gpipe-bw) or moved into the bubble (zb-h1, zb-h2)

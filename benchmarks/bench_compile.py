@@ -3,7 +3,7 @@
 The AmoebaNet-D(18, 32) and the 24 + 24-layer Transformer analogues of Table 2 (as in
 ``conf/experiment/paper_table2_*.yaml``) at K=2, M ∈ {4, 32}, one thread per stage. Eager
 and compiled pipelines of the same weights are timed in alternating rounds
-(``gpipe_lab.bench.time_rounds``). The compile time is the wall time of the compiled
+(``gpipe_lab.pipeline.measuring.call_timing.time_rounds``). The compile time is the wall time of the compiled
 pipeline's first two steps (the first forward of each stage runs eagerly to check its
 random draws; the second step compiles) less two eager steps.
 
@@ -22,11 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_lab.bench import md_table, time_rounds
+from gpipe_lab.bench import md_table
 from gpipe_lab.models import example_input
 from gpipe_lab.models.losses import translation_loss
 from gpipe_lab.models.preset_registry import build
 from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.measuring.call_timing import time_rounds
 from gpipe_lab.pipeline.options import PipelineOptions
 
 K = 2

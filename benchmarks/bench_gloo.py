@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from benchmarks.bench_ceiling import ceiling_functions, pipeline_lower_bound
 from benchmarks.bench_common import SIZES, make_workload, prepare_process
-from gpipe_lab.bench import time_rounds
 from gpipe_lab.pipeline.distributed import DistributedGPipe
 from gpipe_lab.pipeline.distributed.spawn import run_local
+from gpipe_lab.pipeline.measuring.call_timing import time_rounds
 
 
 @dataclass(frozen=True)

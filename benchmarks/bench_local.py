@@ -18,8 +18,9 @@ from torch import Tensor
 
 from benchmarks.bench_ceiling import ceiling_functions, ceiling_summary
 from benchmarks.bench_common import Sizes, sync
-from gpipe_lab.bench import Workload, time_call, time_rounds
 from gpipe_lab.pipeline import GPipe, Timeline, analytic_bubble
+from gpipe_lab.pipeline.measuring.call_timing import time_call, time_rounds
+from gpipe_lab.planner.workload import Workload
 
 K = 2
 

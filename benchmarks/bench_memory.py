@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from gpipe_lab.bench import Workload
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes, storage_keys
+from gpipe_lab.planner.workload import Workload
 
 K = 2
 

@@ -20,8 +20,8 @@ import statistics
 import torch
 
 from benchmarks.bench_common import Sizes, make_workload
-from gpipe_lab.bench import paired_ratio, time_rounds
 from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.measuring.call_timing import paired_ratio, time_rounds
 
 K = 2
 ROUNDS = 15  # a round costs well under a second: enough rounds for a steady median

@@ -7,7 +7,7 @@ batch (``GPipe.train_step`` + the optimizer step, on a second copy of the model 
 same K, M and options), timed on its own. The product path's step is the time between two
 batch starts less that raw step, so it includes everything Lightning does per step (data
 loading, hooks, logging, the optimizer step). Lightning's loop cannot be called step by
-step, so this uses the callback rather than ``gpipe_lab.bench.time_rounds``; the two paths
+step, so this uses the callback rather than ``gpipe_lab.pipeline.measuring.call_timing.time_rounds``; the two paths
 still alternate every round. Ratio = raw step / product step (target >= 0.95).
 
 With ``--transport distributed`` both paths run one process per stage over gloo: Lightning

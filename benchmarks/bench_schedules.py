@@ -32,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from gpipe_lab.bench import Progress, mlp, time_rounds
+from gpipe_lab.bench import Progress, mlp
 from gpipe_lab.bench.machine import ROOT, command_line, figure_metadata, git_commit, machine_info
 from gpipe_lab.bench.script_launch import fresh_out
 from gpipe_lab.pipeline import GPipe, Timeline, get_schedule
+from gpipe_lab.pipeline.measuring.call_timing import time_rounds
 from gpipe_lab.planner import costs_from_timeline, durations_from_timeline, predict_step
 from gpipe_lab.plotting import plot_timeline
 

@@ -37,9 +37,11 @@ import torch
 
 from benchmarks.bench_ceiling import ceiling_functions, ceiling_summary, split_batch
 from benchmarks.bench_common import SIZES, Sizes, make_workload, prepare_process, sync
-from gpipe_lab.bench import Timing, Workload, md_table, paired_ratio, time_rounds
+from gpipe_lab.bench import md_table
 from gpipe_lab.pipeline import GPipe, balance_by_time
+from gpipe_lab.pipeline.measuring.call_timing import Timing, paired_ratio, time_rounds
 from gpipe_lab.pipeline.options import PipelineOptions
+from gpipe_lab.planner.workload import Workload
 
 CHUNKS = 4
 #: alternated rounds per contender (at least): each ratio is the median of its per-round ratios

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpipe_lab.bench.workloads import WorkloadSpec, mlp_module
+from gpipe_lab.bench.workloads import mlp_module
 from gpipe_lab.pipeline import CHECKPOINT_MODES, SCHEDULES, GPipe
+from gpipe_lab.planner.workload import WorkloadSpec
 
 
 @dataclass

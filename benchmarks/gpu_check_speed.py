@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.gpu_check_engine import Context, sync
-from gpipe_lab.bench.timing import paired_ratio, time_rounds
 from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.measuring.call_timing import paired_ratio, time_rounds
 
 #: seconds of matrix products before the speed rounds (clocks up from idle)
 WARM_UP_S = 1.0
@@ -65,7 +65,7 @@ def speed(ctx: Context) -> dict[str, Any]:
     """K x M on one device (bf16 autocast) against gradient accumulation at the same M: K=1 within 5%.
 
     Per M, plain accumulation and the engine at every K are timed in alternating rounds (wall
-    clock to a device sync, ``gpipe_lab.bench.time_rounds``); each ratio is the median of the
+    clock to a device sync, ``gpipe_lab.pipeline.measuring.call_timing.time_rounds``); each ratio is the median of the
     per-round ratios (``paired_ratio``), so a slow moment of the machine hits both sides.
     """
     module, x = _transformer(ctx)

@@ -35,8 +35,8 @@ from gpipe_lab.bench.emulated import balanced, emulated_workload
 from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.bench.step_timing import measure_step
-from gpipe_lab.bench.workloads import Workload
 from gpipe_lab.pipeline import Timeline
+from gpipe_lab.planner.workload import Workload
 
 
 class UniformEmulated:

@@ -45,11 +45,14 @@ from experiments.throughput_lib import (
     timed_cost_model,
     uncontended,
 )
-from gpipe_lab.bench import Progress, WorkloadSpec, time_call
+from gpipe_lab.app.config.experiments import workload_of
+from gpipe_lab.bench import Progress
 from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
-from gpipe_lab.bench.step_timing import measure_step, workload_of
+from gpipe_lab.bench.step_timing import measure_step
+from gpipe_lab.pipeline.measuring.call_timing import time_call
 from gpipe_lab.planner.cost_model import CostModel
+from gpipe_lab.planner.workload import WorkloadSpec
 from gpipe_lab.plotting.timeline import plot_timeline
 
 EXPERIMENT = "paper_overheads"

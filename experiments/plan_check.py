@@ -36,11 +36,11 @@ from experiments.plan_check_lib import (
     check_emulated,
     check_workload,
 )
-from gpipe_lab.bench import WorkloadSpec
 from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.planner.memory import format_bytes
 from gpipe_lab.planner.plan_types import DEFAULT_SCHEDULES, DEFAULT_TRIALS, VIRTUAL_STAGES
+from gpipe_lab.planner.workload import WorkloadSpec
 
 #: label: (preset, sizes, mini-batch, largest M); small analogues of Table 2's workloads that run in seconds
 #: here

@@ -21,12 +21,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gpipe_lab.bench import EmulatedSpec, Progress, WorkloadSpec
+from gpipe_lab.bench import EmulatedSpec, Progress
 from gpipe_lab.planner.layer_timing import layer_times
 from gpipe_lab.planner.plan_types import DEFAULT_TRIALS, Candidate, PlanResult, Scored
 from gpipe_lab.planner.profile_cache import Profile
 from gpipe_lab.planner.search import candidates, plan_auto, plan_model
 from gpipe_lab.planner.trials import measure_plan, refine_by_trials
+from gpipe_lab.planner.workload import WorkloadSpec
 
 BYTES_PER_PARAM = 16.0  # Adam: weights, gradients and two slots in float32
 DEVICES = 2  # this machine's cores: one thread per CPU stage

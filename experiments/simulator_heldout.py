@@ -31,10 +31,11 @@ import os
 
 from experiments.common import parser, write
 from experiments.throughput_lib import engine_overhead, error, hop_seconds, timed_cost_model
-from gpipe_lab.bench import Progress, WorkloadSpec
+from gpipe_lab.bench import Progress
 from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.markdown import md_table
 from gpipe_lab.bench.step_timing import measure_step
+from gpipe_lab.planner.workload import WorkloadSpec
 
 #: The base workload (a Transformer analogue) and the settings of the full run.
 BASE = {"num_layers": 16, "d_model": 128, "ffn_dim": 512, "num_heads": 4, "vocab_size": 512, "seq_len": 32,

@@ -22,9 +22,11 @@ from experiments.throughput_lib import (
     timed_cost_model,
     uncontended,
 )
-from gpipe_lab.bench import EmulatedSpec, Progress, WorkloadSpec
-from gpipe_lab.bench.step_timing import gpu_devices, measure_step, workload_of
+from gpipe_lab.app.config.experiments import workload_of
+from gpipe_lab.bench import EmulatedSpec, Progress
+from gpipe_lab.bench.step_timing import gpu_devices, measure_step
 from gpipe_lab.pipeline import Timeline
+from gpipe_lab.planner.workload import WorkloadSpec
 
 
 def run_grids(cfgs: Iterable[DictConfig], label: str, gpu: bool = False, note: str = ""

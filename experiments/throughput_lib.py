@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from gpipe_lab.bench import EmulatedSpec, WorkloadSpec
+from gpipe_lab.bench import EmulatedSpec
 from gpipe_lab.planner.cost_model import CostModel, LinearCost
 from gpipe_lab.planner.layer_timing import engine_overhead, hop_seconds, layer_times  # noqa: F401 - the experiments' one import
+from gpipe_lab.planner.workload import WorkloadSpec
 
 #: How the simulated cells are made, for the tables' descriptions (one text for every table).
 SIMULATOR_TEXT = (

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from benchmarks.bench_common import probe_mlp
-from gpipe_lab.bench import time_rounds
+from gpipe_lab.pipeline.measuring.call_timing import time_rounds
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from gpipe_lab.bench.workloads import WorkloadSpec
+from gpipe_lab.planner.workload import WorkloadSpec
 
 SPEC = WorkloadSpec("amoebanet", "amoebanet_d", dict(num_layers=18, num_filters=32, num_classes=10,
                                                      image_size=32), 256)

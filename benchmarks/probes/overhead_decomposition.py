@@ -30,12 +30,12 @@ from collections.abc import Callable
 
 import torch
 
-from gpipe_lab.bench import tiny_linear
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.pipeline.schedules import walk
 from gpipe_lab.pipeline.step import executor as executor_module
 from gpipe_lab.pipeline.step.channel import run_action
+from gpipe_lab.planner.workload import tiny_linear
 
 
 def _serial(pipe: GPipe) -> None:

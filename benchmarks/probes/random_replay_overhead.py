@@ -25,10 +25,11 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.bench_common import SIZES, make_workload, prepare_process
-from gpipe_lab.bench import Workload, WorkloadSpec, time_rounds
 from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.measuring.call_timing import time_rounds
 from gpipe_lab.pipeline.stage.random_replay import fused_dropout
 from gpipe_lab.pipeline.stage.replay_policy import GUARD, NONE, StageReplay
+from gpipe_lab.planner.workload import Workload, WorkloadSpec
 
 SETTINGS = {"auto": "auto", "True": True, "False": False}
 CHUNKS = 4

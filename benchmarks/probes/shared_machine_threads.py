@@ -31,8 +31,8 @@ def _child(steps: int, settings: list[int | None]) -> dict[str, object]:
     """Time each thread setting in this process, alternating step by step; medians in seconds."""
     import torch
 
-    from gpipe_lab.bench.workloads import WorkloadSpec
     from gpipe_lab.pipeline import GPipe
+    from gpipe_lab.planner.workload import WorkloadSpec
 
     spec = WorkloadSpec("amoebanet_d_tiny", "amoebanet_d_tiny", {}, 32)
     pipes, works = [], []

@@ -16,8 +16,8 @@ from __future__ import annotations
 import statistics
 import sys
 
-from gpipe_lab.app.config.experiments import compose_experiment
-from gpipe_lab.bench.step_timing import measure_step, workload_of
+from gpipe_lab.app.config.experiments import compose_experiment, workload_of
+from gpipe_lab.bench.step_timing import measure_step
 from gpipe_lab.planner.layer_timing import layer_times
 
 

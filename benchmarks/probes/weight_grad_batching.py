@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarks.bench_common import probe_mlp
-from gpipe_lab.bench import time_rounds
+from gpipe_lab.pipeline.measuring.call_timing import time_rounds
 
 STASH: dict[int, list[tuple[Tensor, Tensor]]] = {}
 

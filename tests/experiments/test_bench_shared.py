@@ -1,4 +1,5 @@
-"""The workloads and the timer the benchmarks and experiments share (``gpipe_lab.bench``).
+"""The workloads and the timer the benchmarks and experiments share (``gpipe_lab.bench``, ``planner.workload``,
+``pipeline.measuring.call_timing``).
 
 No duration is asserted: only what the timer calls, in which order, and what it keeps.
 """
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpipe_lab.bench import Timing, WorkloadSpec, mlp, paired_ratio, time_call, time_rounds, tiny_linear
+from gpipe_lab.bench import mlp
+from gpipe_lab.pipeline.measuring.call_timing import Timing, paired_ratio, time_call, time_rounds
+from gpipe_lab.planner.workload import WorkloadSpec, tiny_linear
 
 
 def test_rounds_alternate_their_order_and_drop_the_warmup():

@@ -11,11 +11,12 @@ import time
 import pytest
 import torch
 
-from gpipe_lab.bench import EmulatedSpec, WorkloadSpec, emulated_workload
+from gpipe_lab.bench import EmulatedSpec, emulated_workload
 from gpipe_lab.bench.emulated import EmulatedLayer, balanced
 from gpipe_lab.pipeline import GPipe, Timeline
 from gpipe_lab.pipeline.distributed import DistributedGPipe
 from gpipe_lab.pipeline.distributed.spawn import run_local
+from gpipe_lab.planner.workload import WorkloadSpec
 
 #: 4 layers of 2.5 ms per sample on 8 samples: 10 ms forward per layer and mini-batch.
 LAYER_S, BATCH = 2.5e-3 / 8, 8

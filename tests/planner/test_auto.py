@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe_lab.bench import WorkloadSpec
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.schedules import get_schedule
 from gpipe_lab.planner.cli import main
@@ -14,6 +13,7 @@ from gpipe_lab.planner.plan_types import CHECKPOINTS, VIRTUAL_STAGES, NoPlanFits
 from gpipe_lab.planner.profile_cache import fixed_bytes, load_or_measure
 from gpipe_lab.planner.search import candidates, plan_auto, plan_model
 from gpipe_lab.planner.trials import per_device
+from gpipe_lab.planner.workload import WorkloadSpec
 from helpers.fake_timing import use_fake_timing
 
 TINY = {"num_layers": 4, "d_model": 32, "ffn_dim": 64, "num_heads": 2, "vocab_size": 64, "seq_len": 8}

@@ -7,9 +7,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from gpipe_lab.bench import WorkloadSpec
 from gpipe_lab.planner import layer_timing
 from gpipe_lab.planner.layer_timing import KINDS, layer_times
+from gpipe_lab.planner.workload import WorkloadSpec
 
 
 def tiny(dropout: float) -> WorkloadSpec:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe_lab.bench import WorkloadSpec
 from gpipe_lab.pipeline import PipelineOptions
 from gpipe_lab.planner.plan_types import Candidate, PlanResult, Scored
 from gpipe_lab.planner.trials import measure_plan, refine_by_trials
+from gpipe_lab.planner.workload import WorkloadSpec
 
 SPEC = WorkloadSpec("tiny", "transformer_tiny", {"num_layers": 2, "d_model": 16, "ffn_dim": 32, "num_heads": 2,
                                                  "vocab_size": 32, "seq_len": 4}, 8)

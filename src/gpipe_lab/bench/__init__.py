@@ -1,4 +1,4 @@
-"""What the benchmarks and the paper experiments share: their workloads, their timer, their tables.
+"""What the benchmarks and the paper experiments share: their MLP and emulated workloads, step timing, tables.
 
 ``benchmarks/`` and ``experiments/`` are script packages run from the repository
 root (``python -m benchmarks.run``); the definitions both need live here, once.
@@ -13,10 +13,8 @@ from typing import Any
 
 _HOMES = {
     "EmulatedLayer": "emulated", "EmulatedSpec": "emulated", "emulated_module": "emulated",
-    "emulated_workload": "emulated", "Timing": "timing", "paired_ratio": "timing", "time_call": "timing",
-    "time_rounds": "timing",
-    "Workload": "workloads", "WorkloadSpec": "workloads", "mlp": "workloads", "mlp_module": "workloads",
-    "tiny_linear": "workloads", "md_table": "markdown", "Progress": "progress",
+    "emulated_workload": "emulated", "mlp": "workloads", "mlp_module": "workloads", "md_table": "markdown",
+    "Progress": "progress",
 }
 
 __all__ = sorted(_HOMES)

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gpipe_lab.bench.workloads import Workload, WorkloadSpec, mse
 from gpipe_lab.pipeline import balance_by_cost
 from gpipe_lab.pipeline.options import forwarded
+from gpipe_lab.planner.workload import Workload, WorkloadSpec, mse
 
 
 class _Sleep(torch.autograd.Function):

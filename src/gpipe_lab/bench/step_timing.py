@@ -7,13 +7,13 @@ and the benchmarks' probes time their steps with it.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from gpipe_lab.bench.timing import Timing, time_call
-from gpipe_lab.bench.workloads import Workload, WorkloadSpec
 from gpipe_lab.pipeline import GPipe, Timeline
+from gpipe_lab.pipeline.measuring.call_timing import Timing, time_call
+from gpipe_lab.planner.workload import Workload
 
 
 class Buildable(Protocol):
@@ -56,20 +56,3 @@ def measure_step(work: Buildable, partitions: int, chunks: int, steps: int = 3,
     seconds, timeline = runs[len(runs) // 2]
     return seconds, timeline, list(pipe.balance)
 
-
-def workload_of(block: Any, label: str | None = None) -> WorkloadSpec:
-    """A ``WorkloadSpec`` from a config block ``{preset, sizes, batch}`` named ``label``, or from an
-    ``experiment`` block holding ``label`` and ``workload``.
-
-    Raises:
-        KeyError: a block without ``preset``, ``sizes`` or ``batch``.
-    """
-    from omegaconf import OmegaConf
-
-    if label is None:
-        label, block = block.label, block.workload
-    data = OmegaConf.to_container(block, resolve=True) if not isinstance(block, dict) else block
-    missing = [k for k in ("preset", "sizes", "batch") if not isinstance(data, dict) or k not in data]
-    if missing or not isinstance(data, dict):
-        raise KeyError(f"workload {label!r}: missing {missing} (needs preset, sizes, batch)")
-    return WorkloadSpec(str(label), str(data["preset"]), dict(data["sizes"]), int(data["batch"]))

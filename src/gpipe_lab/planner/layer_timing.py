@@ -29,9 +29,9 @@ from contextlib import nullcontext
 
 import torch
 
-from gpipe_lab.bench import WorkloadSpec
 from gpipe_lab.pipeline.measuring.step_timeline import Timeline
 from gpipe_lab.pipeline.stage.context import microbatch_context
+from gpipe_lab.planner.workload import WorkloadSpec, tiny_linear
 
 #: Seconds a timing thread waits for its twin at a phase boundary before giving up.
 BARRIER_TIMEOUT_S = 600.0
@@ -138,7 +138,6 @@ def engine_costs(steps: int = 3) -> tuple[float, float]:
     """(per-action overhead, hand-over per hop) in seconds, from ``GPipe`` on a near-empty workload
     (4 x Linear(4, 4), K=2, M=8, one thread per stage): the median action, and ``hop_seconds`` of
     the last step, the two costs per-layer times do not contain."""
-    from gpipe_lab.bench import tiny_linear
     from gpipe_lab.pipeline import GPipe
 
     work = tiny_linear(16, partitions=2)

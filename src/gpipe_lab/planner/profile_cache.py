@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from gpipe_lab.bench import WorkloadSpec
 from gpipe_lab.models import example_input
 from gpipe_lab.pipeline.measuring.costs import measure_layers, untouched
 from gpipe_lab.planner import layer_timing
 from gpipe_lab.planner.cost_model import CostModel
 from gpipe_lab.planner.memory import LayerMemory, layer_records
+from gpipe_lab.planner.workload import WorkloadSpec
 
 __all__ = ["Profile", "cache_dir", "load_or_measure", "profile_key"]
 

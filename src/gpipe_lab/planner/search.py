@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpipe_lab.bench import WorkloadSpec
 from gpipe_lab.pipeline import PipelineOptions, balance_by_cost, checkpointed_microbatches
 from gpipe_lab.pipeline.schedules import SCHEDULES, Schedule, get_schedule
 from gpipe_lab.planner.cost_model import CostModel
@@ -50,6 +49,7 @@ from gpipe_lab.planner.plan_types import (
 from gpipe_lab.planner.profile_cache import Profile, load_or_measure
 from gpipe_lab.planner.rank import no_fit, rank, runners_up
 from gpipe_lab.planner.trials import refine_by_trials
+from gpipe_lab.planner.workload import WorkloadSpec
 
 __all__ = ["bytes_per_param_of", "candidates", "default_devices", "microbatch_counts", "plan_auto", "plan_model",
            "plans"]

@@ -18,10 +18,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from gpipe_lab.bench import WorkloadSpec, time_call
 from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.measuring.call_timing import time_call
 from gpipe_lab.planner.memory import format_bytes
 from gpipe_lab.planner.plan_types import BYTES_PER_PARAM, DEFAULT_TRIALS, Candidate, PlanResult
+from gpipe_lab.planner.workload import WorkloadSpec
 
 __all__ = ["Measure", "measure_plan", "per_device", "refine_by_trials"]
 

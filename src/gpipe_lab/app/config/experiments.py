@@ -1,17 +1,20 @@
 """The experiment configs (``conf/experiment/*.yaml``): their names, and one composed with ``train.yaml``.
 
 The experiments read their settings from these configs, and the benchmarks' probes the
-workloads the experiments define there.
+workloads the experiments define there (``workload_of`` turns a config's workload block into a
+``WorkloadSpec``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import gpipe_lab
+from gpipe_lab.planner.workload import WorkloadSpec
 
 #: The package's config folder (the checkout's ``conf/``).
 CONF = Path(gpipe_lab.__file__).resolve().parent / "conf"
@@ -40,3 +43,19 @@ def compose_experiment(name: str, overrides: Sequence[str] = ()) -> DictConfig:
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         return compose("train", overrides=[f"experiment={name}", "logger=none", *overrides])
+
+
+def workload_of(block: Any, label: str | None = None) -> WorkloadSpec:
+    """A ``WorkloadSpec`` from a config block ``{preset, sizes, batch}`` named ``label``, or from an
+    ``experiment`` block holding ``label`` and ``workload``.
+
+    Raises:
+        KeyError: a block without ``preset``, ``sizes`` or ``batch``.
+    """
+    if label is None:
+        label, block = block.label, block.workload
+    data = OmegaConf.to_container(block, resolve=True) if not isinstance(block, dict) else block
+    missing = [k for k in ("preset", "sizes", "batch") if not isinstance(data, dict) or k not in data]
+    if missing or not isinstance(data, dict):
+        raise KeyError(f"workload {label!r}: missing {missing} (needs preset, sizes, batch)")
+    return WorkloadSpec(str(label), str(data["preset"]), dict(data["sizes"]), int(data["batch"]))

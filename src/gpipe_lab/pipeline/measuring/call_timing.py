@@ -1,4 +1,5 @@
-"""The one timer of the benchmarks and experiments: functions timed in alternating rounds after warm-up.
+"""The one call timer (the planner's trials, the benchmarks, the experiments): functions timed in
+alternating rounds after warm-up.
 
 Every round calls each function once, in the given order on even rounds and in
 reverse on odd ones, so that a drift of the machine's speed during the run hits
