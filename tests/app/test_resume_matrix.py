@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -113,19 +114,32 @@ MATRIX = [(m, *case) for m in sorted(MODELS) for case in COVERING + (ACROSS if m
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(request, tmp_path_factory) -> tuple[str, Path, dict[str, Path]]:
-    """The model, a scratch folder and one uninterrupted K=2 run per transport (checkpoints at steps 1, 2)."""
-    tmp = tmp_path_factory.mktemp(request.param)
-    return request.param, tmp, {t: train(tmp, f"{t}-reference", request.param, t, K)
-                                for t in ("local", "distributed")}
+def uninterrupted(tmp_path_factory) -> Callable[[str], tuple[Path, dict[str, Path]]]:
+    """``uninterrupted(model)``: a scratch folder and one uninterrupted K=2 run per transport
+    (checkpoints at steps 1, 2), made on the model's first use and kept for the module, in whatever
+    order its tests run (a module fixture parametrized by model is remade at each change of model)."""
+    made: dict[str, tuple[Path, dict[str, Path]]] = {}
+
+    def runs(model: str) -> tuple[Path, dict[str, Path]]:
+        if model not in made:
+            tmp = tmp_path_factory.mktemp(model)
+            made[model] = tmp, {t: train(tmp, f"{t}-reference", model, t, K) for t in ("local", "distributed")}
+        return made[model]
+    return runs
+
+
+def by_model(model: str, *values: object) -> pytest.ParameterSet:
+    """A case of ``model``: each model's cases share one xdist worker (its uninterrupted runs), the two
+    models' cases run side by side."""
+    return pytest.param(model, *values, marks=pytest.mark.xdist_group(f"resume_matrix:{model}"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("uninterrupted", "source", "transport", "same_k"), MATRIX, indirect=["uninterrupted"],
+@pytest.mark.parametrize(("model", "source", "transport", "same_k"), [by_model(*case) for case in MATRIX],
                          ids=[f"{m}-{'same' if k else 'other'}-K-{s}-{t}" for m, s, t, k in MATRIX])
-def test_every_checkpoint_resumes_on_either_transport_at_any_k(uninterrupted, source, transport, same_k):
-    model, tmp, reference = uninterrupted
+def test_every_checkpoint_resumes_on_either_transport_at_any_k(uninterrupted, model, source, transport, same_k):
+    tmp, reference = uninterrupted(model)
     k = K if same_k else OTHER_K[transport]
     ckpt = reference[source] / "checkpoints" / "epoch=0-step=1.ckpt"
     resumed = train(tmp, f"{source}-to-{transport}-K{k}", model, transport, k, f"ckpt_path='{ckpt}'")
@@ -144,15 +158,14 @@ def test_every_checkpoint_resumes_on_either_transport_at_any_k(uninterrupted, so
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("uninterrupted", sorted(MODELS), indirect=True)
-@pytest.mark.parametrize("transport", ["local", "distributed"])
-def test_every_transports_checkpoint_exports_as_the_unpipelined_model(uninterrupted, transport):
+@pytest.mark.parametrize(("model", "transport"), [by_model(m, t) for m in sorted(MODELS) for t in ("local", "distributed")])
+def test_every_transports_checkpoint_exports_as_the_unpipelined_model(uninterrupted, model, transport):
     """``gpipe-export``'s file loads strictly into the model as gpipe-train builds it, unpipelined
     (that it computes what the pipeline computes: ``tests/app/test_export.py``)."""
     from gpipe_lab.app.export import export
     from gpipe_lab.app.train import build_datamodule, build_module
 
-    model, tmp, reference = uninterrupted
+    tmp, reference = uninterrupted(model)
     out = tmp / f"{transport}.pt"
     export(reference[transport] / "checkpoints" / "last.ckpt", out)
     cfg = OmegaConf.load(reference[transport] / ".hydra" / "config.yaml")
