@@ -23,7 +23,7 @@ def test_the_yaml_restates_no_default_of_its_dataclass(path: str, schema: type, 
 
 
 def test_the_composed_groups_hold_the_dataclass_defaults() -> None:
-    cfg = make_config("tags=[a]")
+    cfg = make_config("tags=[a]", "callbacks.timeline_pictures=true")  # the helper switches pictures off
     assert OmegaConf.to_container(cfg.callbacks) == asdict(CallbacksConfig())
     assert OmegaConf.to_container(cfg.logger, resolve=True) == {**asdict(LoggerConfig()), "tags": ["a"]}
     assert make_config("callbacks.keep_checkpoints=3").callbacks.keep_checkpoints == 3

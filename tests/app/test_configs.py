@@ -112,8 +112,10 @@ def test_validation_happens_before_building(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_runs_one_step(name: str, tmp_path: Path) -> None:
+    # one validation batch runs the evaluation path; the test pass would run it again (greedy decoding of
+    # a 12 + 12 layer model in the Table 3 config)
     cfg = make_config(f"experiment={name}", "trainer=smoke", "trainer.max_steps=1", "trainer.limit_val_batches=1",
-                      "logger=none", tmp_path=tmp_path)
+                      "trainer.limit_test_batches=0", "logger=none", tmp_path=tmp_path)
     validate(cfg)
     if "root" in cfg.data and not Path(cfg.data.root).exists():
         pytest.skip(f"{name}: needs local data at {cfg.data.root}")

@@ -16,7 +16,7 @@ def test_a_smoke_run_ends_in_one_line_naming_its_summary_pictures_and_wandb_run(
     monkeypatch.delenv("WANDB_SILENT")
     monkeypatch.delenv("WANDB_QUIET", raising=False)
     done = gpipe_train(*(o for o in SMALL if o != "logger=none"), "logger=wandb", "trainer.max_steps=2",
-                       "trainer.limit_val_batches=1.0")
+                       "trainer.limit_val_batches=1.0", "callbacks.timeline_pictures=true")
     console = done.out + done.err
     assert done.code in (0, None), console[-3000:]
     assert not [line for line in console.splitlines() if line.startswith("wandb:")], console

@@ -37,3 +37,13 @@ def test_a_run_shorter_than_log_every_n_steps_logs_first_and_last_step_and_names
     assert (summary["optimizer"], summary["D"], summary["run_dir"]) == ("adam", 1, "run")
     assert summary["run_name"].startswith("K2-M4-zb-h1")  # the wandb run's name
     assert summary["lr"] > 0
+
+
+def test_timeline_pictures_can_be_switched_off_and_the_figures_stay(tmp_path):
+    """``callbacks.timeline_pictures=false`` (a sweep of short jobs): no picture, the same history."""
+    summary = run(make_config(*SMALL, "trainer.max_steps=2", "callbacks.timeline_pictures=false", tmp_path=tmp_path))
+    assert summary["steps"] == 2 and 0 <= summary["bubble_measured"] < 1
+    assert not list(tmp_path.rglob("timeline_*.png"))
+    drawn = tmp_path / "drawn"
+    run(make_config(*SMALL, "trainer.max_steps=2", "callbacks.timeline_pictures=true", tmp_path=drawn))
+    assert sorted(p.name for p in drawn.rglob("timeline_*.png")) == ["timeline_first.png", "timeline_last.png"]

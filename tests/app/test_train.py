@@ -25,7 +25,7 @@ def warnings_shown(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 def test_default_app_logs_everything_to_offline_wandb(tmp_path: Path) -> None:
-    proc = gpipe_train(SMALL, tmp_path)
+    proc = gpipe_train([*SMALL, "callbacks.timeline_pictures=true"], tmp_path)
     assert warnings_shown(proc) == []
     (summary_path,) = tmp_path.rglob("summary.json")
     summary = json.loads(summary_path.read_text())

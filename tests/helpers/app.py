@@ -19,13 +19,21 @@ from gpipe_lab.app.train import CONFIG_DIR, cli
 from helpers.forked import run_module, run_torchrun
 
 CONF = Path(CONFIG_DIR)
+#: runs through these helpers draw no timeline pictures (~0.2 s each, two per run) unless a test asks
+PICTURES = "callbacks.timeline_pictures"
+
+
+def without_pictures(overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """``overrides``, drawing no timeline pictures unless they set ``callbacks.timeline_pictures``."""
+    asked = any(o.lstrip("+").startswith(PICTURES) for o in overrides)
+    return list(overrides) if asked else [*overrides, f"{PICTURES}=false"]
 
 
 def make_config(*overrides: str, tmp_path: Path | None = None) -> DictConfig:
     GlobalHydra.instance().clear()
     extra = [f"paths.log_dir={tmp_path}"] if tmp_path is not None else []
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        cfg = compose("train", overrides=[*overrides, *extra], return_hydra_config=True)
+        cfg = compose("train", overrides=[*without_pictures(overrides), *extra], return_hydra_config=True)
     HydraConfig().set_config(cfg)
     GlobalHydra.instance().clear()
     if tmp_path is not None:
@@ -42,7 +50,7 @@ def gpipe_train(args: list[str], tmp_path: Path, timeout: float = 240, torchrun:
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
     flags = [a for a in args if a.startswith("-")]
     overrides = [a for a in args if not a.startswith("-")]
-    argv = [*flags, f"paths.log_dir={tmp_path}", *overrides]
+    argv = [*flags, f"paths.log_dir={tmp_path}", *without_pictures(overrides)]
     if torchrun is None:
         proc = run_module("gpipe_lab.app.train", argv, cwd=tmp_path, env=env, timeout=timeout)
     else:
@@ -89,7 +97,7 @@ def cli_here(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
 
     def call(*args: str) -> Done:
-        monkeypatch.setattr(sys, "argv", ["gpipe-train", *args, f"paths.log_dir={tmp_path}"])
+        monkeypatch.setattr(sys, "argv", ["gpipe-train", *without_pictures(args), f"paths.log_dir={tmp_path}"])
         code: int | str | None = 0
         try:
             cli()

@@ -245,7 +245,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if plan is not None:
         extra.update(plan.summary())
     metrics = PipelineMetrics(output_dir, extra_summary=extra, derived=plan.compare if plan is not None else None,
-                              overrides=job_overrides())
+                              overrides=job_overrides(), pictures=checked.callbacks.timeline_pictures)
     options = resumed_options(options, ckpt_path)  # the run's thread count: a bitwise continuation
     trainer = build_trainer(checked, options, module, output_dir, metrics)
     fit(cfg, trainer, module, datamodule, metrics, ckpt_path)

@@ -60,8 +60,10 @@ class PipelineMetrics(pl.Callback):
     def __init__(self, output_dir: str | Path, extra_summary: dict[str, Any] | None = None,
                  warmup_steps: int = 1,
                  derived: Callable[[dict[str, Any], list[float]], dict[str, Any]] | None = None,
-                 overrides: list[str] | None = None) -> None:
+                 overrides: list[str] | None = None, pictures: bool = True) -> None:
         self.output_dir = Path(output_dir)
+        #: draw the first and the last step's timeline (``callbacks.timeline_pictures``)
+        self.pictures = pictures
         #: the run's command-line overrides (the summary's ``overrides``)
         self.overrides = list(overrides or [])
         self.extra_summary = dict(extra_summary or {})
@@ -150,7 +152,7 @@ class PipelineMetrics(pl.Callback):
         return self._theory_value
 
     def _picture(self, trainer: pl.Trainer, strategy: GPipeStrategy, when: str) -> None:
-        if not trainer.is_global_zero or self._timeline is None:
+        if not (self.pictures and trainer.is_global_zero) or self._timeline is None:
             return
         first = self.output_dir / "timeline_first.png"
         if when == "last" and self._pictured_at == self._reports and first.exists():

@@ -77,6 +77,9 @@ class CallbacksConfig:
     keep_checkpoints: int = 0
     #: 1st Ctrl-C: finish the step, write last.ckpt, exit 1; 2nd Ctrl-C: stop at once
     graceful_ctrl_c: bool = True
+    #: draw the measured timeline of the first and the last step (timeline_first.png, timeline_last.png,
+    #: and to wandb); false: none, e.g. for a sweep of many short jobs (a picture costs ~0.2 s on a CPU)
+    timeline_pictures: bool = True
     model_checkpoint: ModelCheckpointConfig = field(default_factory=ModelCheckpointConfig)
 
 
