@@ -54,8 +54,9 @@ def engine_digest() -> str:
     engine = Path(gpipe_lab.pipeline.__file__).parent
     files = sorted(engine.rglob("*.py")) + [HERE / name for name in HARNESS]
     h = hashlib.sha256(torch.__version__.encode() + torchvision.__version__.encode())
-    for path in files:
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    for path in files:  # the path below its root: a file moved between the engine's folders counts
+        name = path.relative_to(engine) if path.is_relative_to(engine) else Path(path.name)
+        h.update(name.as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
 
 

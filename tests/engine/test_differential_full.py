@@ -95,6 +95,18 @@ def test_the_engine_digest_changes_with_the_engine_source(tmp_path: Path, monkey
     assert full.engine_digest() != first
 
 
+def test_the_engine_digest_follows_a_file_moved_between_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = tmp_path / "pipeline"
+    (engine / "step").mkdir(parents=True)
+    (engine / "stage").mkdir()
+    (engine / "__init__.py").write_text("")
+    (engine / "step" / "core.py").write_text("x = 1\n")
+    monkeypatch.setattr(full.gpipe_lab.pipeline, "__file__", str(engine / "__init__.py"))
+    first = full.engine_digest()
+    (engine / "step" / "core.py").rename(engine / "stage" / "core.py")  # same name, same text, another folder
+    assert full.engine_digest() != first
+
+
 def test_shards_of_another_n_take_over_only_what_is_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(full, "all_cases", lambda: CASES)
