@@ -34,6 +34,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from gpipe_lab.app.config import CheckedConfig, ConfigError, check_config  # registers the generated nodes
 from gpipe_lab.app.config.environment import model_overrides
 from gpipe_lab.app.config.groups import trainer_devices
+from gpipe_lab.app.config.schema import CONFIG_DIR as CONFIG_PATH
 from gpipe_lab.app.config.schema import CallbacksConfig, resolved_dict
 from gpipe_lab.app.continuation import continue_run
 from gpipe_lab.app.evaluation import check_test_set, evaluate_checkpoint, evaluates, final_test
@@ -71,9 +72,8 @@ from gpipe_lab.planner.preset_costs import preset_costs
 __all__ = ["CONFIG_DIR", "build_datamodule", "build_logger", "build_module", "cli", "engine_options",
            "main", "model_overrides", "run"]
 
-# The YAML ships inside the package (``gpipe_lab/conf``; in a checkout a link to the top-level
-# ``conf/``), so an installed wheel finds it too.
-CONFIG_DIR = str(Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parents[1] / "conf")))
+#: the YAML configs' folder, as Hydra takes it (``app.config.schema.CONFIG_DIR``)
+CONFIG_DIR = str(CONFIG_PATH)
 
 
 def build_datamodule(cfg: DictConfig) -> Any:

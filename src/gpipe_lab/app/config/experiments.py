@@ -8,21 +8,17 @@ workloads the experiments define there (``workload_of`` turns a config's workloa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-import gpipe_lab
+from gpipe_lab.app.config.schema import CONFIG_DIR
 from gpipe_lab.planner.workload import WorkloadSpec
-
-#: The package's config folder (the checkout's ``conf/``).
-CONF = Path(gpipe_lab.__file__).resolve().parent / "conf"
 
 
 def experiment_names() -> list[str]:
     """The names of every ``conf/experiment/*.yaml``."""
-    return sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+    return sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
 
 
 def compose_experiment(name: str, overrides: Sequence[str] = ()) -> DictConfig:
@@ -41,7 +37,7 @@ def compose_experiment(name: str, overrides: Sequence[str] = ()) -> DictConfig:
     if name not in names:
         raise ValueError(f"unknown experiment {name!r}; allowed: {', '.join(names)}")
     GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         return compose("train", overrides=[f"experiment={name}", "logger=none", *overrides])
 
 

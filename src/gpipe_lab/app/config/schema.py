@@ -16,13 +16,19 @@ what is allowed.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from gpipe_lab.pipeline.options import PipelineOptions
+
+#: The YAML configs: shipped inside the package (``gpipe_lab/conf``; in a checkout a link to the
+#: top-level ``conf/``), so an installed wheel finds them too; ``GPIPE_LAB_CONF`` points elsewhere.
+CONFIG_DIR = Path(os.environ.get("GPIPE_LAB_CONF", Path(__file__).resolve().parents[2] / "conf"))
 
 
 class ConfigError(ValueError):
