@@ -1,7 +1,7 @@
 """``gpipe-train pipeline.plan=auto``: plan before training, run the plan, record predicted beside measured.
 
 ``choose_plan`` runs the planner (``planner.search.plan_model``) on the run's model, mini-batch,
-optimizer and budget (``plan_config``), prints the plan and returns the pipeline options that run
+optimizer and budget (``app.config.planner``), prints the plan and returns the pipeline options that run
 it. ``PlanRecord.compare`` puts the prediction beside the run's measured figures in the summary
 (``summary.json`` and the wandb summary):
 

@@ -5,7 +5,7 @@ which walks each hosted rank's action list and takes every incoming value from
 one keyed mailbox (``mailbox.Mailbox``). A transport is only an *endpoint*: it
 sends a value to the stage that consumes it (``send``), turns a delivered item
 into values the receiving rank can use (``receive``), and sums a vector over
-every rank (``share``). ``local.LocalChannel`` hands values over between
+every rank (``share``). ``local_channel.LocalChannel`` hands values over between
 threads; ``distributed.p2p_channel.P2PChannel`` over torch.distributed.
 
 What an action does (``run_action``), the same in both transports:
