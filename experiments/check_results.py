@@ -31,23 +31,11 @@ from pathlib import Path
 
 from experiments.common import RESULTS
 from gpipe_lab.bench.machine import ROOT
+from gpipe_lab.bench.markdown import read_tables as tables
 
 #: Headers of columns that depend on the machine's clock (never compared).
 WALL_CLOCK = re.compile(r"measured|emulated|simulat|\bstep\b|s/step|samples/s|error|hand-over|wait|recompute|"
                         r"imbalance|update|seconds|\btime\b|tokens/s|speed|gap|excess|^bubble$", re.IGNORECASE)
-
-
-def tables(markdown: str) -> list[tuple[list[str], list[list[str]]]]:
-    """Every GitHub markdown table of ``markdown`` as (header, rows of cells)."""
-    found, block = [], []
-    for line in [*markdown.splitlines(), ""]:
-        if line.startswith("|"):
-            block.append([c.strip() for c in line.strip().strip("|").split("|")])
-        elif block:
-            if len(block) >= 2 and all(set(c) <= set("-: ") for c in block[1]):
-                found.append((block[0], block[2:]))
-            block = []
-    return found
 
 
 def differences(fresh: str, reference: str, name: str = "") -> list[str]:
