@@ -44,7 +44,7 @@ SWEEP = ["gpipe_lab.app.train", "-m", "pipeline.partitions=1,2", "seed=0,1,2", "
 ONE_THREAD_K1 = ["gpipe_lab.app.train", "-m", "pipeline.partitions=1", "pipeline.threads_per_stage=1",
                  "pipeline.checkpoint=never,except_last", "seed=0", "logger=csv"]
 MICROBATCH_COST = [("paper_table2_amoebanet", "logs/table2_mb_cost"), ("paper_table2_transformer", "logs/table2_mb_cost_tf")]
-#: job name: its commands, in order (those of results/README.md's table)
+#: job name: its commands, in order (results/README.md lists them as regeneration.json records them)
 JOBS: dict[str, list[list[str]]] = {
     "table1_capacity": [PY + ["experiments.table1_capacity", "--out", "results"]],
     "emulated_scaling": [PY + ["experiments.emulated_scaling", "--out", "results"]],
@@ -75,6 +75,8 @@ JOBS: dict[str, list[list[str]]] = {
     "plan_check": [PY + ["experiments.plan_check", "--out", "results"]],
     "benchmarks": [PY + ["benchmarks.run", "--quick", "--out", "results"]],
     "benchmarks_full": [PY + ["benchmarks.run", "--out", "results/full", "--compile"]],
+    # last: results/README.md, computed from the files above (seconds; rerun it alone after any of them)
+    "results_readme": [PY + ["experiments.results_readme"]],
 }
 
 
