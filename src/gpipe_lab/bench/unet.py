@@ -36,13 +36,9 @@ class Down(nn.Module):
         super().__init__()
         self.body = _block(width, width, dropout, batch_norm)
 
-    def compute(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        y = self.body(x)
-        return y, y
-
     def forward(self, x: Tensor) -> Tensor:
-        y, feature = self.compute(x)
-        stash("feature", feature)
+        y = self.body(x)
+        stash("feature", y)
         return y
 
 
@@ -54,11 +50,8 @@ class Up(nn.Module):
         super().__init__()
         self.body = _block(2 * width, width, dropout, batch_norm)
 
-    def combine(self, x: Tensor, feature: Tensor) -> Tensor:
-        return self.body(torch.cat([x, feature], dim=1))
-
     def forward(self, x: Tensor) -> Tensor:
-        return self.combine(x, pop("feature"))
+        return self.body(torch.cat([x, pop("feature")], dim=1))
 
 
 def unet(levels: int = 3, width: int = 16, features: int = 8, dropout: float = 0.0,
@@ -80,16 +73,16 @@ def _result(values: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
 
 
 class CarryDown(nn.Module):
-    """``Down`` without skips: appends its feature to the tuple it passes on."""
+    """``Down`` without skips (its body, not the skippable block): appends its feature to the tuple."""
 
     def __init__(self, block: Down) -> None:
         super().__init__()
-        self.block = block
+        self.body = block.body
 
     def forward(self, value: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
         x, *carried = _as_tuple(value)
-        y, feature = self.block.compute(x)
-        return (y, *carried, feature)
+        y = self.body(x)
+        return (y, *carried, y)
 
 
 class CarryUp(nn.Module):
@@ -97,11 +90,11 @@ class CarryUp(nn.Module):
 
     def __init__(self, block: Up) -> None:
         super().__init__()
-        self.block = block
+        self.body = block.body
 
     def forward(self, value: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
         x, *carried, feature = value
-        return _result((self.block.combine(x, feature), *carried))
+        return _result((self.body(torch.cat([x, feature], dim=1)), *carried))
 
 
 class Carry(nn.Module):
