@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gpipe_lab.pipeline.skip import pop, skippable, stash
+from gpipe_lab.pipeline.skip import isolate, pop, skippable, stash
 
 
 def _block(width_in: int, width: int, dropout: float, batch_norm: bool) -> nn.Sequential:
@@ -58,8 +58,8 @@ def unet(levels: int = 3, width: int = 16, features: int = 8, dropout: float = 0
          batch_norm: bool = False, seed: int = 0) -> nn.Sequential:
     """``2·levels + 3`` layers: stem, encoder blocks, middle, decoder blocks, head (seeded weights)."""
     torch.manual_seed(seed)
-    downs = [Down(width, dropout, batch_norm).isolate(f"level{i}") for i in range(levels)]
-    ups = [Up(width, dropout, batch_norm).isolate(f"level{i}") for i in reversed(range(levels))]
+    downs = [isolate(Down(width, dropout, batch_norm), f"level{i}") for i in range(levels)]
+    ups = [isolate(Up(width, dropout, batch_norm), f"level{i}") for i in reversed(range(levels))]
     return nn.Sequential(nn.Linear(features, width), *downs, _block(width, width, dropout, batch_norm),
                          *ups, nn.Linear(width, features))
 

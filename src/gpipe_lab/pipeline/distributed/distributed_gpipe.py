@@ -52,10 +52,10 @@ from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import PipelineOptions, forwarded, merged_options
 from gpipe_lab.pipeline.partitioning.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.partitioning.partition import split_module
-from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
-from gpipe_lab.pipeline.stage.dropout import convert_dropout
 from gpipe_lab.pipeline.skip.layout import skip_layout
 from gpipe_lab.pipeline.skip.transport import attach, skip_links
+from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
+from gpipe_lab.pipeline.stage.dropout import convert_dropout
 from gpipe_lab.pipeline.stage.runtime import StageRuntime
 from gpipe_lab.pipeline.step.autograd_forward import refuse_backward, wants_graph
 from gpipe_lab.pipeline.step.clipping import clip_grad_norm_

@@ -4,7 +4,7 @@
 construction; ``transport``: the skip messages a step sends straight between those stages.
 """
 
-from gpipe_lab.pipeline.skip.api import SkipError, pop, skippable, stash
+from gpipe_lab.pipeline.skip.api import SkipError, isolate, pop, skippable, stash
 from gpipe_lab.pipeline.skip.layout import SkipLayout, skip_layout
 
-__all__ = ["SkipError", "SkipLayout", "pop", "skip_layout", "skippable", "stash"]
+__all__ = ["SkipError", "SkipLayout", "isolate", "pop", "skip_layout", "skippable", "stash"]

@@ -164,10 +164,15 @@ def pop(name: str) -> Tensor:
     return tensor
 
 
-def _isolate(self: nn.Module, namespace: str) -> nn.Module:
-    """Put this layer's skip names in ``namespace`` (``"ns/name"``); returns the layer."""
-    self.skip_namespace = str(namespace)
-    return self
+M = TypeVar("M", bound=nn.Module)
+
+
+def isolate(layer: M, namespace: str) -> M:
+    """Put ``layer``'s skip names in ``namespace`` (``"ns/name"``), so that one class can serve
+    several skips; returns the layer. Also a method of every skippable class: ``layer.isolate(ns)``."""
+    # a plain attribute (nn.Module's __setattr__ is typed for tensors and modules only)
+    object.__setattr__(layer, "skip_namespace", str(namespace))
+    return layer
 
 
 def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[T], T]:
@@ -199,10 +204,11 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[T
             finally:
                 layers.pop()
 
-        cls.forward = forward  # type: ignore[method-assign]  # the class is the user's, decorated once
-        cls.skip_stash = stashes  # type: ignore[attr-defined]  # read back by ``declared``
-        cls.skip_pop = pops  # type: ignore[attr-defined]
-        cls.isolate = _isolate  # type: ignore[attr-defined]
+        # the user's class, decorated once where it is defined; ``declared`` reads the names back
+        cls.forward = forward
+        cls.skip_stash = stashes  # type: ignore[attr-defined]  # added to the user's class here
+        cls.skip_pop = pops  # type: ignore[attr-defined]  # added to the user's class here
+        cls.isolate = isolate  # type: ignore[attr-defined]  # added to the user's class here
         return cls
 
     return decorate

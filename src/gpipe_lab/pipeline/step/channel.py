@@ -147,10 +147,11 @@ def run_action(action: Action, runtime: StageRuntime, receive: Receive, endpoint
                   if feed.targets is not None and out is None else None)
         # an activation holds no None (only gradients do)
         outputs, out_tensor = runtime.forward(mb, cast("tuple[Tensor, ...]", values), was_tensor, target)
+        sent: Values = outputs
         if skips is not None:
-            outputs = send_skips(skips, mb, outputs, lambda k, v: endpoint.send(k, v, False, runtime))
+            sent = send_skips(skips, mb, outputs, lambda k, v: endpoint.send(k, v, False, runtime))
         if out is not None:
-            endpoint.send(out, outputs, out_tensor, runtime)
+            endpoint.send(out, sent, out_tensor, runtime)
     elif kind == "B":
         runtime.rematerialize(mb)  # overlaps the wait for the gradient
         grads: Values | None = None
