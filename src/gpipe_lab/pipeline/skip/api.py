@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 from torch import Tensor, nn
@@ -64,24 +65,26 @@ class SkipFrame:
         return self.values.pop(name, None)
 
 
-class _Frames:
-    """Enter ``frame`` as the calling thread's current skip frame (``None``: leave it as it is)."""
+class _Frame:
+    """Enter ``frame`` as the calling thread's current skip frame."""
 
-    def __init__(self, frame: SkipFrame | None) -> None:
+    def __init__(self, frame: SkipFrame) -> None:
         self.frame = frame
 
     def __enter__(self) -> None:
-        if self.frame is not None:
-            _stack("frames").append(self.frame)
+        _stack("frames").append(self.frame)
 
     def __exit__(self, *exc: object) -> None:
-        if self.frame is not None:
-            _stack("frames").pop()
+        _stack("frames").pop()
 
 
-def using_frame(frame: SkipFrame | None) -> _Frames:
-    """A context in which this thread's ``stash`` / ``pop`` use ``frame`` (a pipeline stage's)."""
-    return _Frames(frame)
+_NO_FRAME = nullcontext()  # a stage no skip crosses: nothing to enter, nothing made per forward
+
+
+def using_frame(frame: SkipFrame | None) -> AbstractContextManager[None]:
+    """A context in which this thread's ``stash`` / ``pop`` use ``frame`` (a pipeline stage's);
+    ``None``: leave them as they are."""
+    return _NO_FRAME if frame is None else _Frame(frame)
 
 
 def _stack(name: str) -> list[Any]:

@@ -38,25 +38,25 @@ def backward_key(dst: int, src: int, mb: int) -> MessageKey:
     return (f"SB{dst}", src, mb)
 
 
+def _message(key: MessageKey) -> tuple[str, str]:
+    """(the link kind a message travels on, what it carries)."""
+    kind = key[0]
+    if kind[:2] in ("SF", "SB"):
+        forward, other = kind[1] == "F", kind[2:]
+        return (f"{'skip' if forward else 'skipgrad'}{other}>{key[1]}",
+                f"skip {'tensors' if forward else 'gradients'} from stage {other}")
+    return ("act", "activation") if kind == "F" else ("grad", "gradient")
+
+
 def link_kind(key: MessageKey) -> str:
     """The link kind a message travels on: ``act``, ``grad``, or for a skip between stages s and t
     ``skip<s>><t>`` (stashed tensors) / ``skipgrad<t>><s>`` (their gradients)."""
-    kind = key[0]
-    if kind.startswith("SF"):
-        return f"skip{kind[2:]}>{key[1]}"
-    if kind.startswith("SB"):
-        return f"skipgrad{kind[2:]}>{key[1]}"
-    return "act" if kind == "F" else "grad"
+    return _message(key)[0]
 
 
 def message_name(key: MessageKey) -> str:
-    """What a message carries, for errors: ``activation``, ``gradient``, ``skip from stage 0`` ..."""
-    kind = key[0]
-    if kind.startswith("SF"):
-        return f"skip tensors from stage {kind[2:]}"
-    if kind.startswith("SB"):
-        return f"skip gradients from stage {kind[2:]}"
-    return "activation" if kind == "F" else "gradient"
+    """What a message carries, for errors: ``activation``, ``gradient``, ``skip tensors from stage 0`` ..."""
+    return _message(key)[1]
 
 
 def _receive_groups(groups: Sequence[Group], key: Callable[[int], MessageKey], action: Action,
