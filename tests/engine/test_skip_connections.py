@@ -239,3 +239,21 @@ def test_stash_and_pop_check_the_layer_declared_the_name() -> None:
 
 def test_down_and_up_blocks_are_declared_skippable() -> None:
     assert Down.skip_stash == ("feature",) and Up.skip_pop == ("feature",)  # type: ignore[attr-defined]
+
+
+def test_a_skip_link_whose_two_ends_disagree_on_the_order_is_refused() -> None:
+    """Stage 0 runs F1 before F0 while stage 2 consumes micro-batch 0 first: the skip link from
+    rank 0 to rank 2 would carry its messages out of the order they are used."""
+    from gpipe_lab.pipeline import Action
+    from gpipe_lab.pipeline.skip import skip_layout
+    from gpipe_lab.pipeline.skip.transport import skip_link_plan
+
+    layout = skip_layout([StashA(), nn.Identity(), PopA()], [1, 1, 1])
+    F_, B_ = (lambda s, i: Action(s, "F", i)), (lambda s, i: Action(s, "B", i))
+    schedule = [[F_(0, 1), F_(0, 0), B_(0, 0), B_(0, 1)], [F_(1, 0), F_(1, 1), B_(1, 0), B_(1, 1)],
+                [F_(2, 0), F_(2, 1), B_(2, 0), B_(2, 1)]]
+    with pytest.raises(ValueError, match=r"skip link \('skip0>2', 0, 2\): sent in order"):
+        skip_link_plan(schedule, layout, [0, 1, 2])
+    in_order = [[F_(0, 0), F_(0, 1), B_(0, 0), B_(0, 1)], *schedule[1:]]
+    assert skip_link_plan(in_order, layout, [0, 1, 2]) == {
+        ("skip0>2", 0, 2): [("SF0", 2, 0), ("SF0", 2, 1)], ("skipgrad2>0", 2, 0): [("SB2", 0, 0), ("SB2", 0, 1)]}
