@@ -51,18 +51,25 @@ class SkipFrame:
     ``values`` holds what ``pop`` may take: the tensors stashed in earlier stages for this one,
     and those stashed and popped inside this stage. ``outbound`` names the tensors a later stage
     pops: a stash of one of them is kept in ``stashed`` for the stage to send.
+
+    ``detach``: a pop returns a leaf of its own (as a later stage receives it), for a layer run
+    and back-propagated alone (``measuring.costs.time_layers``).
     """
 
-    def __init__(self, inbound: dict[str, Tensor], outbound: Iterable[str]) -> None:
+    def __init__(self, inbound: dict[str, Tensor], outbound: Iterable[str] = (), detach: bool = False) -> None:
         self.values = inbound
         self.outbound = frozenset(outbound)
         self.stashed: dict[str, Tensor] = {}
+        self.detach = detach
 
     def stash(self, name: str, tensor: Tensor) -> None:
         (self.stashed if name in self.outbound else self.values)[name] = tensor
 
     def pop(self, name: str) -> Tensor | None:
-        return self.values.pop(name, None)
+        tensor = self.values.pop(name, None)
+        if self.detach and tensor is not None:
+            return tensor.detach().requires_grad_(tensor.is_floating_point())
+        return tensor
 
 
 class _Frame:
