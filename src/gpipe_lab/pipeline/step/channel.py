@@ -17,6 +17,9 @@ What an action does (``run_action``), the same in both transports:
   compute; send the input gradient to the previous stage;
 * ``W``: the deferred weight gradients.
 
+A stage that long skips cross (``runtime.skips``) also receives its popped skip tensors in ``F``
+and their gradients' return in ``B``, each straight from or to the other stage (``skip.transport``).
+
 Which message an action consumes and produces comes from the schedule walker's
 one dependency rule (``schedules.incoming`` / ``schedules.outgoing``), applied once
 per schedule by the executor.
