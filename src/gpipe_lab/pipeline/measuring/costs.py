@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_lab.pipeline.measuring.inplace import writable
 from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes, storage_keys
-from gpipe_lab.pipeline.skip.api import SkipFrame, using_frame
+from gpipe_lab.pipeline.skip.api import SkipFrame
 
 __all__ = ["COST_KINDS", "MEASURED_KINDS", "layer_costs", "measure_layers", "parameter_costs",
            "untouched"]
@@ -100,7 +100,7 @@ def time_layers(module: nn.Sequential, sample: Any, repeat: int = 3) -> list[flo
     for n in range(repeat + 1):
         value = sample.detach().clone() if isinstance(sample, Tensor) else sample  # an in-place first layer
         # each layer back-propagates alone: a long skip reaches its pop as a leaf, as in a pipeline
-        with using_frame(SkipFrame({}, detach=True)):
+        with SkipFrame({}, detach=True):
             for i, layer in enumerate(module):
                 value, seconds = _timed(layer, value)
                 if n:  # the first pass warms caches and allocators up

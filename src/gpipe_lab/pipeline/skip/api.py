@@ -15,12 +15,13 @@ calls ``stash(name, tensor)`` and ``pop(name)``::
         def forward(self, x):
             return self.conv(torch.cat([self.up(x), pop("enc1")], 1))
 
-Where the tensor goes depends on who runs the layers. A pipeline stage opens a
-``SkipFrame`` around each micro-batch's forward (``stage_skips``): a stashed tensor
-that a later stage pops becomes an output of this stage sent straight to that
-stage, and a popped one arrives as an extra input of the stage. Without a pipeline
-(the plain ``nn.Sequential``) the tensors wait in a per-thread store, from the
-``stash`` to its ``pop``, in the one autograd graph of the plain forward.
+Where the tensor goes depends on who runs the layers. A stage that skips cross opens a
+``SkipFrame`` around each micro-batch's forward (``layout.StageSkips.frame``): a stashed
+tensor that a later stage pops becomes an output of this stage sent straight to that
+stage, and a popped one arrives as an extra input of the stage. A skip inside one stage,
+like every skip without a pipeline
+(the plain ``nn.Sequential``), waits in the frame or in a per-thread store, from the
+``stash`` to its ``pop``, in the one autograd graph of that forward.
 
 Names live in a layer's namespace (``layer.isolate("level2")``), so one class can
 be used at several places of a model: its names become ``"level2/enc1"``.
@@ -31,7 +32,6 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 from torch import Tensor, nn
@@ -46,7 +46,7 @@ class SkipError(ValueError):
 
 
 class SkipFrame:
-    """The skip tensors of one micro-batch's forward on one pipeline stage.
+    """The skip tensors of one micro-batch's forward on one pipeline stage (a context: ``with frame:``).
 
     ``values`` holds what ``pop`` may take: the tensors stashed in earlier stages for this one,
     and those stashed and popped inside this stage. ``outbound`` names the tensors a later stage
@@ -71,27 +71,18 @@ class SkipFrame:
             return tensor.detach().requires_grad_(tensor.is_floating_point())
         return tensor
 
-
-class _Frame:
-    """Enter ``frame`` as the calling thread's current skip frame."""
-
-    def __init__(self, frame: SkipFrame) -> None:
-        self.frame = frame
-
-    def __enter__(self) -> None:
-        _stack("frames").append(self.frame)
+    def __enter__(self) -> SkipFrame:
+        """Make this the calling thread's current frame: its ``stash`` / ``pop`` calls use it."""
+        _stack("frames").append(self)
+        return self
 
     def __exit__(self, *exc: object) -> None:
         _stack("frames").pop()
 
-
-_NO_FRAME = nullcontext()  # a stage no skip crosses: nothing to enter, nothing made per forward
-
-
-def using_frame(frame: SkipFrame | None) -> AbstractContextManager[None]:
-    """A context in which this thread's ``stash`` / ``pop`` use ``frame`` (a pipeline stage's);
-    ``None``: leave them as they are."""
-    return _NO_FRAME if frame is None else _Frame(frame)
+    def run(self, fn: Callable[[Any], Any], x: Any) -> Any:
+        """``fn(x)`` with this frame as the calling thread's current one."""
+        with self:
+            return fn(x)
 
 
 def _stack(name: str) -> list[Any]:
