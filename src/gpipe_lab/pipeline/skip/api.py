@@ -19,9 +19,8 @@ Where the tensor goes depends on who runs the layers. A stage that skips cross o
 ``SkipFrame`` around each micro-batch's forward (``layout.StageSkips.frame``): a stashed
 tensor that a later stage pops becomes an output of this stage sent straight to that
 stage, and a popped one arrives as an extra input of the stage. A skip inside one stage,
-like every skip without a pipeline
-(the plain ``nn.Sequential``), waits in the frame or in a per-thread store, from the
-``stash`` to its ``pop``, in the one autograd graph of that forward.
+like every skip without a pipeline (the plain ``nn.Sequential``), waits in the frame or in
+a per-thread store from its ``stash`` to its ``pop``, in the one autograd graph of that forward.
 
 Names live in a layer's namespace (``layer.isolate("level2")``), so one class can
 be used at several places of a model: its names become ``"level2/enc1"``.
