@@ -266,3 +266,17 @@ def test_balance_by_time_profiles_a_model_with_skips() -> None:
 
     balance = balance_by_time(unet(), torch.randn(4, 8), 3, repeat=1)
     assert sum(balance) == 9 and len(balance) == 3 and min(balance) >= 1
+
+
+@pytest.mark.slow  # ~12 s on 2 cores: dynamo traces each stage, through the skip frame's thread-local state
+def test_compiled_stages_with_skips_equal_the_unpipelined_sequential() -> None:
+    model, reference = unet(levels=1), unet(levels=1)
+    pipe = GPipe(model, balance=[2, 3], chunks=2, checkpoint="except_last", compile={"backend": "aot_eager"},
+                 retain_cpu_memory=False)
+    x, y = batch(0)
+    loss = pipe.train_step(x, y, F.mse_loss)
+    want = F.mse_loss(reference(x), y)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), atol=1e-5, rtol=1e-5)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, atol=1e-5, rtol=1e-5)
