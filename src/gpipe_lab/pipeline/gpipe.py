@@ -33,6 +33,8 @@ from gpipe_lab.pipeline.options import (
 )
 from gpipe_lab.pipeline.partitioning.materialize import InitFn, build_module, place_layers
 from gpipe_lab.pipeline.partitioning.partition import resolve_balance, split_module
+from gpipe_lab.pipeline.skip.layout import skip_layout
+from gpipe_lab.pipeline.skip.transport import attach
 from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.stage.dropout import convert_dropout
 from gpipe_lab.pipeline.stage.runtime import StageRuntime
@@ -94,6 +96,7 @@ class GPipe(PipelineCore):
         v = opts.virtual_stages
         balance = resolve_balance(module, opts)
         K = len(balance) // v
+        layout = skip_layout(list(module), balance)  # checked before anything is placed
         self._balance = list(balance)
         self._devices = resolve_devices(opts.devices, K)
         self.seed = int(torch.initial_seed() if opts.seed is None else opts.seed)
@@ -117,6 +120,7 @@ class GPipe(PipelineCore):
         self.stages = [StageRuntime(j, len(self._partitions), part, dev, self.seed)
                        for j, (part, dev) in enumerate(zip(self._partitions, chunk_devices))]
         runtimes = dict(enumerate(self.stages))
+        attach(runtimes, layout)
         self._start_core(opts, runtimes, LocalChannel(runtimes, K, self.threads_per_stage, float(opts.timeout)), K)
 
     # ------------------------------------------------------------ read-only views

@@ -40,12 +40,20 @@ from gpipe_lab.pipeline.distributed.state_dict import (
     gather_full_state_dict,
     local_state_dict,
 )
-from gpipe_lab.pipeline.distributed.topology import barrier, build_topology, connect_groups, connect_links
+from gpipe_lab.pipeline.distributed.topology import (
+    add_links,
+    barrier,
+    build_topology,
+    connect_groups,
+    connect_links,
+)
 from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
 from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import PipelineOptions, forwarded, merged_options
 from gpipe_lab.pipeline.partitioning.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.partitioning.partition import split_module
+from gpipe_lab.pipeline.skip.layout import skip_layout
+from gpipe_lab.pipeline.skip.transport import attach, skip_links
 from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.stage.dropout import convert_dropout
 from gpipe_lab.pipeline.stage.runtime import StageRuntime
@@ -97,6 +105,8 @@ class DistributedGPipe(PipelineCore):
         bind_device(self.device)  # the main thread's collectives run on this rank's GPU, not cuda:0
         self.balance = balance = agreed_balance(balance, self.device)
         split_module(full, balance)  # refuses a parameter shared across chunks, as GPipe; every rank alike
+        layout = skip_layout(list(full), balance)
+        add_links(topo, skip_links(layout, num_stages))  # a link per stage pair a long skip joins
         connect_links(topo, self.device)
         connect_groups(topo, self.device)
         if self.device.type == "cpu" and opts.retain_cpu_memory:
@@ -114,7 +124,8 @@ class DistributedGPipe(PipelineCore):
                     for j, (_, part) in self._chunks.items()}
         self.abort = AbortChannel(dist.distributed_c10d._get_default_store(), topo.rank, topo.stage_index)
         self.grad_sync = GradientSync(topo.dp_group, topo.dp_size, self.abort, float(opts.timeout), bucket_bytes)
-        channel = P2PChannel(topo, runtimes, self.device, self.abort, float(opts.timeout), self.grad_sync)
+        attach(runtimes, layout)
+        channel = P2PChannel(topo, runtimes, self.device, self.abort, float(opts.timeout), self.grad_sync, layout)
         self._start_core(opts, runtimes, channel, num_stages, topo.dp_size)
         barrier(topo.pp_group, self.device)
         self._clock_zero = time.perf_counter()  # aligned across the pipeline's ranks by the barrier

@@ -35,6 +35,8 @@ from gpipe_lab.pipeline.distributed.topology import Topology
 from gpipe_lab.pipeline.distributed.wire import send_values
 from gpipe_lab.pipeline.errors import annotate, describe
 from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule
+from gpipe_lab.pipeline.skip.layout import SkipLayout
+from gpipe_lab.pipeline.skip.transport import link_kind, message_name, skip_link_plan
 from gpipe_lab.pipeline.stage.runtime import StageRuntime
 from gpipe_lab.pipeline.step.channel import RankDevices, Values
 from gpipe_lab.pipeline.step.mailbox import Mailbox
@@ -47,8 +49,10 @@ class P2PChannel:
     threads_per_rank: int | None = None  # the process's intra-op threads, as a local stage of the same share
 
     def __init__(self, topo: Topology, runtimes: dict[int, StageRuntime], device: torch.device,
-                 abort: AbortChannel, timeout: float, grad_sync: GradientSync) -> None:
+                 abort: AbortChannel, timeout: float, grad_sync: GradientSync,
+                 skips: SkipLayout | None = None) -> None:
         self.topo = topo
+        self.skips = skips  # the model's long skips: their messages join the links' plan
         self.device = device
         # headers are CPU tensors: under NCCL they travel on the links' gloo groups
         self.header_device = torch.device("cpu")
@@ -82,7 +86,9 @@ class P2PChannel:
         for j in self.runtimes:
             kinds = [a.kind for a in mine if a.stage == j]
             accumulations[j] = 0 if "W" in kinds else kinds.count("B")
-        return message_plan(schedule, self.topo.pp_ranks, self.num_virtual), accumulations
+        plan = message_plan(schedule, self.topo.pp_ranks, self.num_virtual)
+        plan.update(skip_link_plan(schedule, self.skips, self.topo.pp_ranks))
+        return plan, accumulations
 
     def open(self, prepared: Any, mailbox: Mailbox, ranks: RankDevices) -> None:
         plan, accumulations = prepared
@@ -103,7 +109,7 @@ class P2PChannel:
         if dst == topo.rank:
             self._mailbox.put(key, (values, was_tensor, None))
             return
-        link = ("act" if key[0] == "F" else "grad", topo.rank, dst)
+        link = (link_kind(key), topo.rank, dst)
         n = self._seq.get(link, 0)
         self._seq[link] = n + 1
         self.sends.add(send_values(values, was_tensor, dst, topo.links[link], n, self.header_device,
@@ -118,7 +124,7 @@ class P2PChannel:
 
     def timed_out(self, key: MessageKey, action: Action, peer: int, done: Sequence[Action | None],
                   waiting: Sequence[Action | None]) -> PeerTimeoutError:
-        what = "activation" if key[0] == "F" else "gradient"
+        what = message_name(key)
         src = self.topo.pp_ranks[peer]
         error = PeerTimeoutError(
             f"rank {self.abort.rank} waited more than {self.timeout:g} s for the {what} of micro-batch "
@@ -128,7 +134,7 @@ class P2PChannel:
         return error
 
     def undelivered(self, key: MessageKey, action: Action, peer: int, cause: BaseException) -> BaseException:
-        what = "activation" if key[0] == "F" else "gradient"
+        what = message_name(key)
         return self.abort.explain(f"receiving the {what} of micro-batch {key[2]} from rank {peer}", [peer],
                                   cause, describe(action.stage, action))
 

@@ -149,7 +149,6 @@ def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size:
         raise ValueError(f"data_parallel_size {data_parallel_size} × {num_stages} stages = "
                          f"{data_parallel_size * num_stages}, but the world size is {world}")
     topo = Topology(world, rank, num_stages, virtual_stages)
-    nccl = dist.get_backend() == "nccl"
     D = world // num_stages
     for d in range(D):  # every rank creates every group, in the same order
         group = _group(("pipeline",), list(range(d * num_stages, (d + 1) * num_stages)))
@@ -159,17 +158,25 @@ def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size:
         group = _group(("data",), list(range(k, world, num_stages)))
         if k == topo.stage_index:
             topo.dp_group = cast("dist.ProcessGroup", group)
-    for d in range(D):
-        for kind, src, dst in _edges(num_stages, virtual_stages):
-            a, b = d * num_stages + src, d * num_stages + dst
+    add_links(topo, _edges(num_stages, virtual_stages))
+    return topo
+
+
+def add_links(topo: Topology, edges: list[tuple[str, int, int]]) -> None:
+    """Make the link groups of ``edges`` (kind, from stage, to stage) in every replica (collective:
+    every rank calls it with the same edges, as ``build_topology`` does with a pipeline's own)."""
+    nccl = dist.get_backend() == "nccl"
+    K = topo.num_stages
+    for d in range(topo.world_size // K):
+        for kind, src, dst in edges:
+            a, b = d * K + src, d * K + dst
             group = _group((kind, a, b), sorted((a, b)))
             # NCCL moves device tensors only: headers travel over a CPU (gloo) group of their own,
             # so reading one never waits for the device
             header = _group((kind, a, b), sorted((a, b)), backend="gloo") if nccl else group
-            if rank in (a, b):
+            if topo.rank in (a, b):
                 topo.links[(kind, a, b)] = cast("dist.ProcessGroup", group)
                 topo.header_links[(kind, a, b)] = cast("dist.ProcessGroup", header)
-    return topo
 
 
 def connect_links(topo: Topology, device: torch.device) -> list[LinkKey]:

@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_lab.pipeline.measuring.inplace import writable
 from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes, storage_keys
+from gpipe_lab.pipeline.skip.api import SkipFrame
 
 __all__ = ["COST_KINDS", "MEASURED_KINDS", "layer_costs", "measure_layers", "parameter_costs",
            "untouched"]
@@ -98,10 +99,12 @@ def time_layers(module: nn.Sequential, sample: Any, repeat: int = 3) -> list[flo
     runs: list[list[float]] = [[] for _ in module]
     for n in range(repeat + 1):
         value = sample.detach().clone() if isinstance(sample, Tensor) else sample  # an in-place first layer
-        for i, layer in enumerate(module):
-            value, seconds = _timed(layer, value)
-            if n:  # the first pass warms caches and allocators up
-                runs[i].append(seconds)
+        # each layer back-propagates alone: a long skip reaches its pop as a leaf, as in a pipeline
+        with SkipFrame({}, detach=True):
+            for i, layer in enumerate(module):
+                value, seconds = _timed(layer, value)
+                if n:  # the first pass warms caches and allocators up
+                    runs[i].append(seconds)
     return [statistics.median(r) for r in runs]
 
 

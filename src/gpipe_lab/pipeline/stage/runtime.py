@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from gpipe_lab.pipeline.measuring.device_timing import DeviceClock
 from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes, storage_keys
 from gpipe_lab.pipeline.measuring.step_timeline import Event
 from gpipe_lab.pipeline.microbatch import as_tuple, final_output, unwrap
+from gpipe_lab.pipeline.skip.layout import StageSkips
 from gpipe_lab.pipeline.stage.batchnorm import running_stat_layers, running_stats_untouched
 from gpipe_lab.pipeline.stage.checkpointing import autocast_as, autocast_state, checkpointing
 from gpipe_lab.pipeline.stage.compiling import CompiledStage
@@ -77,6 +79,8 @@ class StageRuntime:
         self.clock = DeviceClock(device) if device.type == "cuda" else None
         self.compiled: CompiledStage | None = None  # set by the core with ``compile``
         self.input_writes = InputWrites(index)  # an in-place first layer (``input_writes``)
+        # long skips crossing this stage: popped ones are its last inputs, stashed ones its last outputs
+        self.skips: StageSkips | None = None
 
     # ---------------------------------------------------------------- step
     def begin(self, plan: StepPlan, keep_outputs: bool = False) -> None:
@@ -152,14 +156,22 @@ class StageRuntime:
         if not recomputing:
             saved.replay = self.replay.first_kind(self.mode)
         kind = OFF if recomputing and saved.replay == DISPATCH and saved.drew_nothing else saved.replay
+        skips, frame = self.skips, None
+        if skips is not None:  # the popped skips leave the inputs for the layers' stash / pop
+            inputs, frame = skips.frame(inputs)
         with self.replay.forward(kind, seed, recomputing, (self.plan.step, mb), self.mode) as mode, hooks, \
                 checkpointing(mb in self.plan.checkpointed and not recomputing):
             x = unwrap(inputs, was_tensor)
             # the module is read at each call: a front end may wrap it (autocast) after construction
-            out = self.module(x) if self.compiled is None else self.compiled(self.module, x)
+            if frame is None:
+                out = self.module(x) if self.compiled is None else self.compiled(self.module, x)
+            else:
+                out = frame.run(self.module if self.compiled is None else partial(self.compiled, self.module), x)
             out_is_tensor = isinstance(out, Tensor)
             if not self.is_last:
                 outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
+                if skips is not None and frame is not None:
+                    outputs += skips.outputs(frame, mb)
             elif self.plan.loss_fn is None or (self.keep_outputs and not recomputing):
                 outputs = final_output(out, mb)
             if self.is_last and self.plan.loss_fn is not None:

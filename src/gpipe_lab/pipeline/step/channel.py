@@ -17,6 +17,9 @@ What an action does (``run_action``), the same in both transports:
   compute; send the input gradient to the previous stage;
 * ``W``: the deferred weight gradients.
 
+A stage that long skips cross (``runtime.skips``) also receives its popped skip tensors in ``F``
+and their gradients' return in ``B``, each straight from or to the other stage (``skip.transport``).
+
 Which message an action consumes and produces comes from the schedule walker's
 one dependency rule (``schedules.incoming`` / ``schedules.outgoing``), applied once
 per schedule by the executor.
@@ -36,6 +39,12 @@ from gpipe_lab.pipeline.devices.assignment import move_target
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.microbatch import to_device
 from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule
+from gpipe_lab.pipeline.skip.transport import (
+    receive_skip_gradients,
+    receive_skips,
+    send_skip_gradients,
+    send_skips,
+)
 from gpipe_lab.pipeline.stage.runtime import StageRuntime
 from gpipe_lab.pipeline.step.mailbox import Mailbox
 
@@ -126,6 +135,7 @@ def run_action(action: Action, runtime: StageRuntime, receive: Receive, endpoint
     """
     mb = action.microbatch
     kind = action.kind
+    skips = runtime.skips  # long skips go straight between their two stages (``skip.transport``)
     values: Values
     if kind == "F":
         if key is None:
@@ -134,12 +144,17 @@ def run_action(action: Action, runtime: StageRuntime, receive: Receive, endpoint
             values, was_tensor = to_device(feed.inputs[mb], runtime.device), feed.input_was_tensor
         else:
             values, was_tensor = receive(key, action)
+        if skips is not None:
+            values += receive_skips(skips, action, receive)
         target = (move_target(feed.targets[mb], runtime.device)
                   if feed.targets is not None and out is None else None)
         # an activation holds no None (only gradients do)
         outputs, out_tensor = runtime.forward(mb, cast("tuple[Tensor, ...]", values), was_tensor, target)
+        sent: Values = outputs
+        if skips is not None:
+            sent = send_skips(skips, mb, outputs, lambda k, v: endpoint.send(k, v, False, runtime))
         if out is not None:
-            endpoint.send(out, outputs, out_tensor, runtime)
+            endpoint.send(out, sent, out_tensor, runtime)
     elif kind == "B":
         runtime.rematerialize(mb)  # overlaps the wait for the gradient
         grads: Values | None = None
@@ -147,7 +162,11 @@ def run_action(action: Action, runtime: StageRuntime, receive: Receive, endpoint
             grads = receive(key, action)[0]
         elif feed.output_grads is not None:
             grads = tuple(None if g is None else g.to(runtime.device) for g in feed.output_grads[mb])
+        if skips is not None and skips.outbound:
+            grads = (grads or ()) + receive_skip_gradients(skips, action, receive)
         grads_in = runtime.backward(mb, grads)
+        if skips is not None:
+            grads_in = send_skip_gradients(skips, mb, grads_in, lambda k, v: endpoint.send(k, v, False, runtime))
         if out is not None:
             endpoint.send(out, grads_in, False, runtime)
     else:

@@ -36,6 +36,7 @@ import torch
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
 from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule
+from gpipe_lab.pipeline.skip.transport import skip_senders
 from gpipe_lab.pipeline.stage.checkpointing import autocast_as
 from gpipe_lab.pipeline.stage.runtime import StageRuntime
 from gpipe_lab.pipeline.step.channel import Endpoint, RankDevices, StepFeed, Values, run_action
@@ -59,6 +60,7 @@ class Executor:
         plan = self._plans.get(id(schedule))
         if plan is None or plan.schedule is not schedule:
             plan = self._plans[id(schedule)] = ExecutionPlan(schedule, self.num_stages)
+            plan.senders.update(skip_senders(schedule, self.runtimes))
         return plan
 
     def run(self, schedule: Schedule, prepared: object, feed: StepFeed, sync_gradients: bool) -> None:
