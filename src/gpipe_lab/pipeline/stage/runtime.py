@@ -28,6 +28,7 @@ from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes, storage_keys
 from gpipe_lab.pipeline.measuring.step_timeline import Event
 from gpipe_lab.pipeline.microbatch import as_tuple, final_output, unwrap
 from gpipe_lab.pipeline.stage.batchnorm import running_stat_layers, running_stats_untouched
+from gpipe_lab.pipeline.stage.boundary import BoundaryRecord
 from gpipe_lab.pipeline.stage.checkpointing import autocast_as, autocast_state, checkpointing
 from gpipe_lab.pipeline.stage.compiling import CompiledStage
 from gpipe_lab.pipeline.stage.context import microbatch_seed
@@ -77,6 +78,7 @@ class StageRuntime:
         self.clock = DeviceClock(device) if device.type == "cuda" else None
         self.compiled: CompiledStage | None = None  # set by the core with ``compile``
         self.input_writes = InputWrites(index)  # an in-place first layer (``input_writes``)
+        self.boundary = BoundaryRecord(index)  # what it sends the next stage (``boundary``)
 
     # ---------------------------------------------------------------- step
     def begin(self, plan: StepPlan, keep_outputs: bool = False) -> None:

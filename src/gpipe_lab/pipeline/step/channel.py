@@ -11,7 +11,8 @@ threads; ``distributed.p2p_channel.P2PChannel`` over torch.distributed.
 What an action does (``run_action``), the same in both transports:
 
 * ``F``: the first stage reads its micro-batch, others receive the activation;
-  compute; send the output to the next stage;
+  compute; send the output to the next stage (at micro-batch 0, its signature checked
+  against earlier steps': ``stage.boundary``);
 * ``B``: re-materialize (overlapping the wait), receive the output gradient (the
   last stage has its loss, or the caller's gradient in ``pipe(x).backward()``);
   compute; send the input gradient to the previous stage;
@@ -139,6 +140,8 @@ def run_action(action: Action, runtime: StageRuntime, receive: Receive, endpoint
         # an activation holds no None (only gradients do)
         outputs, out_tensor = runtime.forward(mb, cast("tuple[Tensor, ...]", values), was_tensor, target)
         if out is not None:
+            if mb == 0:  # once per step and boundary (``stage.boundary``)
+                runtime.boundary.check(values, outputs, runtime.mode)
             endpoint.send(out, outputs, out_tensor, runtime)
     elif kind == "B":
         runtime.rematerialize(mb)  # overlaps the wait for the gradient
