@@ -96,8 +96,9 @@ class Endpoint(Protocol):
     def undelivered(self, key: MessageKey, action: Action, peer: int, cause: BaseException) -> BaseException:
         """The error of a wait for ``key`` whose delivery from rank ``peer`` failed."""
 
-    def stage_done(self, runtime: StageRuntime) -> None:
-        """A stage ran its last backward of a step that synchronizes gradients."""
+    def stage_done(self, runtime: StageRuntime) -> bool:
+        """A stage ran its last backward of a step that synchronizes gradients; True when its
+        gradients are final now (no data-parallel all-reduce still to end in ``close``)."""
 
     def close(self, ranks: RankDevices, ok: bool, sync_gradients: bool) -> None:
         """End the step: with ``ok`` wait for what is in flight; else only drop it (never raises)."""
