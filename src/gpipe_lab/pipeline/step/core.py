@@ -16,10 +16,11 @@ forward: a ``pipe(x)`` never back-propagated still draws fresh random numbers on
 
 What ends a step is the same on every rank: each process builds its verdict vector
 (``nonfinite``; a stage's gradient check is launched by its worker once its gradients are final,
-overlapping earlier stages' backward: ``stage_flags``), the endpoint sums it over every rank, and all ranks raise ``NonFiniteError`` or
-skip the step together. Under ``nonfinite="ignore"`` nothing is checked; a process holding every
-stage then builds no vector and reads nothing from the device. Deferred BatchNorm statistics are
-committed after a good step and dropped after a failed or skipped one.
+overlapping earlier stages' backward: ``stage_flags``), the endpoint sums it over every rank, and
+all ranks raise ``NonFiniteError`` or skip the step together. Under ``nonfinite="ignore"`` nothing
+is checked; a process holding every stage then builds no vector and reads nothing from the device.
+Deferred BatchNorm statistics are committed after a good step and dropped after a failed or skipped
+one.
 """
 
 from __future__ import annotations
