@@ -20,6 +20,7 @@ from gpipe_lab.pipeline.schedules import (
 )
 from gpipe_lab.pipeline.skip import SkipError, isolate, pop, skippable, stash
 from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm, commit_forward
+from gpipe_lab.pipeline.stage.boundary import BoundaryChangedError
 from gpipe_lab.pipeline.stage.checkpointing import is_checkpointing
 from gpipe_lab.pipeline.stage.context import is_recomputing
 from gpipe_lab.pipeline.stage.dropout import StageDropout, convert_dropout
@@ -37,4 +38,5 @@ __all__ = [
     "convert_dropout", "get_schedule", "gpipe_schedule", "is_checkpointing", "is_recomputing", "layer_costs",
     "one_f_one_b_schedule", "register_schedule", "validate_schedule", "retain_freed_memory", "all_finite",
     "seeded_init", "clip_grad_norm_", "SkipError", "isolate", "pop", "skippable", "stash",
+    "BoundaryChangedError",
 ]

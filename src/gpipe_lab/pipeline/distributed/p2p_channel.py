@@ -138,8 +138,9 @@ class P2PChannel:
         return self.abort.explain(f"receiving the {what} of micro-batch {key[2]} from rank {peer}", [peer],
                                   cause, describe(action.stage, action))
 
-    def stage_done(self, runtime: StageRuntime) -> None:
+    def stage_done(self, runtime: StageRuntime) -> bool:
         self.grad_sync.start(runtime.module.parameters())
+        return self.grad_sync.size == 1  # else final once ``finish`` has averaged them, in ``close``
 
     def close(self, ranks: RankDevices, ok: bool, sync_gradients: bool) -> None:
         if not ok:

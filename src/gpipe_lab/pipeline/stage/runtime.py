@@ -30,6 +30,7 @@ from gpipe_lab.pipeline.measuring.step_timeline import Event
 from gpipe_lab.pipeline.microbatch import as_tuple, final_output, unwrap
 from gpipe_lab.pipeline.skip.layout import StageSkips
 from gpipe_lab.pipeline.stage.batchnorm import running_stat_layers, running_stats_untouched
+from gpipe_lab.pipeline.stage.boundary import BoundaryRecord
 from gpipe_lab.pipeline.stage.checkpointing import autocast_as, autocast_state, checkpointing
 from gpipe_lab.pipeline.stage.compiling import CompiledStage
 from gpipe_lab.pipeline.stage.context import microbatch_seed
@@ -81,6 +82,7 @@ class StageRuntime:
         self.input_writes = InputWrites(index)  # an in-place first layer (``input_writes``)
         # long skips crossing this stage: popped ones are its last inputs, stashed ones its last outputs
         self.skips: StageSkips | None = None
+        self.boundary = BoundaryRecord(index)  # what it sends the next stage (``boundary``)
 
     # ---------------------------------------------------------------- step
     def begin(self, plan: StepPlan, keep_outputs: bool = False) -> None:

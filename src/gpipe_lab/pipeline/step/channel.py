@@ -11,7 +11,8 @@ threads; ``distributed.p2p_channel.P2PChannel`` over torch.distributed.
 What an action does (``run_action``), the same in both transports:
 
 * ``F``: the first stage reads its micro-batch, others receive the activation;
-  compute; send the output to the next stage;
+  compute; send the output to the next stage (at micro-batch 0, its signature checked
+  against earlier steps': ``stage.boundary``);
 * ``B``: re-materialize (overlapping the wait), receive the output gradient (the
   last stage has its loss, or the caller's gradient in ``pipe(x).backward()``);
   compute; send the input gradient to the previous stage;
@@ -104,8 +105,9 @@ class Endpoint(Protocol):
     def undelivered(self, key: MessageKey, action: Action, peer: int, cause: BaseException) -> BaseException:
         """The error of a wait for ``key`` whose delivery from rank ``peer`` failed."""
 
-    def stage_done(self, runtime: StageRuntime) -> None:
-        """A stage ran its last backward of a step that synchronizes gradients."""
+    def stage_done(self, runtime: StageRuntime) -> bool:
+        """A stage ran its last backward of a step that synchronizes gradients; True when its
+        gradients are final now (no data-parallel all-reduce still to end in ``close``)."""
 
     def close(self, ranks: RankDevices, ok: bool, sync_gradients: bool) -> None:
         """End the step: with ``ok`` wait for what is in flight; else only drop it (never raises)."""
@@ -154,6 +156,8 @@ def run_action(action: Action, runtime: StageRuntime, receive: Receive, endpoint
         if skips is not None:
             sent = send_skips(skips, mb, outputs, lambda k, v: endpoint.send(k, v, False, runtime))
         if out is not None:
+            if mb == 0:  # once per step and boundary (``stage.boundary``)
+                runtime.boundary.check(values, sent, runtime.mode)
             endpoint.send(out, sent, out_tensor, runtime)
     elif kind == "B":
         runtime.rematerialize(mb)  # overlaps the wait for the gradient

@@ -15,10 +15,12 @@ caller's output gradients, then ends the step as ``train_step`` does. The step i
 forward: a ``pipe(x)`` never back-propagated still draws fresh random numbers on the next call.
 
 What ends a step is the same on every rank: each process builds its verdict vector
-(``nonfinite``), the endpoint sums it over every rank, and all ranks raise ``NonFiniteError`` or
-skip the step together. Under ``nonfinite="ignore"`` nothing is checked; a process holding every
-stage then builds no vector and reads nothing from the device. Deferred BatchNorm statistics are
-committed after a good step and dropped after a failed or skipped one.
+(``nonfinite``; a stage's gradient check is launched by its worker once its gradients are final,
+overlapping earlier stages' backward: ``stage_flags``), the endpoint sums it over every rank, and
+all ranks raise ``NonFiniteError`` or skip the step together. Under ``nonfinite="ignore"`` nothing
+is checked; a process holding every stage then builds no vector and reads nothing from the device.
+Deferred BatchNorm statistics are committed after a good step and dropped after a failed or skipped
+one.
 """
 
 from __future__ import annotations
@@ -188,6 +190,7 @@ class PipelineCore(OptionViews, nn.Module):
         ``fresh=False`` continues the step the previous call began (the backward half).
         """
         lists, prepared, split_backward, runs = self._schedule(plan.num_microbatches, kind)
+        self.executor.stage_flags.arm(self.options.nonfinite != "ignore")
         if fresh:
             plan.split_backward, plan.weight_runs = split_backward, runs  # read only by the stages
             for runtime in self.runtimes.values():
@@ -285,6 +288,7 @@ class PipelineCore(OptionViews, nn.Module):
                 pairs = [(t, g) for t, g in zip(values, grads) if t.requires_grad and g is not None]
                 if pairs:
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                self.executor.stage_flags.take()  # the caller's graph may reach stage parameters too
         total = self._judge(loss)
         if not self.last_step_skipped:
             self._commit_batch_norm()
@@ -362,7 +366,7 @@ class PipelineCore(OptionViews, nn.Module):
             return loss if loss is not None else torch.zeros((), device=device)
         modules = {j: r.step_walk().parameters for j, r in self.runtimes.items()}
         shared = self.channel.share(verdict_vector(loss, modules, self._num_virtual, self._dp_size, check,
-                                                   device))
+                                                   device, self.executor.stage_flags.take()))
         values = read_verdict(shared)  # the step's one device-to-host read
         whole = self.channel.holds_all_stages and loss is not None
         self._apply_policy(describe_problem(values, self._num_ranks, self.options.virtual_stages,

@@ -12,6 +12,8 @@ Both transports run a step here (``channel.Endpoint`` is all that differs):
 * what an action consumes and produces is derived once per schedule
   (``_plan``), not per action: a step's per-action work is the compute, the
   hand-over and a few stores (the scheduling overhead of small layers);
+* once a stage's gradients are final (its last backward, and the endpoint's data-parallel
+  sync where it ends then), its thread launches the stage's non-finite check (``stage_flags``);
 * a stage back-propagates on its own thread: autograd multithreading is off
   there, so the engine never queues a stage's CUDA nodes to the device worker
   thread, which in ``pipe(x).backward()`` is the caller waiting for this thread;
@@ -41,6 +43,7 @@ from gpipe_lab.pipeline.stage.checkpointing import autocast_as
 from gpipe_lab.pipeline.stage.runtime import StageRuntime
 from gpipe_lab.pipeline.step.channel import Endpoint, RankDevices, StepFeed, Values, run_action
 from gpipe_lab.pipeline.step.mailbox import Stopped, Undelivered, WaitTimeout
+from gpipe_lab.pipeline.step.stage_flags import StageFlags
 from gpipe_lab.pipeline.step.step_state import ExecutionPlan, Stalled, StepState
 from gpipe_lab.pipeline.step.workers import StageWorkers
 
@@ -54,6 +57,7 @@ class Executor:
         self.num_stages = next(iter(self.runtimes.values())).num_stages
         self._plans: dict[int, ExecutionPlan] = {}
         self.workers = StageWorkers()  # long-lived: thread-local caches (cuDNN's) survive steps
+        self.stage_flags = StageFlags()  # armed and taken by the core, per step
 
     def _plan(self, schedule: Schedule) -> ExecutionPlan:
         """The plan of ``schedule``, made on its first step (the core caches its schedules)."""
@@ -177,7 +181,7 @@ class Executor:
         planned = step.plan.ranks[k]
         runtimes, endpoint, feed, mailbox = self.runtimes, self.endpoint, step.feed, step.mailbox
         peak = endpoint.peak_live
-        done, current, sync = step.done, step.current, step.sync_gradients
+        done, current, sync, flags = step.done, step.current, step.sync_gradients, self.stage_flags
 
         def receive(key: MessageKey, action: Action) -> tuple[Values, bool]:
             return self._receive(step, k, key, action)
@@ -192,8 +196,8 @@ class Executor:
                 live = runtime.live_microbatches()
                 if live > peak[action.stage]:
                     peak[action.stage] = live
-                if sync and last_of_stage:
-                    endpoint.stage_done(runtime)
+                if sync and last_of_stage and endpoint.stage_done(runtime):
+                    flags.stage_final(runtime)  # its check overlaps earlier stages' backward
                 done[k] = action
                 current[k] = planned[i + 1][0] if i < last else None
                 step.progress += 1

@@ -71,8 +71,8 @@ class LocalChannel:
     def undelivered(self, key: MessageKey, action: Action, peer: int, cause: BaseException) -> BaseException:
         return cause  # threads hand over directly: nothing is delivered that could fail
 
-    def stage_done(self, runtime: StageRuntime) -> None:
-        return None
+    def stage_done(self, runtime: StageRuntime) -> bool:
+        return True  # no replicas: nothing to synchronize
 
     def close(self, ranks: RankDevices, ok: bool, sync_gradients: bool) -> None:
         self.streams.finish(ranks)  # the caller reads losses and gradients on its own stream

@@ -130,11 +130,13 @@ def loss_dtype(values: Sequence[float]) -> torch.dtype:
 
 
 def verdict_vector(loss: Tensor | None, modules: Mapping[int, nn.Module | Iterable[Tensor]], num_chunks: int,
-                   dp_size: int, check: bool, device: torch.device) -> Tensor:
+                   dp_size: int, check: bool, device: torch.device,
+                   flags: Mapping[int, Tensor | None] | None = None) -> Tensor:
     """This rank's contribution: its loss share and, with ``check``, its non-finite marks.
 
     ``modules`` maps each (virtual) stage held here to its layers, or to their parameters
-    (the stage's ``step_walk().parameters``, walked once per step). Built on
+    (the stage's ``step_walk().parameters``, walked once per step); a stage in ``flags`` has
+    its ``gradient_flag`` taken already (by its worker: ``stage_flags``). Built on
     ``device`` from device-side flags only: nothing here waits for the device;
     ``read_verdict`` is the step's one read.
     """
@@ -147,8 +149,11 @@ def verdict_vector(loss: Tensor | None, modules: Mapping[int, nn.Module | Iterab
         if loss is not None:
             slots[1] = (~torch.isfinite(loss.detach()).all()).double().to(device)
         for j, module in modules.items():
-            params = module.parameters() if isinstance(module, nn.Module) else module
-            flag = gradient_flag(p.grad for p in params)
+            if flags is not None and j in flags:
+                flag = flags[j]
+            else:
+                params = module.parameters() if isinstance(module, nn.Module) else module
+                flag = gradient_flag(p.grad for p in params)
             if flag is not None:
                 slots[_FLAGS + j] = to_device(flag, device)
     return torch.stack(slots)
