@@ -17,6 +17,7 @@ from gpipe_lab.pipeline.schedules.catalog import (
     FILL_DRAIN,
     SCHEDULES,
     VIRTUAL_FORMS,
+    form_problem,
     get_schedule,
     rank_schedule,
     register_schedule,
@@ -61,7 +62,7 @@ from gpipe_lab.pipeline.schedules.zero_bubble import (
 __all__ = [
     "FILL_DRAIN", "SCHEDULES", "VIRTUAL_FORMS", "Action", "ActionKind", "MessageKey", "Placement", "Schedule",
     "ScheduleFn", "analytic_bubble", "check_sizes", "dependency", "dependent", "dualpipe_v_schedule",
-    "expected_messages", "get_schedule", "gpipe_batched_w_schedule", "gpipe_schedule", "greedy_split_schedule",
+    "expected_messages", "form_problem", "get_schedule", "gpipe_batched_w_schedule", "gpipe_schedule", "greedy_split_schedule",
     "incoming", "interleaved_1f1b_schedule", "looped_gpipe_schedule", "looped_placement", "one_f_one_b_schedule",
     "outgoing", "placed_fill_drain", "placement_of", "rank_schedule", "register_schedule", "schedule_names",
     "schedule_placement", "stages_on", "v_placement", "validate_rank_schedule", "validate_schedule",

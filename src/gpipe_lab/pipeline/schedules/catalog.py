@@ -181,12 +181,29 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stag
     check_sizes(num_stages, num_microbatches, virtual_stages)
     if virtual_stages == 1 and name in SCHEDULES:
         return SCHEDULES[name](num_stages, num_microbatches)
-    counts = virtual_stage_counts(name)
-    if virtual_stages == 1 or name not in VIRTUAL_FORMS or (counts is not None and virtual_stages not in counts):
-        runs = ([1] if name in SCHEDULES else []) + (list(counts) if counts is not None else ["any >= 2"])
-        raise ValueError(f"schedule {name!r} has no form with virtual_stages={virtual_stages}; it runs with "
-                         f"virtual_stages in {runs}")
+    problem = form_problem(name, virtual_stages)
+    if problem is not None:
+        raise ValueError(problem)
     return VIRTUAL_FORMS[name](num_stages, num_microbatches, virtual_stages)
+
+
+def form_problem(name: str, virtual_stages: int) -> str | None:
+    """Why the named schedule cannot run with ``virtual_stages`` per rank (None: it can); the one
+    rule ``get_schedule`` and ``PipelineOptions.check`` apply.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    _known(name)
+    if virtual_stages == 1 and name in SCHEDULES:
+        return None
+    counts = virtual_stage_counts(name)
+    if virtual_stages > 1 and name in VIRTUAL_FORMS and (counts is None or virtual_stages in counts):
+        return None
+    runs: list[int | str] = [1] if name in SCHEDULES else []
+    if name in VIRTUAL_FORMS:
+        runs += ["any >= 2"] if counts is None else list(counts)
+    return f"schedule {name!r} has no form with virtual_stages={virtual_stages}; it runs with virtual_stages in {runs}"
 
 
 def rank_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
