@@ -33,8 +33,8 @@ def busy_shares(timeline: Timeline, placement: int | Sequence[int] | None = None
     ``placement`` (the rank of each stage; an int K: stage s on rank ``s % K``); default: one
     stage per rank."""
     S = timeline.num_stages
-    K = placement if isinstance(placement, int) else None
-    rank_of = [s % (K or S) for s in range(S)] if placement is None or K is not None else list(placement)
+    ranks = S if placement is None else placement
+    rank_of = [s % ranks for s in range(S)] if isinstance(ranks, int) else list(ranks)
     work = [e for e in timeline.events if e.kind != "wait"]
     shares: dict[Key, float] = {}
     for k in range(max(rank_of, default=-1) + 1):
