@@ -33,7 +33,13 @@ from torch import Tensor, nn
 from gpipe_lab.pipeline.measuring.step_timeline import Timeline
 from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, unwrap
 from gpipe_lab.pipeline.options import OptionViews, PipelineOptions, compile_kwargs
-from gpipe_lab.pipeline.schedules import Schedule, get_schedule, placed_fill_drain, placement_of, weight_runs
+from gpipe_lab.pipeline.schedules import (
+    Schedule,
+    get_schedule,
+    placed_fill_drain,
+    schedule_placement,
+    weight_runs,
+)
 from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.stage.compiling import CompiledStage, split_backward_error
 from gpipe_lab.pipeline.stage.replay_policy import StageReplay, generator_owners
@@ -91,19 +97,21 @@ class PipelineCore(OptionViews, nn.Module):
         """Attach the step to built stages.
 
         Raises:
-            ValueError: the schedule has no form with ``options.virtual_stages``.
+            ValueError: the schedule has no form with ``options.virtual_stages`` (``OptionError``,
+                checked with the options).
             OptionError: ``compile`` with a split-backward schedule.
         """
         v = options.virtual_stages
-        # 2K micro-batches: a size every built-in form runs (interleaved: a multiple of K; dualpipev: >= 2K)
-        schedule = get_schedule(options.schedule, num_ranks, 2 * num_ranks, v)
         #: the rank of each stage, as the schedule places them (the fill-drain halves keep it)
-        self._placement = placement_of(schedule, num_ranks * v)
+        self._placement = schedule_placement(options.schedule, num_ranks, v)
         self.options = options
         self.runtimes = runtimes
         compiling = compile_kwargs(options.compile)
-        if compiling is not None and any(a.kind == "W" for actions in schedule for a in actions):
-            raise split_backward_error(options.schedule)
+        if compiling is not None:
+            # 2K micro-batches: a size every built-in form runs (interleaved: a multiple of K; dualpipev: >= 2K)
+            lists = get_schedule(options.schedule, num_ranks, 2 * num_ranks, v)
+            if any(a.kind == "W" for actions in lists for a in actions):
+                raise split_backward_error(options.schedule)
         owners = generator_owners({j: r.device for j, r in runtimes.items()}, self._placement,
                                   channel.holds_all_stages)
         for j, runtime in runtimes.items():
