@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from gpipe_lab.bench.emulated import balanced, emulated_module
-from gpipe_lab.pipeline import GPipe, Timeline, get_schedule
+from gpipe_lab.pipeline import GPipe, Timeline
 from gpipe_lab.pipeline.measuring.call_timing import time_rounds
 from gpipe_lab.pipeline.schedules import schedule_placement
-from gpipe_lab.planner import StageCosts, predict_step
+from gpipe_lab.planner.simulator import unit_cost_bubble
 from gpipe_lab.planner.workload import mse
 
 SCHEDULES = (("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2))  # (name, v)
@@ -39,12 +39,6 @@ def closed_form(name: str, K: int, M: int) -> float | None:
     if name == "zb-h1":
         return (K - 1) / (3 * M + K - 1)
     return None
-
-
-def theory(name: str, K: int, M: int, v: int) -> float:
-    """The bubble of the schedule's lists on the simulator, every chunk's F = B = W, no hand-over."""
-    unit = 1.0 / v  # a chunk is 1/v of a rank's layers
-    return predict_step(get_schedule(name, K, M, v), StageCosts.uniform(K * v, unit, unit, unit)).bubble
 
 
 def bench_emulated(K: int, chunks: int, steps: int, warmup: int, out: Path | None = None) -> list[dict]:
@@ -76,7 +70,7 @@ def bench_emulated(K: int, chunks: int, steps: int, warmup: int, out: Path | Non
             "placement": list(schedule_placement(name, K, v)),
             "step_ms": statistics.median(t.wall for t in tls) * 1e3,
             "measured_bubble": statistics.median(t.measured_bubble() for t in tls),
-            "theory_bubble": theory(name, K, chunks, v),
+            "theory_bubble": unit_cost_bubble(name, K, chunks, v),
             "closed_form": closed_form(name, K, chunks),
         })
     return rows

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
-from gpipe_lab.pipeline.schedules import Action, Schedule, dependency, placement_of, walk
+from gpipe_lab.pipeline.schedules import Action, Schedule, dependency, get_schedule, placement_of, walk
 
 
 @dataclass(frozen=True)
@@ -252,3 +252,15 @@ def _hop_delays(timeline: Timeline, by: dict[tuple[int, str], dict[int, Event]])
                     delays.append(got.start - sent.end)
         hops.append(statistics.median(delays) if delays else 0.0)
     return hops
+
+
+def unit_cost_bubble(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """The named schedule's own bubble: the idle fraction of its lists when every F, B and W of a
+    stage costs the same (a stage being 1/v of a rank's layers) and hand-overs cost nothing.
+
+    Raises:
+        ValueError: as ``get_schedule``.
+    """
+    unit = 1.0 / virtual_stages
+    lists = get_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
+    return predict_step(lists, StageCosts.uniform(num_ranks * virtual_stages, unit, unit, unit)).bubble
