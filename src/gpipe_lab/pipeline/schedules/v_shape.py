@@ -8,17 +8,26 @@ torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV
 
 * ``zb-v`` (Qi et al., arXiv 2401.10241, section 6): split backward; rank r runs
   2(K-r)-1 forwards of chunk 0, then r pairs F1/F0, then K-r rounds F1 B1 W1, then
-  steady F0 B0 W0 F1 B1 W1, then a cool-down of B and the deferred W. Zero bubble when
-  F = B = W; at most 2K micro-batch chunks alive per rank (1F1B's peak memory). It is
-  built for max(M, 2K-1) micro-batches and the extra ones dropped (bubbles).
+  steady F0 B0 W0 F1 B1 W1, then a cool-down of B and the deferred W. At F = B = W these
+  lists leave (K-1)/(6M+K-1) of the step idle on the simulator (the first forwards' ramp),
+  about half of ZB-H1's; at most 2K micro-batch chunks alive per rank (1F1B's peak memory).
+  It is built for max(M, 2K-1) micro-batches and the extra ones dropped (bubbles).
 * ``dualpipev`` (DeepSeek-V3, arXiv 2412.19437): forward of one chunk paired with the
   backward of the other in the steady phase; most backwards are whole (B without W), the
   last ones split so the cool-down fills with W. Needs M >= 2K.
 
-K=2, M=4, zb-v (``F1.3`` = forward of micro-batch 1 on stage 3)::
+K=2, M=4 (``F1.3`` = forward of micro-batch 1 on stage 3; rank 0 holds stages 0 and 3)::
 
-    rank 0 | F0.0 F1.0 F2.0 F0.3 B0.3 W0.3 F3.0 F1.3 ...
-    rank 1 | F0.1 F0.2 F1.1 F1.2 F0.2? ...   (see ``tests/engine/test_v_schedules.py``)
+    zb-v       rank 0 | F0.0 F1.0 F2.0 F0.3 B0.3 W0.3 F1.3 B1.3 W1.3 F3.0 B0.0 W0.0 F2.3 B2.3 W2.3
+                      | B1.0 W1.0 F3.3 B3.3 W3.3 B2.0 W2.0 B3.0 W3.0
+               rank 1 | F0.1 F0.2 F1.1 F1.2 B0.2 W0.2 F2.1 B0.1 W0.1 F2.2 B1.2 W1.2 F3.1 B1.1 W1.1
+                      | F3.2 B2.2 W2.2 B2.1 B3.2 B3.1 W2.1 W3.2 W3.1
+    dualpipev  rank 0 | F0.0 F1.0 F2.0 F0.3 B0.3 W0.3 F1.3 F3.0 B1.3 F2.3 B0.0 B2.3 F3.3 B1.0 B3.3
+                      | B2.0 W2.0 B3.0 W3.0
+               rank 1 | F0.1 F0.2 F1.1 F1.2 F2.1 B0.2 F2.2 B0.1 F3.1 B1.2 F3.2 B1.1 B2.2 B2.1 B3.2
+                      | B3.1 W3.2 W3.1
+
+A ``B`` with no ``W`` of its (stage, micro-batch) is whole: it computes the weight gradients too.
 """
 
 from __future__ import annotations
@@ -41,9 +50,8 @@ class _RankList:
         stage = self.stages[chunk]
         mb = self.count.get((stage, kind), 0)
         self.count[(stage, kind)] = mb + 1
-        if kind == "B":
-            if split:
-                self.pending_w.append((stage, mb))
+        if kind == "B" and split:
+            self.pending_w.append((stage, mb))
         if mb < self.limit:
             self.actions.append(Action(stage, kind, mb))
 
