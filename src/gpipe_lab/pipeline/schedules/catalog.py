@@ -107,7 +107,8 @@ def register_schedule(name: str, fn: ScheduleFn | None = None, *, virtual_form: 
     any). ``placement`` is ``"looped"`` (stage s on rank s mod K), ``"v"`` (``v_placement``) or a
     function ``(K, v) -> rank of each stage``. Each form is checked now with ``validate_schedule``
     on every ``(K, M)`` of ``check_sizes_on`` (v = 2 for the virtual form, or its first allowed
-    v); a size the generator refuses with ``ValueError`` is skipped, but one size must pass.
+    v); a size the generator refuses with ``ValueError`` is skipped, but one size must pass. A
+    name registered again is replaced whole (forms and placement).
 
     Raises:
         ValueError: an empty name, no form, an unknown placement, or a form whose lists fail the
