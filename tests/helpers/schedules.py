@@ -14,12 +14,13 @@ from gpipe_lab.pipeline.schedules import (
     catalog,
     placed_fill_drain,
     register_schedule,
+    v_placement,
 )
 
 
 def v_fill_drain(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
-    """Every forward, then every backward, with rank r holding stages r and 2K-1-r."""
-    return placed_fill_drain([min(s, 2 * num_ranks - 1 - s) for s in range(2 * num_ranks)], num_microbatches)
+    """Every forward, then every backward, with rank r holding stages r and 2K-1-r (the README's example)."""
+    return placed_fill_drain(v_placement(num_ranks, virtual_stages), num_microbatches)
 
 
 @contextmanager
