@@ -1,4 +1,6 @@
-"""Every schedule (gpipe, 1f1b, zb-h1, zb-h2, gpipe-bw) on K=2 CPU stages: measured beside the prediction.
+"""Every schedule (gpipe, 1f1b, zb-h1, zb-h2, gpipe-bw) on K=2 CPU stages: measured beside the prediction;
+and on emulated devices (K = 2, 4, 8) the V-shaped zb-v and dualpipev beside 1f1b, zb-h1 and zb-h2: bubble
+against theory (``benchmarks.schedules_emulated``).
 
 The 8-block MLP (Linear 512->2048, GELU, Linear 2048->512), batch 1024, MSE,
 no re-materialization, M in {2, 4, 8}. All schedules are measured in one run,
@@ -12,8 +14,9 @@ hand-overs and waits that the schedule did not ask for.
 
     python -m benchmarks.bench_schedules --out results/schedules --steps 7   # from the repository root
 
-Writes ``schedules.json`` and one ``timeline_<schedule>_M<M>.png`` per
-configuration (the last measured step above the predicted one).
+Writes ``schedules.json`` (``rows``: the CPU runs; ``emulated``: the emulated devices), one
+``timeline_<schedule>_M<M>.png`` per CPU configuration (the last measured step above the predicted
+one), ``emulated.md`` and two emulated timelines of the V-shaped schedules.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.schedules_emulated import emulated_rows, markdown
 from gpipe_lab.bench import Progress, mlp
 from gpipe_lab.bench.machine import ROOT, command_line, figure_metadata, git_commit, machine_info
 from gpipe_lab.bench.script_launch import fresh_out
@@ -102,6 +106,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--steps", type=int, default=7, help="measured rounds per M")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--emulated-steps", type=int, default=3, help="measured rounds per emulated (K, M)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -123,8 +128,10 @@ def main() -> None:
             "machine": platform.machine(), "cpus": torch.get_num_threads(),
             "model": "8 x (Linear 512-2048, GELU, Linear 2048-512)", "batch": 1024, "K": 2,
             "checkpoint": "never", "steps": args.steps, "warmup": args.warmup}
-    (args.out / "schedules.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {args.out / 'schedules.json'} and timeline PNGs")
+    emulated = emulated_rows(args.emulated_steps, 1, args.out)
+    (args.out / "emulated.md").write_text(markdown(emulated, command_line()))
+    (args.out / "schedules.json").write_text(json.dumps({"meta": meta, "rows": rows, "emulated": emulated}, indent=2))
+    print(f"wrote {args.out / 'schedules.json'}, emulated.md and timeline PNGs")
 
 
 if __name__ == "__main__":

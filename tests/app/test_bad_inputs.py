@@ -189,7 +189,7 @@ CASES = [
     ("config: unknown model", config("model.name=resnet"), ConfigError, "model.name: unknown preset 'resnet'; known: amoebanet_d"),
     ("config: unknown data", config("data.name=mnist"), ConfigError, "data.name: unknown datamodule 'mnist'; known: cifar10"),
     ("config: unknown schedule", config("pipeline.schedule=pipedream"), ConfigError,
-     "pipeline.schedule: must be one of \\['1f1b', 'gpipe'"),
+     "pipeline.schedule: must be one of \\['1f1b', 'dualpipev', 'gpipe'"),
     ("config: batch size 0", config("data.batch_size=0"), ConfigError, "data.batch_size: must be a positive integer, got 0"),
     ("config: negative dataset size", config("data.num_train=-5"), ConfigError, "data.num_train: must be a positive integer"),
     ("config: world size not divisible by K", config("pipeline.transport=distributed", "trainer.devices=3"),

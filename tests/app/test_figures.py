@@ -19,6 +19,9 @@ SMALL = ["trainer=smoke", "logger=csv", "data.num_train=64", "data.num_val=8", "
 def test_theory_bubble_is_the_schedules_own():
     assert theory_bubble("gpipe", 4, 8) == pytest.approx(analytic_bubble(4, 8))  # fill-drain
     assert theory_bubble("zb-h1", 4, 8) < 0.5 * analytic_bubble(4, 8)  # zero-bubble fills the drain
+    # two stages per rank: the schedule's own form and placement (zb-v has no one-stage form)
+    assert theory_bubble("zb-v", 4, 8, 2) == pytest.approx(3 / (6 * 8 + 3))
+    assert theory_bubble("interleaved-1f1b", 4, 8, 2) == pytest.approx(analytic_bubble(4, 8, 2))
 
 
 def test_a_run_shorter_than_log_every_n_steps_logs_first_and_last_step_and_names_figures_once(tmp_path):

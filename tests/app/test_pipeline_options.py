@@ -72,3 +72,23 @@ def test_interleaved_schedule_with_virtual_stages_is_accepted(transport: str) ->
     options = validate(make_config("pipeline.schedule=interleaved-1f1b", f"pipeline.transport={transport}",
                                    "pipeline.virtual_stages=2", "trainer.devices=2")).options
     assert (options.schedule, options.virtual_stages, options.transport) == ("interleaved-1f1b", 2, transport)
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "v-gpipe"])
+def test_v_shaped_and_registered_schedules_are_accepted_with_their_virtual_stages(schedule: str) -> None:
+    """``pipeline.schedule=`` takes the V-shaped schedules and a name ``register_schedule`` added,
+    and refuses a virtual-stage count the schedule has no form for, naming the key."""
+    from helpers.schedules import registered, v_fill_drain
+
+    with registered("v-gpipe", virtual_form=v_fill_drain, placement="v", virtual_stages=[2]):
+        options = validate(make_config(f"pipeline.schedule={schedule}", "pipeline.virtual_stages=2",
+                                       "pipeline.cost=params")).options
+        assert (options.schedule, options.virtual_stages) == (schedule, 2)
+        with pytest.raises(ConfigError, match=rf"pipeline.virtual_stages: schedule '{schedule}' has no form with "
+                                              r"virtual_stages=1"):
+            validate(make_config(f"pipeline.schedule={schedule}"))
+        plan = validate(make_config("pipeline.plan=auto", "pipeline.memory_per_device=1GiB",
+                                    f"pipeline.schedules_allowed=[{schedule}]"))
+        assert plan.planner.schedules_allowed == (schedule,)
+    with pytest.raises(ConfigError, match=r"pipeline.schedule: must be one of .*'zb-v'.*got 'v-gpipe'"):
+        validate(make_config("pipeline.schedule=v-gpipe", "pipeline.virtual_stages=2"))

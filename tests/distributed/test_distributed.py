@@ -121,24 +121,37 @@ def test_grid_equals_unpipelined(world: int, request: pytest.FixtureRequest) -> 
                 assert live <= world - r.rank
 
 
-SPLIT = ("zb-h1", "zb-h2", "gpipe-bw")
+SPLIT = ("zb-h1", "zb-h2", "gpipe-bw", "zb-v", "dualpipev")
+V_SHAPED = ("zb-v", "dualpipev")  # two stages per rank in a V: rank r holds stages r and 2K-1-r
 
 
 def split_worker(rank: int, world: int) -> list:
     x, y = batch(16)
     out = []
     for schedule in SPLIT:
-        pipe = DistributedGPipe(mlp(), partitions=world, chunks=4, schedule=schedule, seed=5)
-        out.append((pipe.train_step(x, y, F.mse_loss).item(), local_grads(pipe), None, None, None))
+        v = 2 if schedule in V_SHAPED else 1
+        pipe = DistributedGPipe(mlp(), partitions=world, chunks=4, schedule=schedule, seed=5, virtual_stages=v)
+        loss = pipe.train_step(x, y, F.mse_loss).item()
+        grads = local_grads(pipe)
+        # the forward-only path runs fill-drain over the same placement; every rank gets the output
+        out.append((loss, grads, sorted(j for j, _ in pipe._chunks.items()), pipe(x), None))
     return out
 
 
 def test_split_backward_schedules_equal_unpipelined(world2: list) -> None:
-    """zb-h1, zb-h2 and gpipe-bw (W batched over micro-batches) on 2 gloo ranks."""
+    """zb-h1, zb-h2, gpipe-bw (W batched over micro-batches), zb-v and dualpipev on 2 gloo ranks."""
     results = part(world2, "split")
-    expected_loss, expected_grads = reference(mlp(), *batch(16))
-    for key in range(len(SPLIT)):
+    model = mlp()
+    x, y = batch(16)
+    with torch.no_grad():
+        expected_out = model(x)
+    expected_loss, expected_grads = reference(model, x, y)
+    for key, schedule in enumerate(SPLIT):
         check(results, expected_loss, expected_grads, key)
+        for r in results:
+            torch.testing.assert_close(r.value[key][3], expected_out, atol=1e-5, rtol=1e-5)
+        if schedule in V_SHAPED:  # the V placement: rank 0 holds the first and the last stage
+            assert [r.value[key][2] for r in results] == [[0, 3], [1, 2]]
 
 
 # ---------------------------------------------------------------- D=2 × K=2

@@ -32,7 +32,8 @@ AXES: dict[str, tuple] = {
     "M": (1, 3, 4),
     "batch": (12, 10),  # 12 divides every M; 10 does not divide 3 or 4
     "checkpoint": ("never", "except_last", "always"),
-    "schedule": ("gpipe", "1f1b", "interleaved-1f1b", "gpipe-bw", "zb-h1", "zb-h2"),
+    # the V-shaped ones run two stages per rank (``virtual_stages_of``), on the lab model only
+    "schedule": ("gpipe", "1f1b", "interleaved-1f1b", "gpipe-bw", "zb-h1", "zb-h2", "zb-v", "dualpipev"),
     "bn": ("none", "plain", "deferred"),
     "rand": ("none", "dropout", "functional"),
     "autocast": ("none", "bf16"),
@@ -61,9 +62,19 @@ LAB_AXES = {**{k: v[:1] for k, v in AXES.items()}, **{k: AXES[k] for k in list(A
 # ``rand`` says whether it draws (its own dropout; ``zoo.OPTIONAL_DROPOUT`` models take both), ``inputs``
 # whether its input needs a gradient (``grad_input``; not for token inputs)
 ZOO_AXES = {**AXES, "model": AXES["model"][1:], "batch": ZOO_BATCH, "rand": AXES["rand"][:2],
+            "schedule": AXES["schedule"][:6],
             "inputs": ("tensor", "grad_input"), **{k: AXES[k][:1] for k in ("autocast", "frozen", "dtype", "output")}}
 BALANCE = {1: [5], 2: [2, 3], 3: [2, 1, 2]}  # layer 2 (the probe) sits on stage 0, 1, 1
 PROBE_LAYER = 2
+#: the V-shaped schedules: two stages per rank (rank r holds stages r and 2K-1-r); 2K stages of the
+#: lab model's five layers, so K <= 2
+V_SHAPED = ("zb-v", "dualpipev")
+V_BALANCE = {1: [2, 3], 2: [1, 1, 1, 2]}
+
+
+def virtual_stages_of(case: Case) -> int:
+    """Stages per rank: 2 for the V-shaped schedules, else 1."""
+    return 2 if case.schedule in V_SHAPED else 1
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,9 @@ def valid(case: Case) -> bool:
         return False
     if case.transport == "distributed" and case.output == "dict" and case.door != "train_step":
         return False
+    if case.schedule in V_SHAPED and (case.model != "lab" or case.K not in V_BALANCE
+                                      or (case.schedule == "dualpipev" and case.M < 2 * case.K)):
+        return False  # dualpipev needs M >= 2K
     if case.model == "lab":
         return all(getattr(case, k) in v for k, v in LAB_AXES.items())
     domains = {**ZOO_AXES, **zoo_domains(case.model, case.K)}
@@ -360,7 +374,7 @@ def balance_of(case: Case) -> list[int]:
     automatic balance by ``case.cost`` (measured kinds on the first micro-batch), or for
     ``inplace`` a cut before each of the first K-1 in-place layers (the rest evenly)."""
     if case.model == "lab":
-        return BALANCE[case.K]
+        return V_BALANCE[case.K] if case.schedule in V_SHAPED else BALANCE[case.K]
     key = (case.model, case.K, case.cost, case.batch, case.M)
     if key not in BALANCES:
         model = make_zoo(case)

@@ -32,6 +32,7 @@ from differential_cases import (
     make_zoo_batch,
     one_thread,
     steps,
+    virtual_stages_of,
 )
 from differential_compare import bitwise_differences, differences
 from torch import nn
@@ -69,6 +70,7 @@ def make_pipe(case: Case, layers: nn.Sequential) -> GPipe | DistributedGPipe:
     """The engine over ``layers`` with ``case``'s options: ``GPipe``, or this rank's share of a
     ``DistributedGPipe`` (``differential_distributed`` merges the ranks' observations)."""
     options = dict(balance=balance_of(case), chunks=case.M, checkpoint=case.checkpoint, schedule=case.schedule,
+                   virtual_stages=virtual_stages_of(case),
                    deferred_batch_norm=case.bn == "deferred", seed=SEED, timeout=60, track_memory=case.track_memory)
     if case.transport == "local":
         return GPipe(layers, threads_per_stage=1, **options)

@@ -72,8 +72,9 @@ def _selected() -> list[Case]:
         i, n = (int(v) for v in shard.split("/"))
         return chosen[i::n]
     zoo_distributed = random_cases(45, SAMPLE_DISTRIBUTED, axes=ZOO_AXES, transport="distributed", K=2)
+    v_shaped = random_cases(50, 1, transport="distributed", K=2, schedule="dualpipev")  # two stages per rank
     return (pairwise(27, "local") + random_cases(27, SAMPLE_DISTRIBUTED, transport="distributed", K=2)
-            + pairwise(45, "local", axes=ZOO_AXES) + zoo_distributed)
+            + v_shaped + pairwise(45, "local", axes=ZOO_AXES) + zoo_distributed)
 
 
 SELECTED = _selected()

@@ -93,3 +93,26 @@ def test_negative_emulated_times_are_refused(kwargs: dict) -> None:
 def test_layer_sleeps_fixed_plus_per_sample() -> None:
     layer = EmulatedLayer(per_sample_s=1e-3, fixed_s=2e-3)
     assert layer.forward_seconds(8) == pytest.approx(1e-2)
+
+
+def test_a_split_backward_sleeps_the_weight_share_only_in_the_weight_gradient(monkeypatch) -> None:
+    """With ``weight_share`` the input gradient (a zero-bubble B) sleeps 1-s of the backward and
+    the weight gradient (W) the rest; the gradients are the plain layer's."""
+    from gpipe_lab.bench import emulated
+
+    slept: list[float] = []
+    monkeypatch.setattr(emulated.time, "sleep", slept.append)
+    split, plain = EmulatedLayer(1e-3, weight_share=0.25), EmulatedLayer(1e-3)
+    x = torch.full((4, 1), 2.0, requires_grad=True)
+    out = split(x)
+    assert slept == [pytest.approx(4e-3), 0.0]  # the forward: the layer's time once
+    slept.clear()
+    (dx,) = torch.autograd.grad(out.sum(), [x], retain_graph=True)  # B: the input's side only
+    assert slept == [pytest.approx(8e-3 * 0.75)]
+    slept.clear()
+    (dw,) = torch.autograd.grad(out.sum(), [split.weight])  # W: the weight's side only
+    assert slept == [pytest.approx(8e-3 * 0.25)]
+    ref = torch.autograd.grad(plain(x).sum(), [x, plain.weight])
+    torch.testing.assert_close((dx, dw), ref)
+    with pytest.raises(ValueError, match=r"weight_share must be in \[0, 1\], got 1.5"):
+        EmulatedLayer(1e-3, weight_share=1.5)

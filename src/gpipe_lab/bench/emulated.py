@@ -8,6 +8,9 @@ under ``no_grad`` and when a checkpoint replays it) and ``backward_ratio`` times
 that in its backward, then computes ``x * w`` with one scalar weight, so
 gradients flow and every stage has a parameter. Sleeping releases the GIL:
 eight stages sleeping at once cost no CPU, as eight devices computing would.
+With ``weight_share`` s > 0 the backward's share s sleeps on the weight's side of the
+product, so a split backward (``B``, then ``W``: the zero-bubble schedules) spends
+1-s of it in ``B`` and s in ``W``, as a real layer's input and weight gradients would.
 
 ``EmulatedSpec`` mirrors a ``WorkloadSpec``: the per-layer costs are the model's
 per-layer FLOPs (the cost model the engine balances by) scaled so that one
@@ -48,20 +51,40 @@ class _Sleep(torch.autograd.Function):
         return grad * weight, (grad * x).sum().reshape(weight.shape), None, None
 
 
+class _SleepBackward(torch.autograd.Function):
+    """The identity, whose forward sleeps ``forward_s`` and whose backward sleeps ``backward_s``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, forward_s: float, backward_s: float) -> Tensor:
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
 class EmulatedLayer(nn.Module):
     """A layer that takes ``fixed_s + per_sample_s * n`` seconds forward on ``n`` samples, and
-    ``backward_ratio`` times that backward, sleeping instead of computing.
+    ``backward_ratio`` times that backward, sleeping instead of computing; ``weight_share`` of
+    the backward is the weight gradient's (see the module docstring).
 
     Raises:
-        ValueError: a negative time or ratio.
+        ValueError: a negative time or ratio, or ``weight_share`` outside [0, 1].
     """
 
-    def __init__(self, per_sample_s: float, fixed_s: float = 0.0, backward_ratio: float = 2.0) -> None:
+    def __init__(self, per_sample_s: float, fixed_s: float = 0.0, backward_ratio: float = 2.0,
+                 weight_share: float = 0.0) -> None:
         super().__init__()
         if per_sample_s < 0 or fixed_s < 0 or backward_ratio < 0:
             raise ValueError(f"emulated times must be >= 0, got per_sample_s={per_sample_s}, fixed_s={fixed_s}, "
                              f"backward_ratio={backward_ratio}")
+        if not 0.0 <= weight_share <= 1.0:
+            raise ValueError(f"weight_share must be in [0, 1], got {weight_share}")
         self.per_sample_s, self.fixed_s, self.backward_ratio = per_sample_s, fixed_s, backward_ratio
+        self.weight_share = weight_share
         self.weight = nn.Parameter(torch.ones(1))
 
     def forward_seconds(self, samples: int) -> float:
@@ -70,22 +93,28 @@ class EmulatedLayer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         seconds = self.forward_seconds(int(x.shape[0]))
-        return _Sleep.apply(x, self.weight, seconds, seconds * self.backward_ratio)
+        if not self.weight_share:
+            return _Sleep.apply(x, self.weight, seconds, seconds * self.backward_ratio)
+        # two sleeping identities joined by a plain product: the product is the node a split
+        # backward cuts at, so B sleeps on the input's side and W on the weight's
+        backward = seconds * self.backward_ratio
+        inputs = _SleepBackward.apply(x, seconds, backward * (1.0 - self.weight_share))
+        return inputs * _SleepBackward.apply(self.weight, 0.0, backward * self.weight_share)
 
     def extra_repr(self) -> str:
         return f"per_sample_s={self.per_sample_s:.3g}, fixed_s={self.fixed_s:.3g}, backward={self.backward_ratio:g}x"
 
 
 def emulated_module(per_sample_s: Sequence[float], fixed_s: float = 0.0, backward_ratio: float = 2.0,
-                    ) -> nn.Sequential:
+                    weight_share: float = 0.0) -> nn.Sequential:
     """One ``EmulatedLayer`` per entry of ``per_sample_s`` (seconds per sample of each layer's forward).
 
     Raises:
-        ValueError: no layer, or a negative time.
+        ValueError: no layer, a negative time, or ``weight_share`` outside [0, 1].
     """
     if not per_sample_s:
         raise ValueError("an emulated model needs at least one layer time")
-    return nn.Sequential(*[EmulatedLayer(s, fixed_s, backward_ratio) for s in per_sample_s])
+    return nn.Sequential(*[EmulatedLayer(s, fixed_s, backward_ratio, weight_share) for s in per_sample_s])
 
 
 def emulated_workload(name: str, per_sample_s: Sequence[float], batch: int, balance: Sequence[int],

@@ -37,7 +37,6 @@ from torch import Tensor
 
 from gpipe_lab.lightning.strategy import GPipeStrategy
 from gpipe_lab.lightning.timeline_figure import predicted_timeline, save_timeline_figure
-from gpipe_lab.pipeline import get_schedule
 
 #: The flat summary names kept as aliases of the history's names.
 ALIASES = {"final_train_loss": "train/loss", "samples_per_s": "perf/samples_per_s",
@@ -45,13 +44,13 @@ ALIASES = {"final_train_loss": "train/loss", "samples_per_s": "perf/samples_per_
            "bubble_theory": "pipeline/bubble_theory"}
 
 
-def theory_bubble(schedule: str, num_stages: int, chunks: int) -> float:
+def theory_bubble(schedule: str, num_stages: int, chunks: int, virtual_stages: int = 1) -> float:
     """The schedule's idle fraction predicted by ``gpipe_lab.planner.simulator`` with every
-    forward, backward and weight-gradient action costing the same (no transfer time)."""
-    from gpipe_lab.planner.simulator import StageCosts, predict_step
+    forward, backward and weight-gradient action costing the same (no transfer time), with
+    ``virtual_stages`` stages per rank placed as the schedule places them."""
+    from gpipe_lab.planner.simulator import unit_cost_bubble
 
-    costs = StageCosts.uniform(num_stages, forward=1.0, backward_input=1.0, backward_weight=1.0)
-    return float(predict_step(get_schedule(schedule, num_stages, chunks), costs).bubble)
+    return float(unit_cost_bubble(schedule, num_stages, chunks, virtual_stages))
 
 
 class PipelineMetrics(pl.Callback):
@@ -146,7 +145,7 @@ class PipelineMetrics(pl.Callback):
             self._picture(trainer, strategy, "first")
 
     def _theory(self, strategy: GPipeStrategy) -> float:
-        key = (strategy.schedule, strategy.num_stages, strategy.chunks)
+        key = (strategy.schedule, strategy.num_stages, strategy.chunks, strategy.virtual_stages)
         if getattr(self, "_theory_key", None) != key:
             self._theory_key, self._theory_value = key, theory_bubble(*key)
         return self._theory_value

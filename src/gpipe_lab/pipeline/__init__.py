@@ -16,6 +16,7 @@ from gpipe_lab.pipeline.schedules import (
     gpipe_schedule,
     one_f_one_b_schedule,
     register_schedule,
+    schedule_names,
     validate_schedule,
 )
 from gpipe_lab.pipeline.skip import SkipError, isolate, pop, skippable, stash
@@ -36,7 +37,7 @@ __all__ = [
     "PipelineTimeoutError", "StageDropout", "Timeline", "UnreplayableRandomError", "analytic_bubble",
     "balance_by_cost", "balance_by_size", "balance_by_time", "checkpointed_microbatches", "commit_forward",
     "convert_dropout", "get_schedule", "gpipe_schedule", "is_checkpointing", "is_recomputing", "layer_costs",
-    "one_f_one_b_schedule", "register_schedule", "validate_schedule", "retain_freed_memory", "all_finite",
+    "one_f_one_b_schedule", "register_schedule", "schedule_names", "validate_schedule", "retain_freed_memory", "all_finite",
     "seeded_init", "clip_grad_norm_", "SkipError", "isolate", "pop", "skippable", "stash",
     "BoundaryChangedError",
 ]

@@ -33,6 +33,7 @@ from gpipe_lab.pipeline.options import (
 )
 from gpipe_lab.pipeline.partitioning.materialize import InitFn, build_module, place_layers
 from gpipe_lab.pipeline.partitioning.partition import resolve_balance, split_module
+from gpipe_lab.pipeline.schedules import schedule_placement
 from gpipe_lab.pipeline.skip.layout import skip_layout
 from gpipe_lab.pipeline.skip.transport import attach
 from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
@@ -55,7 +56,8 @@ class GPipe(PipelineCore):
     Every option is a ``PipelineOptions`` field: pass ``options=PipelineOptions(...)``,
     and/or any field as a keyword (``partitions=2, chunks=8``), which overrides that field
     of ``options``; ``balance`` may also come second, as in torchgpipe. With
-    ``virtual_stages`` v, rank k holds chunks k, k+K, ... See ``PipelineOptions`` for each.
+    ``virtual_stages`` v, rank k holds chunks k, k+K, ... (or, for the V-shaped schedules, chunks
+    k and 2K-1-k: the schedule's placement). See ``PipelineOptions`` for each.
 
     ``module`` may be built on the ``meta`` device (or be a factory, called under
     ``torch.device("meta")``): each stage's layers are then allocated on the stage's own
@@ -107,7 +109,8 @@ class GPipe(PipelineCore):
         convert_dropout(module)
         self.module = module
         self._partitions = split_module(module, self._balance)
-        chunk_devices = [self._devices[j % K] for j in range(len(self._partitions))]
+        placement = schedule_placement(opts.schedule, K, v)  # the rank of each stage, as the schedule places it
+        chunk_devices = [self._devices[placement[j]] for j in range(len(self._partitions))]
         for j, (part, device) in enumerate(zip(self._partitions, chunk_devices)):
             place_layers(part, sum(self._balance[:j]), device, self.seed, init_fn)
         cpu_stages = sum(d.type == "cpu" for d in self._devices)
@@ -121,7 +124,7 @@ class GPipe(PipelineCore):
                        for j, (part, dev) in enumerate(zip(self._partitions, chunk_devices))]
         runtimes = dict(enumerate(self.stages))
         attach(runtimes, layout)
-        self._start_core(opts, runtimes, LocalChannel(runtimes, K, self.threads_per_stage, float(opts.timeout)), K)
+        self._start_core(opts, runtimes, LocalChannel(runtimes, placement, self.threads_per_stage, float(opts.timeout)), K)
 
     # ------------------------------------------------------------ read-only views
     @property

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gpipe_lab.pipeline.schedules import SCHEDULES
+from gpipe_lab.pipeline.schedules import form_problem, schedule_names
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
@@ -120,8 +120,11 @@ class PipelineOptions:
                                   f"{prefix}partitions={self.partitions}{per}; give one of them, or make them agree")
         if self.checkpoint not in CHECKPOINT_MODES:
             fail("checkpoint", f"must be one of {list(CHECKPOINT_MODES)}")
-        if self.schedule not in SCHEDULES:
-            fail("schedule", f"must be one of {sorted(SCHEDULES)}")
+        if self.schedule not in schedule_names():
+            fail("schedule", f"must be one of {schedule_names()}")
+        problem = form_problem(self.schedule, self.virtual_stages)
+        if problem is not None:
+            fail("virtual_stages", problem)
         if self.transport not in TRANSPORTS:
             fail("transport", f"must be one of {list(TRANSPORTS)}")
         if not isinstance(self.random_replay, (bool, str)) or self.random_replay not in REPLAY_SETTINGS:

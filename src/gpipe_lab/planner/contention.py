@@ -18,26 +18,29 @@ to ``alone``, the result is the plain simulation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from gpipe_lab.pipeline.measuring.step_timeline import Timeline
-from gpipe_lab.pipeline.schedules import Schedule
+from gpipe_lab.pipeline.schedules import Schedule, placement_of
 from gpipe_lab.planner.simulator import Prediction, StageCosts, by_rank, predict_step, simulate_stages
 
 Key = tuple[int, str, int]
 
 
-def busy_shares(timeline: Timeline, num_ranks: int | None = None) -> dict[Key, float]:
+def busy_shares(timeline: Timeline, placement: int | Sequence[int] | None = None) -> dict[Key, float]:
     """For each action ``(stage, kind, micro-batch)``, the share of its span during which at least
-    one other rank runs an action (waits are not work). A timeline by virtual stage gives
-    ``num_ranks`` (stage s runs on rank ``s % num_ranks``); default: one stage per rank."""
-    ranks = num_ranks or timeline.num_stages
+    one other rank runs an action (waits are not work). A timeline by virtual stage gives the
+    ``placement`` (the rank of each stage; an int K: stage s on rank ``s % K``); default: one
+    stage per rank."""
+    S = timeline.num_stages
+    ranks = S if placement is None else placement
+    rank_of = [s % ranks for s in range(S)] if isinstance(ranks, int) else list(ranks)
     work = [e for e in timeline.events if e.kind != "wait"]
     shares: dict[Key, float] = {}
-    for k in range(ranks):
-        others = _union((e.start, e.end) for e in work if e.stage % ranks != k)
+    for k in range(max(rank_of, default=-1) + 1):
+        others = _union((e.start, e.end) for e in work if rank_of[e.stage] != k)
         for e in work:
-            if e.stage % ranks == k:
+            if rank_of[e.stage] == k:
                 shares[(e.stage, e.kind, e.microbatch)] = _covered(e.start, e.end, others) / e.duration \
                     if e.duration > 0 else 0.0
     return shares
@@ -80,8 +83,9 @@ def predict_contended(schedule: Schedule, costs: StageCosts, alone: Mapping[Key,
     if ranks < 2:
         return predict_step(schedule, costs, replayed, durations)
     stages = simulate_stages(schedule, costs, replayed, durations)
+    placement = placement_of(schedule, stages.num_stages)
     for _ in range(rounds):
-        shares = busy_shares(stages, ranks)
+        shares = busy_shares(stages, placement)
         target = {key: a + shares.get(key, 0.0) * (contended[key] - a) for key, a in alone.items()}
         moved = max((abs(target[key] - durations[key]) for key in durations), default=0.0)
         # halfway to the target: a step whose actions stop overlapping once slowed cannot flip forever
@@ -89,5 +93,5 @@ def predict_contended(schedule: Schedule, costs: StageCosts, alone: Mapping[Key,
         stages = simulate_stages(schedule, costs, replayed, durations)
         if moved <= tolerance * max(stages.wall, 1e-12):
             break
-    timeline = by_rank(stages, ranks)
+    timeline = by_rank(stages, placement)
     return Prediction(timeline, timeline.wall, timeline.measured_bubble())

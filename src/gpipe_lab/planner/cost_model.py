@@ -191,7 +191,7 @@ class CostModel:
                 virtual_stages: int = 1) -> Prediction:
         """The simulator's step for ``balance`` with ``chunks`` micro-batches of a ``batch``-sample mini-batch.
 
-        With ``virtual_stages`` v > 1, ``balance`` has K·v entries (stage s on rank ``s % K``) and the
+        With ``virtual_stages`` v > 1, ``balance`` has K·v entries (placed as the schedule places them) and the
         timeline is by rank, as the executor records it.
 
         ``split``: for schedules with split backward (a ``W`` action), per stage (the last entry for

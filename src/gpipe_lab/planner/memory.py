@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from gpipe_lab.models import build, example_input, preset_options
 from gpipe_lab.pipeline import checkpointed_microbatches
 from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes, storage_key, storage_keys
-from gpipe_lab.pipeline.schedules import Schedule
+from gpipe_lab.pipeline.schedules import Schedule, placement_of
 
 __all__ = ["UNITS", "LayerMemory", "StageMemoryModel", "activation_peaks", "format_bytes", "layer_records",
            "parse_memory", "partition_bytes"]
@@ -303,7 +303,8 @@ class StageMemoryModel:
                     checkpoint: str) -> list[float]:
         """Each device's (rank's) peak bytes (parameter state + activations) for the plan.
 
-        With v virtual stages per rank (``balance`` has K·v entries, stage s on rank ``s % K``) a rank's
+        With v virtual stages per rank (``balance`` has K·v entries, stage s on the rank whose list
+        holds it: the schedule's placement) a rank's
         figure is the sum of its stages' peaks, as the engine reports them (one ``StageRuntime`` per
         stage): an upper bound of the rank's concurrent peak.
 
@@ -312,11 +313,12 @@ class StageMemoryModel:
         """
         parts = self.stage_parts(balance)
         ranks, stages = len(plan), len(balance)
-        lists = plan if stages == ranks else [[a for a in plan[s % ranks] if a.stage == s] for s in range(stages)]
+        rank_of = placement_of(plan, stages)
+        lists = plan if stages == ranks else [[a for a in plan[rank_of[s]] if a.stage == s] for s in range(stages)]
         acts = activation_peaks(lists, [p[0] for p in parts], [p[1] for p in parts], batch / microbatches,
                                 checkpoint, [p[3] for p in parts])
         per_stage = [a + p[2] for a, p in zip(acts, parts)]
-        return [sum(per_stage[s] for s in range(k, stages, ranks)) for k in range(ranks)]
+        return [sum(per_stage[s] for s in range(stages) if rank_of[s] == k) for k in range(ranks)]
 
     def layer_weights(self, samples: float) -> list[float]:
         """A per-layer memory weight for ``balance_by_cost``: parameter state plus the layer's saved

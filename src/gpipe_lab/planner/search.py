@@ -5,7 +5,9 @@ call) runs them top to bottom:
 
 0. profile (``planner.profile_cache``): the model's per-layer times and bytes, measured once and cached;
 1. candidates (``plans``, here): K from 1 to the devices (and the layers), and for ``interleaved-1f1b``
-   v virtual stages per device (``VIRTUAL_STAGES``: K·v stages, stage s on device s % K); M from 1, 2,
+   v virtual stages per device (``VIRTUAL_STAGES``: K·v stages, stage s on device s % K), and for a
+   schedule with only a virtual form (``zb-v``, ``dualpipev``, a registered one) the v it runs with,
+   its stages where its placement puts them; M from 1, 2,
    4, ... up to ``max_microbatches``, dividing the mini-batch, at a micro-batch size the profile
    measured (a size the model cannot train on, e.g. BatchNorm over one value, is never planned); each
    balance ``balance_by_cost`` gives for the per-layer time (forward + backward at that micro-batch
@@ -31,7 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_lab.pipeline import PipelineOptions, balance_by_cost, checkpointed_microbatches
-from gpipe_lab.pipeline.schedules import SCHEDULES, Schedule, get_schedule
+from gpipe_lab.pipeline.schedules import (
+    SCHEDULES,
+    Schedule,
+    get_schedule,
+    schedule_names,
+    virtual_stage_counts,
+)
 from gpipe_lab.planner.cost_model import CostModel
 from gpipe_lab.planner.memory import StageMemoryModel
 from gpipe_lab.planner.plan_types import (
@@ -196,19 +204,24 @@ def _checked_schedules(schedules: Sequence[str] | None) -> list[str]:
         ValueError: an empty list or an unknown schedule.
     """
     names = list(schedules or DEFAULT_SCHEDULES)
-    unknown = [s for s in names if s not in SCHEDULES]
+    unknown = [s for s in names if s not in schedule_names()]
     if unknown or not names:
-        raise ValueError(f"schedules: {names} must be a non-empty list of {sorted(SCHEDULES)}")
+        raise ValueError(f"schedules: {names} must be a non-empty list of {schedule_names()}")
     return list(dict.fromkeys(names))
 
 
 def _virtual_stages(schedule: str, k: int, layers: int, allowed: Sequence[str]) -> list[int]:
-    """The virtual stages per device searched for ``schedule`` on ``k`` devices: ``VIRTUAL_STAGES`` that
-    fit the layers for a schedule with a virtual form (and 1 unless that is ``1f1b``, also allowed)."""
-    if schedule != "interleaved-1f1b":
+    """The virtual stages per device searched for ``schedule`` on ``k`` devices: 1 for a schedule with
+    a one-stage-per-rank form, and the v > 1 its virtual form runs with (``VIRTUAL_STAGES`` when any)
+    that fit the layers. ``gpipe`` and ``1f1b`` search their virtual forms as ``interleaved-1f1b``,
+    whose v = 1 is ``1f1b`` (searched once, under ``1f1b`` when that is also allowed)."""
+    if schedule in ("gpipe", "1f1b"):
         return [1]
-    own = [v for v in VIRTUAL_STAGES if k >= 2 and k * v <= layers]
-    return own if "1f1b" in allowed else [1, *own]
+    counts = virtual_stage_counts(schedule)
+    own = [v for v in (VIRTUAL_STAGES if counts is None else counts) if k >= 2 and k * v <= layers]
+    if schedule == "interleaved-1f1b" and "1f1b" in allowed:
+        return own
+    return ([1] if schedule in SCHEDULES else []) + own
 
 
 def _balances(profile: Profile, cost: CostModel, memory: StageMemoryModel, k: int, micro: int) -> list[list[int]]:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpipe_lab.pipeline.measuring.step_timeline import Event, Timeline
-from gpipe_lab.pipeline.schedules import Action, Schedule, dependency, walk
+from gpipe_lab.pipeline.schedules import Action, Schedule, dependency, get_schedule, placement_of, walk
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,9 @@ class Prediction:
 def simulate_stages(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] = (),
                     durations: Mapping[tuple[int, str, int], float] | None = None) -> Timeline:
     """Run the action lists on virtual clocks; return the predicted timeline by (virtual) stage:
-    ``Timeline(S, ...)`` whose events carry the stage each action runs (rank ``stage % K`` of the
-    schedule's K lists). With one stage per rank it is ``simulate``'s timeline.
+    ``Timeline(S, ...)`` whose events carry the stage each action runs (on the rank whose list holds
+    it: the schedule's placement). With one stage per rank it is ``simulate``'s timeline. A hand-over
+    between two stages of one rank (the V schedules' turn) costs no transfer.
 
     ``costs`` has one entry per stage (S = K·v with v virtual stages per rank) and a transfer per
     hop between neighbouring stages. ``durations`` maps ``(stage, kind, micro-batch)`` to the
@@ -116,6 +117,7 @@ def simulate_stages(schedule: Schedule, costs: StageCosts, checkpointed: Iterabl
     recompute = costs.recompute if costs.recompute is not None else costs.forward
     replayed = frozenset(checkpointed)
     split = {(a.stage, a.microbatch) for actions in schedule for a in actions if a.kind == "W"}
+    rank_of = placement_of(schedule, S)
     end: dict[Action, float] = {}
     free = [0.0] * K  # per rank: its stages run one action at a time
     own = durations or {}
@@ -128,7 +130,8 @@ def simulate_stages(schedule: Schedule, costs: StageCosts, checkpointed: Iterabl
             events.append(Event(s, "R", a.microbatch, free[k], free[k] + took))
             free[k] += took
         dep = dependency(a, S)
-        ready = 0.0 if dep is None else end[dep] + costs.hop(min(dep.stage, s))
+        hop = 0.0 if dep is None or rank_of[dep.stage] == k else costs.hop(min(dep.stage, s))
+        ready = 0.0 if dep is None else end[dep] + hop
         start = max(free[k], ready)
         if start > free[k]:
             events.append(Event(s, "wait", a.microbatch, free[k], start))
@@ -147,11 +150,14 @@ def simulate_stages(schedule: Schedule, costs: StageCosts, checkpointed: Iterabl
     return Timeline(S, 0.0, max(free, default=0.0), events)
 
 
-def by_rank(timeline: Timeline, num_ranks: int) -> Timeline:
-    """A timeline by stage as the executor records it: each event on its rank (``stage % K``)."""
-    if timeline.num_stages == num_ranks:
+def by_rank(timeline: Timeline, placement: int | Sequence[int]) -> Timeline:
+    """A timeline by stage as the executor records it: each event on its rank (``placement[stage]``;
+    an int K: ``stage % K``)."""
+    rank_of = [s % placement for s in range(timeline.num_stages)] if isinstance(placement, int) else placement
+    num_ranks = max(rank_of, default=-1) + 1
+    if timeline.num_stages == num_ranks and all(r == s for s, r in enumerate(rank_of)):
         return timeline
-    events = [Event(e.stage % num_ranks, e.kind, e.microbatch, e.start, e.end) for e in timeline.events]
+    events = [Event(rank_of[e.stage], e.kind, e.microbatch, e.start, e.end) for e in timeline.events]
     return Timeline(num_ranks, timeline.start, timeline.end, events)
 
 
@@ -163,7 +169,8 @@ def simulate(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] 
     Raises:
         ValueError: as ``simulate_stages``.
     """
-    return by_rank(simulate_stages(schedule, costs, checkpointed, durations), len(schedule))
+    stages = simulate_stages(schedule, costs, checkpointed, durations)
+    return by_rank(stages, placement_of(schedule, stages.num_stages))
 
 
 def predict_step(schedule: Schedule, costs: StageCosts, checkpointed: Iterable[int] = (),
@@ -245,3 +252,15 @@ def _hop_delays(timeline: Timeline, by: dict[tuple[int, str], dict[int, Event]])
                     delays.append(got.start - sent.end)
         hops.append(statistics.median(delays) if delays else 0.0)
     return hops
+
+
+def unit_cost_bubble(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """The named schedule's own bubble: the idle fraction of its lists when every F, B and W of a
+    stage costs the same (a stage being 1/v of a rank's layers) and hand-overs cost nothing.
+
+    Raises:
+        ValueError: as ``get_schedule``.
+    """
+    unit = 1.0 / virtual_stages
+    lists = get_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
+    return predict_step(lists, StageCosts.uniform(num_ranks * virtual_stages, unit, unit, unit)).bubble

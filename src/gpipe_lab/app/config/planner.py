@@ -82,7 +82,7 @@ def validate_planner(cfg: DictConfig) -> PlannerConfig:
     Raises:
         ConfigError: one line naming ``pipeline.<key>``, the value and what is allowed.
     """
-    from gpipe_lab.pipeline.schedules import SCHEDULES
+    from gpipe_lab.pipeline.schedules import schedule_names
 
     section, default = cfg.pipeline, PlannerConfig()
     plan = section.get("plan", default.plan)
@@ -100,9 +100,9 @@ def validate_planner(cfg: DictConfig) -> PlannerConfig:
     schedules = section.get("schedules_allowed", default.schedules_allowed)
     if schedules is not None:
         names = list(schedules) if isinstance(schedules, (ListConfig, list, tuple)) else [schedules]
-        if not names or any(n not in SCHEDULES for n in names):
+        if not names or any(n not in schedule_names() for n in names):
             raise ConfigError(f"pipeline.schedules_allowed: must be null or a non-empty list of "
-                              f"{sorted(SCHEDULES)}, got {names!r}")
+                              f"{schedule_names()}, got {names!r}")
         schedules = tuple(names)
     trials = section.get("plan_trials", default.plan_trials)
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 0:

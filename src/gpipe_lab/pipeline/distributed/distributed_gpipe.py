@@ -52,6 +52,7 @@ from gpipe_lab.pipeline.microbatch import Value
 from gpipe_lab.pipeline.options import PipelineOptions, forwarded, merged_options
 from gpipe_lab.pipeline.partitioning.materialize import InitFn, build_module, local_chunks
 from gpipe_lab.pipeline.partitioning.partition import split_module
+from gpipe_lab.pipeline.schedules import schedule_placement
 from gpipe_lab.pipeline.skip.layout import skip_layout
 from gpipe_lab.pipeline.skip.transport import attach, skip_links
 from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
@@ -70,7 +71,8 @@ class DistributedGPipe(PipelineCore):
     rank>`` with NCCL, else CPU), ``data_parallel_size`` (default world size / K),
     ``init_fn`` for meta-built layers and ``bucket_bytes`` for the gradient
     all-reduce. ``module`` may be built on ``meta`` or be a factory. With
-    ``virtual_stages`` v the model is cut into K·v chunks, chunk j on rank j mod K.
+    ``virtual_stages`` v the model is cut into K·v chunks, chunk j on rank j mod K (the V-shaped
+    schedules: chunks k and 2K-1-k on rank k; the schedule's placement).
 
     ``nonfinite`` is decided by ALL ranks together: each rank's verdict on its loss
     and its stages' gradients travels with the loss all-reduce, so every rank
@@ -96,7 +98,9 @@ class DistributedGPipe(PipelineCore):
         v = opts.virtual_stages
         full = build_module(module)
         balance, num_stages = resolve_stages(full, opts, data_parallel_size)
-        self.topo = topo = build_topology(num_stages, v, data_parallel_size)
+        # the schedule's placement: which rank holds each virtual stage
+        placement = schedule_placement(opts.schedule, num_stages, v)
+        self.topo = topo = build_topology(num_stages, v, data_parallel_size, placement)
         if device is None:
             device = stage_device(opts.devices, topo, *local_placement())
         self.device = resolve_device(device)
@@ -106,7 +110,7 @@ class DistributedGPipe(PipelineCore):
         self.balance = balance = agreed_balance(balance, self.device)
         split_module(full, balance)  # refuses a parameter shared across chunks, as GPipe; every rank alike
         layout = skip_layout(list(full), balance)
-        add_links(topo, skip_links(layout, num_stages))  # a link per stage pair a long skip joins
+        add_links(topo, skip_links(layout, placement))  # a link per stage pair a long skip joins
         connect_links(topo, self.device)
         connect_groups(topo, self.device)
         if self.device.type == "cpu" and opts.retain_cpu_memory:
@@ -117,8 +121,7 @@ class DistributedGPipe(PipelineCore):
             DeferredBatchNorm.convert(full)
         convert_dropout(full)
         self._layer_names = list(full._modules)  # the original names: checkpoints keep them
-        chunk_ids = [topo.stage_index + c * num_stages for c in range(v)]
-        self._chunks = local_chunks(full, balance, chunk_ids, self.device, self.seed, init_fn)
+        self._chunks = local_chunks(full, balance, topo.chunk_ids, self.device, self.seed, init_fn)
         self.local = nn.ModuleDict({str(j): part for j, (_, part) in self._chunks.items()})
         runtimes = {j: StageRuntime(j, num_stages * v, part, self.device, self.seed)
                     for j, (_, part) in self._chunks.items()}

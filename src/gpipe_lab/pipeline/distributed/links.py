@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe_lab.pipeline.distributed.wire import Values, recv_values
-from gpipe_lab.pipeline.schedules import MessageKey, Schedule, expected_messages, outgoing
+from gpipe_lab.pipeline.schedules import MessageKey, Schedule, expected_messages, outgoing, placement_of
 from gpipe_lab.pipeline.step.mailbox import Mailbox
 
 LinkKey = tuple[str, int, int]     # ("act" | "grad", source rank, destination rank)
@@ -44,16 +44,17 @@ def message_plan(ranks: Schedule, pp_ranks: list[int], num_virtual: int) -> dict
         ValueError: a link whose sender produces messages in another order than
             its receiver consumes them.
     """
-    K, S = len(ranks), num_virtual
+    S = num_virtual
+    rank_of = placement_of(ranks, S)  # the schedule's placement: the rank whose list holds each stage
     sent: dict[LinkKey, list[MessageKey]] = {}
     received: dict[LinkKey, list[MessageKey]] = {}
     for k, actions in enumerate(ranks):
         for a in actions:
             out = outgoing(a, S)
-            if out is not None and out[1] % K != k:
-                link = ("act" if out[0] == "F" else "grad", pp_ranks[k], pp_ranks[out[1] % K])
+            if out is not None and rank_of[out[1]] != k:
+                link = ("act" if out[0] == "F" else "grad", pp_ranks[k], pp_ranks[rank_of[out[1]]])
                 sent.setdefault(link, []).append(out)
-        for key, src in expected_messages(actions, K, S).items():
+        for key, src in expected_messages(actions, rank_of, S).items():
             if src != k:
                 link = ("act" if key[0] == "F" else "grad", pp_ranks[src], pp_ranks[k])
                 received.setdefault(link, []).append(key)

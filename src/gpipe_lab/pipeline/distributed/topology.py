@@ -27,6 +27,7 @@ at a time, not from two threads at once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -73,6 +74,8 @@ class Topology:
     header_links: dict[LinkKey, dist.ProcessGroup] = field(default_factory=dict)
     #: the links warmed with a send/receive pair before the first step, in the order warmed
     warmed: list[LinkKey] = field(default_factory=list)
+    #: the pipeline rank of each virtual stage (the schedule's placement; empty: stage s on s mod K)
+    placement: tuple[int, ...] = ()
 
     @property
     def dp_size(self) -> int:
@@ -94,7 +97,14 @@ class Topology:
 
     def rank_of(self, virtual_stage: int) -> int:
         """Global rank that runs a virtual stage (chunk) of this rank's pipeline."""
+        if self.placement:
+            return self.pp_ranks[self.placement[virtual_stage]]
         return self.pp_ranks[virtual_stage % self.num_stages]
+
+    @property
+    def chunk_ids(self) -> list[int]:
+        """The virtual stages this rank holds, in stage order."""
+        return [s for s in range(self.num_stages * self.virtual_stages) if self.rank_of(s) == self.rank]
 
     @property
     def last_rank(self) -> int:
@@ -119,21 +129,26 @@ def check_world(world_size: int, num_stages: int, *, what: str | None = None,
                          f"replica; {fix}")
 
 
-def _edges(num_stages: int, virtual_stages: int) -> list[tuple[str, int, int]]:
-    """Stage-level edges (kind, from stage, to stage) a replica needs."""
+def _edges(num_stages: int, virtual_stages: int, placement: Sequence[int] = ()) -> list[tuple[str, int, int]]:
+    """Rank-level edges (kind, from pipeline rank, to pipeline rank) a replica needs: one per pair of
+    neighbouring stages on two ranks (``placement``, default stage s on rank s mod K)."""
     K = num_stages
+    rank = list(placement) or [s % K for s in range(K * virtual_stages)]
     edges: list[tuple[str, int, int]] = []
-    for k in range(K):
-        for kind, to in (("act", k + 1), ("grad", k - 1)):
-            wraps = not 0 <= to < K
-            if K > 1 and (not wraps or virtual_stages > 1):
-                edges.append((kind, k, to % K))
+    for k in range(K):  # in rank order, so that every rank asks for the groups in one order
+        for s in range(len(rank) - 1):
+            a, b = rank[s], rank[s + 1]
+            if a != b and k == a:
+                edges.append(("act", a, b))
+            if a != b and k == b:
+                edges.append(("grad", b, a))
     return list(dict.fromkeys(edges))
 
 
-def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size: int | None = None) -> Topology:
+def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size: int | None = None,
+                   placement: Sequence[int] = ()) -> Topology:
     """Create (or reuse: ``_group``) the pipeline, data-parallel and link groups (collective: every
-    rank calls it).
+    rank calls it). ``placement``: the pipeline rank of each virtual stage (default s mod K).
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -148,7 +163,7 @@ def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size:
     if data_parallel_size is not None and data_parallel_size * num_stages != world:
         raise ValueError(f"data_parallel_size {data_parallel_size} × {num_stages} stages = "
                          f"{data_parallel_size * num_stages}, but the world size is {world}")
-    topo = Topology(world, rank, num_stages, virtual_stages)
+    topo = Topology(world, rank, num_stages, virtual_stages, placement=tuple(placement))
     D = world // num_stages
     for d in range(D):  # every rank creates every group, in the same order
         group = _group(("pipeline",), list(range(d * num_stages, (d + 1) * num_stages)))
@@ -158,12 +173,12 @@ def build_topology(num_stages: int, virtual_stages: int = 1, data_parallel_size:
         group = _group(("data",), list(range(k, world, num_stages)))
         if k == topo.stage_index:
             topo.dp_group = cast("dist.ProcessGroup", group)
-    add_links(topo, _edges(num_stages, virtual_stages))
+    add_links(topo, _edges(num_stages, virtual_stages, placement))
     return topo
 
 
 def add_links(topo: Topology, edges: list[tuple[str, int, int]]) -> None:
-    """Make the link groups of ``edges`` (kind, from stage, to stage) in every replica (collective:
+    """Make the link groups of ``edges`` (kind, from pipeline rank, to pipeline rank) in every replica (collective:
     every rank calls it with the same edges, as ``build_topology`` does with a pipeline's own)."""
     nccl = dist.get_backend() == "nccl"
     K = topo.num_stages

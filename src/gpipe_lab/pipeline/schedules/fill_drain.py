@@ -13,7 +13,10 @@ chunk by chunk, then the backwards with the chunks reversed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gpipe_lab.pipeline.schedules.actions import Action, Schedule, check_sizes
+from gpipe_lab.pipeline.schedules.placement import looped_placement, stages_on
 
 
 def gpipe_schedule(num_stages: int, num_microbatches: int) -> Schedule:
@@ -37,12 +40,19 @@ def looped_gpipe_schedule(num_ranks: int, num_microbatches: int, virtual_stages:
         ValueError: a size below 1.
     """
     check_sizes(num_ranks, num_microbatches, virtual_stages)
-    K, M, v = num_ranks, num_microbatches, virtual_stages
-    return [
-        [Action(c * K + k, "F", mb) for c in range(v) for mb in range(M)]
-        + [Action(c * K + k, "B", mb) for c in reversed(range(v)) for mb in reversed(range(M))]
-        for k in range(K)
-    ]
+    return placed_fill_drain(looped_placement(num_ranks, virtual_stages), num_microbatches)
+
+
+def placed_fill_drain(placement: Sequence[int], num_microbatches: int) -> Schedule:
+    """Fill-drain over any placement: each rank runs its stages' forwards in stage order, then
+    their backwards in reverse (the halves ``pipe(x)`` and ``forward_only`` run)."""
+    M = num_microbatches
+    ranks = []
+    for k in range(max(placement) + 1):
+        mine = stages_on(placement, k)
+        ranks.append([Action(s, "F", mb) for s in mine for mb in range(M)]
+                     + [Action(s, "B", mb) for s in reversed(mine) for mb in reversed(range(M))])
+    return ranks
 
 
 def analytic_bubble(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:

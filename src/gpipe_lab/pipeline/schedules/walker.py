@@ -10,7 +10,10 @@ action along it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gpipe_lab.pipeline.schedules.actions import Action, Schedule
+from gpipe_lab.pipeline.schedules.placement import looped_placement
 
 MessageKey = tuple[str, int, int]  # ("F" activation | "B" gradient, receiving stage, micro-batch)
 
@@ -47,13 +50,19 @@ def outgoing(action: Action, num_stages: int) -> MessageKey | None:
     return None if after is None else incoming(after, num_stages)
 
 
-def expected_messages(actions: list[Action], num_ranks: int, num_stages: int) -> dict[MessageKey, int]:
-    """The messages one rank's list consumes, in its order, each with the rank that sends it."""
+def expected_messages(actions: list[Action], placement: int | Sequence[int],
+                      num_stages: int) -> dict[MessageKey, int]:
+    """The messages one rank's list consumes, in its order, each with the rank that sends it.
+
+    ``placement``: the rank of each stage (``placement.placement_of``), or the number of
+    ranks K for the looped placement (stage s on rank s mod K).
+    """
+    ranks = looped_placement(placement, -(-num_stages // placement)) if isinstance(placement, int) else placement
     out: dict[MessageKey, int] = {}
     for a in actions:
         key, dep = incoming(a, num_stages), dependency(a, num_stages)
         if key is not None and dep is not None:
-            out[key] = dep.stage % num_ranks
+            out[key] = ranks[dep.stage]
     return out
 
 
@@ -88,26 +97,32 @@ def walk(schedule: Schedule, num_stages: int | None = None) -> list[tuple[int, A
     return order
 
 
-def validate_schedule(schedule: Schedule, num_microbatches: int, virtual_stages: int = 1) -> None:
+def validate_schedule(schedule: Schedule, num_microbatches: int, virtual_stages: int = 1,
+                      placement: Sequence[int] | None = None) -> None:
     """Check that a schedule is complete and can run without deadlock.
 
     Each (virtual) stage must hold exactly one F and one B per micro-batch (and at
-    most one W, after its B), on the rank ``stage mod K``; B after F on the same
-    stage; a forward needs the previous stage's forward, a backward the next
-    stage's backward (checked by ``walk``).
+    most one W, after its B), on the rank ``placement[stage]`` (default: ``stage mod K``);
+    B after F on the same stage; a forward needs the previous stage's forward, a backward
+    the next stage's backward (checked by ``walk``).
 
     Raises:
         ValueError: naming the offending action, or where the stages wait.
     """
     K = len(schedule)
     S = K * virtual_stages
+    ranks = looped_placement(K, virtual_stages) if placement is None else tuple(placement)
+    if len(ranks) != S or any(not 0 <= r < K for r in ranks):
+        raise ValueError(f"placement {list(ranks)} must give one rank in 0..{K - 1} for each of the {S} stages")
     positions: dict[tuple[int, str, int], int] = {}
     for k, actions in enumerate(schedule):
         for pos, a in enumerate(actions):
-            if not 0 <= a.stage < S or a.stage % K != k:
-                if virtual_stages == 1:
+            if not 0 <= a.stage < S or ranks[a.stage] != k:
+                if not 0 <= a.stage < S:
+                    raise ValueError(f"action {a}: stage outside 0..{S - 1}")
+                if virtual_stages == 1 and placement is None:
                     raise ValueError(f"action {a} is in the list of stage {k}")
-                raise ValueError(f"action {a} is on rank {k}, but chunk {a.stage} lives on rank {a.stage % K}")
+                raise ValueError(f"action {a} is on rank {k}, but chunk {a.stage} lives on rank {ranks[a.stage]}")
             if not 0 <= a.microbatch < num_microbatches:
                 raise ValueError(f"action {a}: micro-batch outside 0..{num_microbatches - 1}")
             if (a.stage, a.kind, a.microbatch) in positions:
@@ -125,10 +140,11 @@ def validate_schedule(schedule: Schedule, num_microbatches: int, virtual_stages:
     walk(schedule, S)
 
 
-def validate_rank_schedule(ranks: Schedule, num_microbatches: int, virtual_stages: int) -> None:
+def validate_rank_schedule(ranks: Schedule, num_microbatches: int, virtual_stages: int,
+                           placement: Sequence[int] | None = None) -> None:
     """``validate_schedule`` for v virtual stages per rank (a public name).
 
     Raises:
         ValueError: naming the offending action or where the ranks wait.
     """
-    validate_schedule(ranks, num_microbatches, virtual_stages)
+    validate_schedule(ranks, num_microbatches, virtual_stages, placement)

@@ -110,7 +110,7 @@ Messages = list[tuple[int, int, MessageKey]]  # (sending rank, receiving rank, k
 def skip_messages(schedule: Schedule, stages: Mapping[int, StageSkips | None]) -> tuple[Messages, Messages]:
     """The skip messages of the actions of ``stages`` (stage -> its skips): once in the order each
     sender produces them, once in the order each receiver consumes them."""
-    K = len(schedule)
+    rank = {a.stage: k for k, actions in enumerate(schedule) for a in actions}  # the placement
     sent: list[tuple[int, int, MessageKey]] = []
     consumed: list[tuple[int, int, MessageKey]] = []
     for k, actions in enumerate(schedule):
@@ -120,11 +120,11 @@ def skip_messages(schedule: Schedule, stages: Mapping[int, StageSkips | None]) -
                 continue
             j, mb = a.stage, a.microbatch
             if a.kind == "F":
-                sent += [(k, dst % K, forward_key(j, dst, mb)) for dst, _ in mine.outbound]
-                consumed += [(src % K, k, forward_key(src, j, mb)) for src, _ in mine.inbound]
+                sent += [(k, rank[dst], forward_key(j, dst, mb)) for dst, _ in mine.outbound]
+                consumed += [(rank[src], k, forward_key(src, j, mb)) for src, _ in mine.inbound]
             else:
-                sent += [(k, src % K, backward_key(j, src, mb)) for src, _ in mine.inbound]
-                consumed += [(dst % K, k, backward_key(dst, j, mb)) for dst, _ in mine.outbound]
+                sent += [(k, rank[src], backward_key(j, src, mb)) for src, _ in mine.inbound]
+                consumed += [(rank[dst], k, backward_key(dst, j, mb)) for dst, _ in mine.outbound]
     return sent, consumed
 
 
@@ -163,11 +163,12 @@ def skip_link_plan(schedule: Schedule, layout: SkipLayout | None,
     return plan
 
 
-def skip_links(layout: SkipLayout, num_ranks: int) -> list[tuple[str, int, int]]:
-    """The rank-level edges (kind, from rank, to rank) the skips need, beside a pipeline's own."""
+def skip_links(layout: SkipLayout, placement: Sequence[int]) -> list[tuple[str, int, int]]:
+    """The rank-level edges (kind, from rank, to rank) the skips need, beside a pipeline's own
+    (``placement``: the pipeline rank of each stage, the schedule's)."""
     edges: list[tuple[str, int, int]] = []
     for src, dst in layout.pairs():
-        a, b = src % num_ranks, dst % num_ranks
+        a, b = placement[src], placement[dst]
         if a != b:
             edges += [(link_kind(forward_key(src, dst, 0)), a, b), (link_kind(backward_key(dst, src, 0)), b, a)]
     return edges

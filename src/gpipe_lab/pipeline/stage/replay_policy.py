@@ -27,7 +27,7 @@ On CPU every way draws the same numbers (one stream from a generator seeded alik
 from __future__ import annotations
 
 import sys
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -65,14 +65,15 @@ def default_generator(device: torch.device) -> torch.Generator | None:
     return None
 
 
-def generator_owners(devices: Mapping[int, torch.device], num_ranks: int, shared_process: bool) -> dict[int, str]:
-    """Per stage (chunk ``j`` runs on rank ``j % num_ranks``): ``ALL`` when its rank is alone in its
+def generator_owners(devices: Mapping[int, torch.device], placement: Sequence[int],
+                     shared_process: bool) -> dict[int, str]:
+    """Per stage (chunk ``j`` runs on rank ``placement[j]``): ``ALL`` when its rank is alone in its
     process, ``DEVICE`` when it is the only rank on its CUDA device, else ``NONE``."""
     if not shared_process:
         return {j: ALL for j in devices}
     ranks_on: dict[torch.device, set[int]] = {}
     for j, device in devices.items():
-        ranks_on.setdefault(device, set()).add(j % num_ranks)
+        ranks_on.setdefault(device, set()).add(placement[j])
     return {j: DEVICE if device.type == "cuda" and len(ranks_on[device]) == 1 else NONE
             for j, device in devices.items()}
 

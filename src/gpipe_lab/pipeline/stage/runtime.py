@@ -228,7 +228,7 @@ class StageRuntime:
         own_input_grads = True
         if self.index > 0 and grad:
             inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
-        elif grad and mb in self.plan.split_backward and not any(t.requires_grad for t in inputs):
+        elif grad and (self.index, mb) in self.plan.split_backward and not any(t.requires_grad for t in inputs):
             # the first stage of a split schedule: a leaf input bounds the graph, so B can carry
             # the input-side gradients through the stage and leave every weight GEMM to W
             inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
@@ -276,7 +276,7 @@ class StageRuntime:
         start = self._start()
         tensors, grad_tensors = self._backward_pairs(saved.outputs, grads)
         leaves = [t for t in saved.inputs if t.requires_grad and t.is_leaf]
-        if mb in self.plan.split_backward:
+        if (self.index, mb) in self.plan.split_backward:
             saved.grads = grads
             params = [p for p in self.step_walk().parameters if p.requires_grad]
             saved.split = plan_split(tensors, leaves, params) if tensors else None
@@ -292,7 +292,7 @@ class StageRuntime:
         elif tensors:
             stage_backward(tensors, grad_tensors)
         result = tuple(t.grad if t.requires_grad and t.is_leaf else None for t in saved.inputs)
-        if mb not in self.plan.split_backward:
+        if (self.index, mb) not in self.plan.split_backward:
             self._release(mb)
         self._record("B", mb, start)
         return result

@@ -23,7 +23,9 @@ class StepPlan:
     step: int
     num_microbatches: int
     checkpointed: frozenset[int]
-    split_backward: frozenset[int] = frozenset()
+    #: (stage, micro-batch) pairs whose B leaves the weight gradients to a W: a schedule may split
+    #: a micro-batch's backward on one stage and not on another (dualpipev)
+    split_backward: frozenset[tuple[int, int]] = frozenset()
     # {stage: {mb: the consecutive W run it belongs to}}: a run's W is done at once, at its last W
     weight_runs: dict[int, dict[int, tuple[int, ...]]] = field(default_factory=dict)
     loss_fn: LossFn | None = None

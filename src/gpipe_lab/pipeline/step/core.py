@@ -35,7 +35,13 @@ from torch import Tensor, nn
 from gpipe_lab.pipeline.measuring.step_timeline import Timeline
 from gpipe_lab.pipeline.microbatch import Value, as_tuple, join, unwrap
 from gpipe_lab.pipeline.options import OptionViews, PipelineOptions, compile_kwargs
-from gpipe_lab.pipeline.schedules import Schedule, get_schedule, weight_runs
+from gpipe_lab.pipeline.schedules import (
+    Schedule,
+    get_schedule,
+    placed_fill_drain,
+    schedule_placement,
+    weight_runs,
+)
 from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.stage.compiling import CompiledStage, split_backward_error
 from gpipe_lab.pipeline.stage.replay_policy import StageReplay, generator_owners
@@ -66,7 +72,7 @@ class _Scheduled(NamedTuple):
 
     lists: Schedule
     prepared: Any  # the endpoint's (``Endpoint.prepare``)
-    split_backward: frozenset[int]  # micro-batches with a W on a hosted rank
+    split_backward: frozenset[tuple[int, int]]  # (stage, micro-batch) with a W on a hosted rank
     weight_runs: dict[int, dict[int, tuple[int, ...]]]  # ``schedules.weight_runs`` of the hosted ranks
 
 
@@ -93,17 +99,23 @@ class PipelineCore(OptionViews, nn.Module):
         """Attach the step to built stages.
 
         Raises:
-            ValueError: the schedule has no form with ``options.virtual_stages``.
+            ValueError: the schedule has no form with ``options.virtual_stages`` (``OptionError``,
+                checked with the options).
             OptionError: ``compile`` with a split-backward schedule.
         """
         v = options.virtual_stages
-        schedule = get_schedule(options.schedule, num_ranks, num_ranks if v > 1 else 1, v)
+        #: the rank of each stage, as the schedule places them (the fill-drain halves keep it)
+        self._placement = schedule_placement(options.schedule, num_ranks, v)
         self.options = options
         self.runtimes = runtimes
         compiling = compile_kwargs(options.compile)
-        if compiling is not None and any(a.kind == "W" for actions in schedule for a in actions):
-            raise split_backward_error(options.schedule)
-        owners = generator_owners({j: r.device for j, r in runtimes.items()}, num_ranks, channel.holds_all_stages)
+        if compiling is not None:
+            # 2K micro-batches: a size every built-in form runs (interleaved: a multiple of K; dualpipev: >= 2K)
+            lists = get_schedule(options.schedule, num_ranks, 2 * num_ranks, v)
+            if any(a.kind == "W" for actions in lists for a in actions):
+                raise split_backward_error(options.schedule)
+        owners = generator_owners({j: r.device for j, r in runtimes.items()}, self._placement,
+                                  channel.holds_all_stages)
         for j, runtime in runtimes.items():
             runtime.track_memory = options.track_memory
             # dynamo does not trace under the per-op replay mode: a compiled stage checks its draws instead
@@ -163,9 +175,11 @@ class PipelineCore(OptionViews, nn.Module):
         """``kind``: ``train`` (the configured schedule), ``forward`` or ``backward`` (fill-drain halves)."""
         key = (num_microbatches, kind)
         if key not in self._schedules:
-            name = self.options.schedule if kind == "train" else "gpipe"
-            lists = get_schedule(name, self._num_ranks, num_microbatches, self.options.virtual_stages)
-            if kind != "train":
+            if kind == "train":
+                lists = get_schedule(self.options.schedule, self._num_ranks, num_microbatches,
+                                     self.options.virtual_stages)
+            else:
+                lists = placed_fill_drain(self._placement, num_microbatches)
                 keep = "F" if kind == "forward" else "B"
                 lists = [[a for a in actions if a.kind == keep] for actions in lists]
             mine = [a for k in self.channel.ranks for a in lists[k]]
@@ -173,7 +187,7 @@ class PipelineCore(OptionViews, nn.Module):
             for k in self.channel.ranks:
                 runs.update(weight_runs(lists[k]))
             self._schedules[key] = _Scheduled(lists, self.channel.prepare(lists),
-                                              frozenset(a.microbatch for a in mine if a.kind == "W"), runs)
+                                              frozenset((a.stage, a.microbatch) for a in mine if a.kind == "W"), runs)
         return self._schedules[key]
 
     def _feed(self, inputs: Value | None, targets: object, num_microbatches: int,
@@ -203,7 +217,7 @@ class PipelineCore(OptionViews, nn.Module):
             self._reset_batch_norm()
             raise
         finally:
-            self._record = StepRecord(self.runtimes, self._num_ranks, self._step_start, plan.num_microbatches)
+            self._record = StepRecord(self.runtimes, self._placement, self._step_start, plan.num_microbatches)
         last = self._last
         loss = outputs = None
         if last is not None and last.losses:

@@ -29,7 +29,7 @@ Both transports run a step here (``channel.Endpoint`` is all that differs):
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from functools import partial
 
@@ -244,23 +244,24 @@ class StepRecord:
     """What a step's timeline is made of, kept as recorded at the step's end: the stages record
     plain tuples while they run, and the ``Timeline`` is built only when someone reads it."""
 
-    def __init__(self, runtimes: Mapping[int, StageRuntime], num_ranks: int, start: float,
+    def __init__(self, runtimes: Mapping[int, StageRuntime], placement: Sequence[int], start: float,
                  num_microbatches: int) -> None:
         self.end = time.perf_counter()
         self.held = list(runtimes.values())
         self.recorded = [r.events for r in self.held]  # each step gives a runtime a new list
-        self.num_ranks, self.start, self.num_microbatches = num_ranks, start, num_microbatches
+        self.placement, self.start, self.num_microbatches = placement, start, num_microbatches
 
     def timeline(self) -> Timeline:
-        """The step's ``Timeline`` (events sorted by start, stage numbers as pipeline ranks)."""
-        K = self.num_ranks
-        timeline = Timeline(K, start=self.start)
+        """The step's ``Timeline`` (events sorted by start, stage numbers as the pipeline ranks that
+        hold them, per the schedule's placement)."""
+        rank = self.placement
+        timeline = Timeline(max(rank) + 1, start=self.start)
         timeline.end = self.end
-        timeline.events = sorted((Event(s % K, kind, mb, t0, t1) for events in self.recorded
+        timeline.events = sorted((Event(rank[s], kind, mb, t0, t1) for events in self.recorded
                                   for s, kind, mb, t0, t1 in events), key=lambda e: e.start)
         timeline.num_microbatches = self.num_microbatches
         if any(r.clock is not None for r in self.held):
             held = self.held
-            timeline.device_source = lambda: [Event(e.stage % K, e.kind, e.microbatch, e.start, e.end)
+            timeline.device_source = lambda: [Event(rank[e.stage], e.kind, e.microbatch, e.start, e.end)
                                               for r in held for e in r.device_events()]
         return timeline

@@ -29,10 +29,11 @@ class LocalChannel:
 
     holds_all_stages = True
 
-    def __init__(self, runtimes: Mapping[int, StageRuntime], num_ranks: int, threads_per_stage: int | None,
-                 timeout: float) -> None:
-        self.ranks = list(range(num_ranks))
-        self.num_ranks = num_ranks
+    def __init__(self, runtimes: Mapping[int, StageRuntime], placement: Sequence[int],
+                 threads_per_stage: int | None, timeout: float) -> None:
+        self.num_ranks = max(placement) + 1
+        self.ranks = list(range(self.num_ranks))
+        self.rank_of = tuple(placement)  # the rank holding each stage: its streams are that rank's
         self.threads_per_rank = threads_per_stage
         self.timeout = timeout
         self.streams: Streams = streams_for([r.device for r in runtimes.values()])
@@ -51,14 +52,14 @@ class LocalChannel:
 
     def send(self, key: MessageKey, values: Values, was_tensor: bool, sender: StageRuntime) -> None:
         streams = self.streams
-        mark = None if type(streams) is NoStreams else streams.mark(sender.index % self.num_ranks, sender.device)
+        mark = None if type(streams) is NoStreams else streams.mark(self.rank_of[sender.index], sender.device)
         self._mailbox.put(key, (values, was_tensor, mark, sender.device))
 
     def receive(self, item: tuple[Any, ...], receiver: StageRuntime) -> tuple[Values, bool]:
         values, was_tensor, mark, source = item
         if type(self.streams) is NoStreams and source == receiver.device:
             return values, was_tensor  # already where they are used: nothing to copy or order
-        values = self.streams.hand_over(values, mark, receiver.index % self.num_ranks, receiver.device)
+        values = self.streams.hand_over(values, mark, self.rank_of[receiver.index], receiver.device)
         return values, was_tensor
 
     def poll(self) -> None:

@@ -11,7 +11,15 @@ import threading
 import time
 
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
-from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule, expected_messages, incoming, outgoing
+from gpipe_lab.pipeline.schedules import (
+    Action,
+    MessageKey,
+    Schedule,
+    expected_messages,
+    incoming,
+    outgoing,
+    placement_of,
+)
 from gpipe_lab.pipeline.stage.checkpointing import autocast_state
 from gpipe_lab.pipeline.step.channel import StepFeed
 from gpipe_lab.pipeline.step.mailbox import Mailbox
@@ -26,7 +34,7 @@ class ExecutionPlan:
     rank that sends each message."""
 
     def __init__(self, schedule: Schedule, num_stages: int) -> None:
-        K = len(schedule)
+        placement = placement_of(schedule, num_stages)  # the rank of each stage, read from the lists
         self.schedule = schedule  # held, so that the cache's key (its id) is not reused
         self.ranks: list[list[PlannedAction]] = []
         self.senders: dict[MessageKey, int] = {}
@@ -34,7 +42,7 @@ class ExecutionPlan:
             last = {a.stage: i for i, a in enumerate(actions) if a.kind in "BW"}
             self.ranks.append([(a, incoming(a, num_stages), outgoing(a, num_stages), last.get(a.stage) == i)
                                for i, a in enumerate(actions)])
-            self.senders.update(expected_messages(actions, K, num_stages))
+            self.senders.update(expected_messages(actions, placement, num_stages))
 
 
 class Stalled(Exception):
