@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240), pytest.mark.xdi
 
 # (schedule, virtual stages, balance, checkpoint)
 CASES = [("gpipe", 1, [4, 5], "always"), ("1f1b", 1, [3, 6], "except_last"), ("zb-h1", 1, [5, 4], "never"),
-         ("interleaved-1f1b", 2, [3, 1, 3, 2], "always")]
+         ("interleaved-1f1b", 2, [3, 1, 3, 2], "always"),
+         ("zb-v", 2, [3, 1, 3, 2], "except_last")]  # V placement: a skip from stage 0 to 3 stays on rank 0
 STEPS, CHUNKS = 2, 3
 
 

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.timeout(120)
 SEED, STEPS, ROWS, CHUNKS = 7, 2, 12, 3
 # (schedule, virtual stages, balance): K = 3, 2 and 1 cuts of the 9 layers; skips cross 0 to 3 stages
 CUTS = [("gpipe", 1, [3, 3, 3]), ("1f1b", 1, [2, 4, 3]), ("interleaved-1f1b", 2, [3, 1, 3, 2]),
-        ("zb-h1", 1, [3, 3, 3]), ("gpipe-bw", 1, [4, 5]), ("zb-h2", 1, [2, 3, 4]), ("gpipe", 1, [9])]
+        ("zb-h1", 1, [3, 3, 3]), ("gpipe-bw", 1, [4, 5]), ("zb-h2", 1, [2, 3, 4]), ("gpipe", 1, [9]),
+        ("zb-v", 2, [3, 1, 3, 2])]  # V placement: stages 0 and 3 on rank 0
 MODES = ["always", "except_last", "never"]
 
 
