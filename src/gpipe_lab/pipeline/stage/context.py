@@ -31,8 +31,14 @@ def microbatch_seed(base_seed: int, step: int, stage: int, microbatch: int) -> i
 
 
 def current_generator() -> torch.Generator | None:
-    """The generator of the running micro-batch, or ``None`` outside a pipeline."""
-    return getattr(_state, "generator", None)
+    """The generator of the running micro-batch, or ``None`` outside a pipeline (made here, at its
+    first use, for a context given ``lazy``)."""
+    generator = getattr(_state, "generator", None)
+    if generator is None:
+        lazy = getattr(_state, "lazy", None)
+        if lazy is not None:
+            generator = _state.generator = torch.Generator(device=lazy[0]).manual_seed(lazy[1])
+    return generator
 
 
 def current_watch() -> Any:
@@ -53,24 +59,25 @@ class microbatch_context:  # noqa: N801 - used like a function: ``with microbatc
     ``RandomReplay``, which raises ``UnreplayableRandomError`` for a draw it cannot
     repeat) and the context yields the mode (its ``draws`` count what was drawn);
     without ``replay`` only layers that read ``current_generator()`` do, and it yields None.
-    ``watch`` is what ``current_watch()`` returns inside. (A class, not a generator context
-    manager: it wraps every forward of every micro-batch.)
+    ``watch`` is what ``current_watch()`` returns inside. ``lazy = (device, seed)`` without a
+    generator: ``current_generator()`` makes it at its first use, so a forward that draws nothing
+    makes none. (A class, not a generator context manager: it wraps every forward of every micro-batch.)
     """
 
     def __init__(self, generator: torch.Generator | None, recomputing: bool = False, replay: bool = True,
-                 watch: Any = None) -> None:
-        self.state = (generator, recomputing, watch)
+                 watch: Any = None, lazy: tuple[torch.device, int] | None = None) -> None:
+        self.state = (generator, recomputing, watch, lazy)
         self.mode = RandomReplay(generator) if generator is not None and replay else None
 
     def __enter__(self) -> RandomReplay | None:
         self.previous = (getattr(_state, "generator", None), getattr(_state, "recomputing", False),
-                         getattr(_state, "watch", None))
-        _state.generator, _state.recomputing, _state.watch = self.state
+                         getattr(_state, "watch", None), getattr(_state, "lazy", None))
+        _state.generator, _state.recomputing, _state.watch, _state.lazy = self.state
         if self.mode is not None:
             try:
                 self.mode.__enter__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
             except BaseException:
-                _state.generator, _state.recomputing, _state.watch = self.previous
+                _state.generator, _state.recomputing, _state.watch, _state.lazy = self.previous
                 raise
         return self.mode
 
@@ -79,4 +86,4 @@ class microbatch_context:  # noqa: N801 - used like a function: ``with microbatc
             if self.mode is not None:
                 self.mode.__exit__(*exc_info)  # type: ignore[no-untyped-call]  # (as __enter__)
         finally:
-            _state.generator, _state.recomputing, _state.watch = self.previous
+            _state.generator, _state.recomputing, _state.watch, _state.lazy = self.previous
