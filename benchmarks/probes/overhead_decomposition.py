@@ -33,8 +33,8 @@ import torch
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.pipeline.schedules import walk
-from gpipe_lab.pipeline.step import executor as executor_module
 from gpipe_lab.pipeline.step.channel import run_action
+from gpipe_lab.pipeline.step.step_state import StepState
 from gpipe_lab.planner.workload import tiny_linear
 
 
@@ -44,14 +44,14 @@ def _serial(pipe: GPipe) -> None:
 
     def run(self, schedule, prepared, feed, sync_gradients) -> None:  # type: ignore[no-untyped-def]
         plan = self._plan(schedule)
-        step = executor_module._Step(plan, feed, sync_gradients)
+        step = StepState(plan, feed, sync_gradients)
         ranks = [(k, self._device(schedule, k)) for k in self.endpoint.ranks]
         self.endpoint.peak_live = {s: 0 for s in self.runtimes}
         self.endpoint.open(prepared, step.mailbox, ranks)
         order = orders.setdefault(id(schedule), walk(schedule))
         position = [0] * len(schedule)
         for k, action in order:
-            _, key, out, _ = plan.ranks[k][position[k]]
+            _, _, key, out, _, _ = plan.ranks[k][position[k]]
             position[k] += 1
             run_action(action, self.runtimes[action.stage], lambda m, a, k=k: self._receive(step, k, m, a),
                        self.endpoint, feed, key, out)

@@ -123,7 +123,7 @@ def test_errors_name_the_value() -> None:
         layer_costs(model, "flops")
     with pytest.raises(ValueError, match="cost 'time' is measured on a sample batch: pass sample="):
         layer_costs(model, "time")
-    with pytest.raises(ValueError, match=r"unknown cost 'speed'; allowed: 'params'.*'time'\] with sample="):
+    with pytest.raises(ValueError, match=r"unknown cost 'speed'; allowed: 'auto', 'params'.*'time'\] with sample="):
         layer_costs(model, "speed", torch.randn(4, 8))
 
 

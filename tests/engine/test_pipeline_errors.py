@@ -83,9 +83,20 @@ def _parts(costs, balance):
 
 def test_automatic_balance_uses_parameter_count():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
-    assert GPipe(model, partitions=2).balance == [1, 3]
+    assert GPipe(model, partitions=2).balance == [1, 3]  # the default without a sample: parameters
     assert GPipe(model, partitions=2, cost=[1, 1, 1, 1]).balance == [2, 2]
     assert GPipe(model, partitions=2, cost=lambda layer: 1.0).balance == [2, 2]
+
+
+def test_automatic_balance_default_is_flops_on_a_sample():
+    # a table of many parameters and no FLOPs: by parameters it is a stage alone, by FLOPs nearly free
+    model = nn.Sequential(nn.Embedding(1000, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 64))
+    sample = torch.randint(0, 1000, (4, 5))
+    assert GPipe(model, partitions=2, cost="params").balance == [1, 3]
+    assert GPipe(model, partitions=2, sample=sample).balance == [3, 1]
+    assert GPipe(model, partitions=2, sample=sample).balance == GPipe(model, partitions=2, cost="flops",
+                                                                      sample=sample).balance
+    assert GPipe(model, partitions=2).balance == [1, 3]  # no sample: parameters, the one cost known unrun
 
 
 def test_a_layer_listed_twice_is_applied_twice():

@@ -251,3 +251,28 @@ def test_a_bad_random_replay_value_names_it_and_the_allowed_ones(value: object) 
     assert PipelineOptions().random_replay == "auto"
     with pytest.raises(OptionError, match=r"^random_replay: must be one of \['auto', True, False\], got "):
         PipelineOptions(random_replay=value).check()
+
+
+def test_a_guarded_forward_makes_its_generator_only_when_it_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the probe step, a forward of a model without dropout makes no generator; one with
+    ``StageDropout`` makes one per forward, at its first draw (and draws as before)."""
+    made: list[int] = []
+    original = torch.Generator
+
+    def counting(*args: object, **kwargs: object) -> torch.Generator:
+        made.append(1)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    x, y = batch()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16),
+                          nn.Linear(16, 4))
+    for model, per_step in ((plain, 0), (dropout_only(), 2 * CHUNKS)):
+        pipe = GPipe(model, balance=BALANCE, chunks=CHUNKS, checkpoint="never", seed=SEED)
+        pipe.train_step(x, y, F.mse_loss)  # the probe step
+        made.clear()
+        monkeypatch.setattr(torch, "Generator", counting)
+        pipe.train_step(x, y, F.mse_loss)
+        monkeypatch.setattr(torch, "Generator", original)
+        assert {r.replay.first_kind(r.mode) for r in pipe.stages} == {GUARD}  # the step ran guarded
+        assert len(made) == per_step

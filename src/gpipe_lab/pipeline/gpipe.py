@@ -65,6 +65,10 @@ class GPipe(PipelineCore):
     ``reset_parameters()`` under the seed ``seed + layer_index`` (``seeded_init`` gives an
     unpipelined model the same weights); the whole model is never allocated in one place.
 
+    ``sample``: one micro-batch of inputs (a tensor or a tuple, where the module's layers are) that
+    the automatic balance measures its cost on (``cost="auto"``, the default: FLOPs on it; without
+    it, parameters; ``flops``, ``activation_bytes``, ``output_bytes`` and ``time`` need it).
+
     Sequence-like: ``len(pipe)``, ``pipe[i]`` and iteration give the module's layers;
     ``partitions``, ``balance``, ``devices``, ``chunks``, ``checkpoint`` are read-only.
 
@@ -78,7 +82,7 @@ class GPipe(PipelineCore):
 
     def __init__(self, module: nn.Sequential | Callable[[], nn.Sequential], balance: Sequence[int] | None = None,
                  *, options: PipelineOptions | None = None, init_fn: InitFn | None = None,
-                 **option_overrides: Any) -> None:
+                 sample: Any = None, **option_overrides: Any) -> None:
         super().__init__()
         if isinstance(module, nn.Sequential) and len(module) == 0:
             # torchgpipe runs GPipe(nn.Sequential(), []) as the identity; a pipeline here has >= 1 stage
@@ -96,7 +100,7 @@ class GPipe(PipelineCore):
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe needs an nn.Sequential, got {type(module).__name__}")
         v = opts.virtual_stages
-        balance = resolve_balance(module, opts)
+        balance = resolve_balance(module, opts, sample=sample)
         K = len(balance) // v
         layout = skip_layout(list(module), balance)  # checked before anything is placed
         self._balance = list(balance)

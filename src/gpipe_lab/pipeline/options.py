@@ -51,10 +51,12 @@ class PipelineOptions:
     transport: str = "local"
     #: normalize each micro-batch by its own statistics; running statistics per mini-batch.
     deferred_batch_norm: bool = False
-    #: per-layer cost for the automatic balance: ``params``, ``flops``, ``activation_bytes``,
-    #: ``output_bytes``, ``time`` (the last four measured on an example input; ``time``: forward +
-    #: backward seconds at the micro-batch size, which varies between runs), or a list of numbers.
-    cost: Any = "params"
+    #: per-layer cost for the automatic balance: ``auto``, ``params``, ``flops``, ``activation_bytes``,
+    #: ``output_bytes``, ``time`` (the last four measured on an example input, the front door's
+    #: ``sample=``; ``time``: forward + backward seconds at the micro-batch size, which varies
+    #: between runs), or a list of numbers. ``auto``: FLOPs on ``sample=`` when given, else
+    #: parameters (``measuring.costs.AUTO_MEASURED``).
+    cost: Any = "auto"
     #: base seed of the per-(step, stage, micro-batch) generators; ``None``: torch's initial seed.
     seed: int | None = None
     #: local transport: one device per stage (``None``: CPU, or the trainer's devices); distributed:

@@ -69,10 +69,11 @@ class DistributedGPipe(PipelineCore):
     Options are ``GPipe``'s (``options=PipelineOptions(...)`` and/or any field as a
     keyword, overriding it); in addition ``device`` (default ``cuda:<local
     rank>`` with NCCL, else CPU), ``data_parallel_size`` (default world size / K),
-    ``init_fn`` for meta-built layers and ``bucket_bytes`` for the gradient
-    all-reduce. ``module`` may be built on ``meta`` or be a factory. With
-    ``virtual_stages`` v the model is cut into K·v chunks, chunk j on rank j mod K (the V-shaped
-    schedules: chunks k and 2K-1-k on rank k; the schedule's placement).
+    ``init_fn`` for meta-built layers, ``bucket_bytes`` for the gradient
+    all-reduce and ``sample`` for a measured cut (rank 0's cut is every rank's). ``module`` may be
+    built on ``meta`` or be a factory. With ``virtual_stages`` v the model is cut into K·v chunks,
+    chunk j on rank j mod K (the V-shaped schedules: chunks k and 2K-1-k on rank k; the schedule's
+    placement).
 
     ``nonfinite`` is decided by ALL ranks together: each rank's verdict on its loss
     and its stages' gradients travels with the loss all-reduce, so every rank
@@ -90,14 +91,14 @@ class DistributedGPipe(PipelineCore):
     def __init__(self, module: nn.Module | Callable[[], nn.Module], balance: Sequence[int] | None = None,
                  *, options: PipelineOptions | None = None, device: str | torch.device | None = None,
                  data_parallel_size: int | None = None, init_fn: InitFn | None = None,
-                 bucket_bytes: int = BUCKET_BYTES, **option_overrides: Any) -> None:
+                 bucket_bytes: int = BUCKET_BYTES, sample: Any = None, **option_overrides: Any) -> None:
         super().__init__()
         if balance is not None:
             option_overrides["balance"] = balance
         opts = merged_options(options, option_overrides).check()
         v = opts.virtual_stages
         full = build_module(module)
-        balance, num_stages = resolve_stages(full, opts, data_parallel_size)
+        balance, num_stages = resolve_stages(full, opts, data_parallel_size, sample)
         # the schedule's placement: which rank holds each virtual stage
         placement = schedule_placement(opts.schedule, num_stages, v)
         self.topo = topo = build_topology(num_stages, v, data_parallel_size, placement)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -16,9 +16,10 @@ from gpipe_lab.pipeline.options import OptionError, PipelineOptions
 from gpipe_lab.pipeline.partitioning.partition import resolve_balance
 
 
-def resolve_stages(module: nn.Sequential, options: PipelineOptions,
-                   data_parallel_size: int | None) -> tuple[list[int], int]:
-    """Layers per chunk (K·v entries, see ``partition.resolve_balance``) and K.
+def resolve_stages(module: nn.Sequential, options: PipelineOptions, data_parallel_size: int | None,
+                   sample: Any = None) -> tuple[list[int], int]:
+    """Layers per chunk (K·v entries, see ``partition.resolve_balance``: a measured cost on
+    ``sample``) and K.
 
     Without ``balance`` or ``partitions``, K = world size / ``data_parallel_size``.
 
@@ -36,7 +37,7 @@ def resolve_stages(module: nn.Sequential, options: PipelineOptions,
     if options.balance is None and options.partitions is None and default is None:
         raise ValueError(f"give balance=[...] or partitions=K (world size {world}, "
                          f"data_parallel_size {data_parallel_size})")
-    balance = resolve_balance(module, options, default)
+    balance = resolve_balance(module, options, default, sample)
     num_stages = len(balance) // options.virtual_stages
     check_world(world, num_stages)
     return balance, num_stages

@@ -15,6 +15,8 @@ Cost kinds:
 - ``"time"``: seconds of the layer's forward and backward on the sample, in training mode
   (the median of ``repeat`` runs after one warm-up), on the device the module lives on.
   Unlike the others it varies from run to run; a distributed pipeline takes rank 0's balance.
+- ``"auto"`` (``PipelineOptions``' default): ``AUTO_MEASURED`` on the sample when there is one,
+  else ``"params"`` (the one cost known without running the model).
 """
 
 from __future__ import annotations
@@ -34,11 +36,17 @@ from gpipe_lab.pipeline.measuring.inplace import writable
 from gpipe_lab.pipeline.measuring.saved_bytes import SavedBytes, storage_keys
 from gpipe_lab.pipeline.skip.api import SkipFrame
 
-__all__ = ["COST_KINDS", "MEASURED_KINDS", "layer_costs", "measure_layers", "parameter_costs",
+__all__ = ["AUTO", "AUTO_MEASURED", "COST_KINDS", "MEASURED_KINDS", "layer_costs", "measure_layers", "parameter_costs",
            "untouched"]
 
 COST_KINDS = ("params", "flops", "activation_bytes", "output_bytes", "time")
 MEASURED_KINDS = COST_KINDS[1:]
+#: the default cost: ``AUTO_MEASURED`` given a sample, else ``"params"``
+AUTO = "auto"
+#: what ``"auto"`` measures on a sample: of the kinds that cut alike on every run (``time`` does not),
+#: the one whose K=2 cut trained fastest over the quick benchmark's workloads
+#: (``python -m benchmarks.probes.default_cut``, ``results/default_cut.md``)
+AUTO_MEASURED = "flops"
 
 
 def parameter_costs(module: nn.Sequential) -> list[float]:
@@ -137,7 +145,8 @@ def measure_layers(module: nn.Sequential, sample: Any, kind: str) -> list[float]
 def layer_costs(module: nn.Sequential, cost: object = None, sample: Any = None) -> list[float]:
     """One cost per layer of ``module``.
 
-    ``cost`` is ``None`` or ``"params"`` (parameter elements), a measured kind
+    ``cost`` is ``None`` or ``"params"`` (parameter elements), ``"auto"`` (``AUTO_MEASURED`` with a
+    ``sample``, else ``"params"``), a measured kind
     (``"flops"``, ``"activation_bytes"``, ``"output_bytes"``, ``"time"``: measured on
     ``sample``, with the module left as it was, see ``untouched``; ``"time"`` in training
     mode), a sequence
@@ -148,12 +157,14 @@ def layer_costs(module: nn.Sequential, cost: object = None, sample: Any = None) 
         ValueError: an unknown name, a measured kind without ``sample``, a wrong
             number of costs, or a negative or non-finite cost.
     """
+    if cost == AUTO:
+        cost = "params" if sample is None else AUTO_MEASURED
     if cost is None or cost == "params":
         costs = parameter_costs(module)
     elif isinstance(cost, str):
         if cost not in MEASURED_KINDS:
             raise ValueError(
-                f"unknown cost {cost!r}; allowed: 'params', a list of per-layer numbers, a callable, "
+                f"unknown cost {cost!r}; allowed: 'auto', 'params', a list of per-layer numbers, a callable, "
                 f"or one of {list(MEASURED_KINDS)} with sample=")
         if sample is None:
             raise ValueError(

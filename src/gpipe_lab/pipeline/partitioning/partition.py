@@ -10,6 +10,7 @@ from ``gpipe_lab.pipeline.measuring.costs.layer_costs``; measured balances live 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -115,10 +116,11 @@ def check_layer_count(options: PipelineOptions, num_layers: int, prefix: str = "
 
 
 def resolve_balance(module: nn.Sequential, options: PipelineOptions,
-                    default_partitions: int | None = None) -> list[int]:
+                    default_partitions: int | None = None, sample: Any = None) -> list[int]:
     """Layers per chunk (K·v entries): ``options.balance`` checked against the module, or
     ``options.partitions`` (else ``default_partitions``) × ``virtual_stages`` chunks balanced
-    by ``options.cost``. Both front doors cut the module here.
+    by ``options.cost`` (a measured cost on ``sample``, one micro-batch of inputs). Both front
+    doors cut the module here.
 
     Raises:
         ValueError: no balance nor partitions, more chunks than layers, a balance that does
@@ -136,7 +138,7 @@ def resolve_balance(module: nn.Sequential, options: PipelineOptions,
     if partitions is None:
         raise ValueError("give either balance=[layers per partition] or partitions=K")
     check_layer_count(options, len(module), default_partitions=default_partitions)
-    return balance_by_cost(layer_costs(module, options.cost), partitions * v)
+    return balance_by_cost(layer_costs(module, options.cost, sample), partitions * v)
 
 
 def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:

@@ -163,8 +163,9 @@ class StageReplay:
         """
         if kind in (FORK, PROBE):
             return self._reseeded(kind, seed, recomputing, where, training)
-        return _OwnGenerator(torch.Generator(device=self.device).manual_seed(seed), recomputing, kind == DISPATCH,
-                             self._guarded(where, kind == GUARD))
+        # a forward that only guards or replays StageDropout makes its generator at the first draw, if any
+        return _OwnGenerator(torch.Generator(device=self.device).manual_seed(seed) if kind == DISPATCH else None,
+                             recomputing, kind == DISPATCH, self._guarded(where, kind == GUARD), (self.device, seed))
 
     @contextmanager
     def _reseeded(self, kind: str, seed: int, recomputing: bool, where: tuple[int, int],
@@ -201,9 +202,10 @@ class _OwnGenerator:
     """A ``GUARD``, ``DISPATCH`` or ``OFF`` forward: the micro-batch's own generator (the mode with
     ``replay``), inside ``guard``. A class, not a generator context manager: it wraps every forward."""
 
-    def __init__(self, generator: torch.Generator, recomputing: bool, replay: bool,
-                 guard: AbstractContextManager[object]) -> None:
-        self.context, self.guard = microbatch_context(generator, recomputing, replay=replay), guard
+    def __init__(self, generator: torch.Generator | None, recomputing: bool, replay: bool,
+                 guard: AbstractContextManager[object], lazy: tuple[torch.device, int]) -> None:
+        self.context = microbatch_context(generator, recomputing, replay=replay, lazy=lazy)
+        self.guard = guard
 
     def __enter__(self) -> RandomReplay | None:
         mode = self.context.__enter__()

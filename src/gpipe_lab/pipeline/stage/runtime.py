@@ -47,6 +47,9 @@ from gpipe_lab.pipeline.stage.weight_gradients import (
     split_weight_backward,
 )
 
+#: the context of a forward whose grad mode is already the one it needs
+_UNCHANGED = nullcontext()
+
 
 class StageRuntime:
     """Runs the actions of partition ``index`` on ``device``."""
@@ -170,8 +173,9 @@ class StageRuntime:
             else:
                 out = frame.run(self.module if self.compiled is None else partial(self.compiled, self.module), x)
             out_is_tensor = isinstance(out, Tensor)
-            if not self.is_last:
-                outputs = as_tuple(out, f"partition {self.index} output (micro-batch {mb})")
+            if not self.is_last:  # (the label is formatted only for a value that is not a tensor)
+                outputs = (out,) if out_is_tensor else as_tuple(
+                    out, f"partition {self.index} output (micro-batch {mb})")
                 if skips is not None and frame is not None:
                     outputs += skips.outputs(frame, mb)
             elif self.plan.loss_fn is None or (self.keep_outputs and not recomputing):
@@ -240,7 +244,9 @@ class StageRuntime:
         if checkpointed:
             saved.autocast = autocast_state()
         run, versions = self.input_writes.prepare(inputs, checkpointed) if grad else (inputs, None)
-        with torch.set_grad_enabled(grad and not checkpointed):
+        graph = grad and not checkpointed
+        # the mode is thread-local and a stage thread's is mostly already the one wanted: no switch then
+        with _UNCHANGED if torch.is_grad_enabled() == graph else torch.set_grad_enabled(graph):
             outputs, out_is_tensor = self._run(mb, run, was_tensor, target, recomputing=False)
         if versions is not None:
             self.input_writes.learn(run, versions, (self.plan.step, mb))

@@ -63,7 +63,7 @@ class Executor:
         """The plan of ``schedule``, made on its first step (the core caches its schedules)."""
         plan = self._plans.get(id(schedule))
         if plan is None or plan.schedule is not schedule:
-            plan = self._plans[id(schedule)] = ExecutionPlan(schedule, self.num_stages)
+            plan = self._plans[id(schedule)] = ExecutionPlan(schedule, self.num_stages, self.runtimes)
             plan.senders.update(skip_senders(schedule, self.runtimes))
         return plan
 
@@ -178,20 +178,18 @@ class Executor:
             step.finished[k].set()
 
     def _walk(self, step: StepState, k: int) -> None:
-        planned = step.plan.ranks[k]
-        runtimes, endpoint, feed, mailbox = self.runtimes, self.endpoint, step.feed, step.mailbox
+        """Run rank ``k``'s program (``ExecutionPlan.ranks``: what each action needs, looked up once)."""
+        endpoint, feed, mailbox = self.endpoint, step.feed, step.mailbox
         peak = endpoint.peak_live
         done, current, sync, flags = step.done, step.current, step.sync_gradients, self.stage_flags
 
         def receive(key: MessageKey, action: Action) -> tuple[Values, bool]:
             return self._receive(step, k, key, action)
 
-        last = len(planned) - 1
         try:
-            for i, (action, key, out, last_of_stage) in enumerate(planned):
+            for action, runtime, key, out, last_of_stage, following in step.plan.ranks[k]:
                 if mailbox.stopped:  # another rank failed or the caller was interrupted
                     raise Stopped
-                runtime = runtimes[action.stage]
                 run_action(action, runtime, receive, endpoint, feed, key, out)
                 live = runtime.live_microbatches()
                 if live > peak[action.stage]:
@@ -199,7 +197,7 @@ class Executor:
                 if sync and last_of_stage and endpoint.stage_done(runtime):
                     flags.stage_final(runtime)  # its check overlaps earlier stages' backward
                 done[k] = action
-                current[k] = planned[i + 1][0] if i < last else None
+                current[k] = following
                 step.progress += 1
         except Stopped:
             raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 
 from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.schedules import (
@@ -21,27 +22,32 @@ from gpipe_lab.pipeline.schedules import (
     placement_of,
 )
 from gpipe_lab.pipeline.stage.checkpointing import autocast_state
+from gpipe_lab.pipeline.stage.runtime import StageRuntime
 from gpipe_lab.pipeline.step.channel import StepFeed
 from gpipe_lab.pipeline.step.mailbox import Mailbox
 
 Failure = tuple[float, int, "Action | None", BaseException]  # (when, rank, action, exception)
-# per action of a rank: (action, the message it takes, the message it sends, its stage's last B/W)
-PlannedAction = tuple[Action, "MessageKey | None", "MessageKey | None", bool]
+# per action of a rank, its program line: (action, its stage's runtime, the message it takes, the
+# message it sends, its stage's last B/W, the rank's next action)
+PlannedAction = tuple[Action, StageRuntime, "MessageKey | None", "MessageKey | None", bool, "Action | None"]
 
 
 class ExecutionPlan:
-    """What the executor derives from one schedule, once: per rank its planned actions, and the
-    rank that sends each message."""
+    """What the executor derives from one schedule, once: per rank its program (every action with
+    what the walk would otherwise look up per action), and the rank that sends each message."""
 
-    def __init__(self, schedule: Schedule, num_stages: int) -> None:
+    def __init__(self, schedule: Schedule, num_stages: int, runtimes: Mapping[int, StageRuntime]) -> None:
         placement = placement_of(schedule, num_stages)  # the rank of each stage, read from the lists
         self.schedule = schedule  # held, so that the cache's key (its id) is not reused
         self.ranks: list[list[PlannedAction]] = []
         self.senders: dict[MessageKey, int] = {}
         for actions in schedule:
             last = {a.stage: i for i, a in enumerate(actions) if a.kind in "BW"}
-            self.ranks.append([(a, incoming(a, num_stages), outgoing(a, num_stages), last.get(a.stage) == i)
-                               for i, a in enumerate(actions)])
+            following: list[Action | None] = [*actions[1:], None]
+            # a rank this process does not host has no runtimes here: its program is never walked
+            self.ranks.append([(a, runtimes[a.stage], incoming(a, num_stages), outgoing(a, num_stages),
+                                last.get(a.stage) == i, following[i]) for i, a in enumerate(actions)]
+                              if all(a.stage in runtimes for a in actions) else [])
             self.senders.update(expected_messages(actions, placement, num_stages))
 
 
