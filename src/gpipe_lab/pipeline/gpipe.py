@@ -33,6 +33,7 @@ from gpipe_lab.pipeline.options import (
 )
 from gpipe_lab.pipeline.partitioning.materialize import InitFn, build_module, place_layers
 from gpipe_lab.pipeline.partitioning.partition import resolve_balance, split_module
+from gpipe_lab.pipeline.processes.pool import ProcessExecutor, choose_local_stages
 from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.stage.dropout import convert_dropout
 from gpipe_lab.pipeline.stage.runtime import StageRuntime
@@ -117,7 +118,11 @@ class GPipe(PipelineCore):
         self.stages = [StageRuntime(j, len(self._partitions), part, dev, self.seed)
                        for j, (part, dev) in enumerate(zip(self._partitions, chunk_devices))]
         runtimes = dict(enumerate(self.stages))
+        #: how the ranks run: ``threads``, or ``processes`` (``PipelineOptions.local_stages``)
+        self.local_stages = choose_local_stages(opts, self._devices)
         self._start_core(opts, runtimes, LocalChannel(runtimes, K, self.threads_per_stage, float(opts.timeout)), K)
+        if self.local_stages == "processes":
+            self.executor = ProcessExecutor(self.executor, K, self.options, self.threads_per_stage)
 
     # ------------------------------------------------------------ read-only views
     @property
@@ -143,6 +148,12 @@ class GPipe(PipelineCore):
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self.module)
+
+    def close(self) -> None:
+        """Stop the stage processes (``local_stages="processes"``; a later step starts new ones).
+        Nothing to do for threads. Collecting the pipe does the same."""
+        if isinstance(self.executor, ProcessExecutor):
+            self.executor.close()
 
     # ------------------------------------------------------------ running
     def forward(self, inputs: Value) -> Value:  # noqa: D401 - nn.Module API

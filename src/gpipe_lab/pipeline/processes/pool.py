@@ -1,0 +1,351 @@
+"""The caller's side of the process mode: the stage processes of one pipe, and the executor
+that drives them.
+
+``ProcessExecutor`` replaces the core's executor. Each step of ``train_step`` or of a
+forward without a graph: the caller's gradients go into the shared buffers, every stage
+process gets its order (and the first rank's process the inputs), this process runs the
+last rank itself, then reads every report: gradients back into the parameters' ``.grad``
+(exactly as autograd would have left them: in place where a ``.grad`` was, a new tensor
+where none was), timeline events, memory counts and deferred BatchNorm sample counts into
+its own runtimes, so the core judges and ends the step as for threads. A ``pipe(x)`` whose
+output is back-propagated, or inputs that need their gradient, run on threads.
+
+Processes start on the first step (forkserver: torch is imported once per caller process),
+each within ``timeout``; they are stopped by ``close``, when the pipe is collected, and
+after a step that lost one (the next step starts new ones). A stage's exception is raised
+here with its type, message and the stage process's traceback as a note.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection as mpc
+import pickle
+import time
+import weakref
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext
+from multiprocessing.process import BaseProcess
+from typing import Any, cast
+
+import torch
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+from gpipe_lab.pipeline.options import OptionError, PipelineOptions
+from gpipe_lab.pipeline.processes.channel import ProcessChannel, StageProcessLost, StageStopped
+from gpipe_lab.pipeline.processes.stage_process import StageSetup, StepOrder, StepReport, deferred_norms, stage_main
+from gpipe_lab.pipeline.processes.wire import send_values
+from gpipe_lab.pipeline.schedules import Schedule
+from gpipe_lab.pipeline.stage.checkpointing import autocast_state
+from gpipe_lab.pipeline.stage.replay_policy import generator_owners
+from gpipe_lab.pipeline.stage.runtime import StageRuntime
+from gpipe_lab.pipeline.step.channel import StepFeed
+from gpipe_lab.pipeline.step.executor import Executor
+
+PRELOAD = ["torch", "gpipe_lab.pipeline.processes.stage_process"]
+#: seconds a stopping stage process may take before it is killed
+STOP_S = 5.0
+
+
+def check_process_mode(options: PipelineOptions, devices: list[torch.device]) -> None:
+    """Refuse what the process mode cannot run (CPU stages, no ``compile``).
+
+    Raises:
+        OptionError: naming ``local_stages``, the value and what it needs.
+    """
+    if any(d.type != "cpu" for d in devices):
+        raise OptionError(f"local_stages: 'processes' runs CPU stages only, got devices "
+                          f"{[str(d) for d in devices]}; use local_stages='threads' on GPUs")
+    if options.compile is not False:
+        raise OptionError(f"local_stages: 'processes' does not compile stages, got compile={options.compile!r}; "
+                          "use local_stages='threads' with compile")
+
+
+def choose_local_stages(options: PipelineOptions, devices: list[torch.device]) -> str:
+    """``threads`` or ``processes``: what ``options.local_stages`` runs on ``devices`` (one per rank).
+
+    One rank has nothing to run beside it: threads. ``auto`` takes threads (see the README,
+    "Stage processes", for the measurement behind it).
+
+    Raises:
+        OptionError: ``processes`` with a GPU stage or with ``compile``.
+    """
+    if options.local_stages != "processes" or len(devices) == 1:
+        return "threads"
+    check_process_mode(options, devices)
+    return "processes"
+
+
+class StageProcesses:
+    """The stage processes of one pipe: ranks 0 .. K-2, each with its chunks (rank K-1 is the caller's)."""
+
+    def __init__(self, runtimes: dict[int, StageRuntime], num_ranks: int, options: PipelineOptions,
+                 threads: int | None) -> None:
+        self.num_ranks, self.options, self.threads = num_ranks, options, threads
+        self.ranks = list(range(num_ranks - 1))
+        self.parts: dict[int, dict[int, nn.Module]] = {
+            k: {j: r.module for j, r in runtimes.items() if j % num_ranks == k} for k in self.ranks}
+        self.params = {j: list(r.module.parameters()) for j, r in runtimes.items() if j % num_ranks != num_ranks - 1}
+        self.owners = generator_owners({j: r.device for j, r in runtimes.items()}, num_ranks, True)
+        self.grad_buffers: dict[int, list[Tensor]] = {}
+        self.channel: ProcessChannel | None = None
+        self.serial = 0
+        self.sent_schedules: set[int] = set()
+        self._conns: dict[int, Connection] = {}
+        self._procs: dict[int, BaseProcess] = {}
+        self._layout: tuple[int, ...] = ()
+        self.abort: Any = None  # the shared failure flag (``ProcessChannel``), made with the processes
+        self._live: list[tuple[BaseProcess, Connection]] = []  # what the finalizer stops
+        weakref.finalize(self, _stop_all, self._live)
+
+    # ------------------------------------------------------------ life
+    def _tensors(self) -> list[Tensor]:
+        return [t for parts in self.parts.values() for part in parts.values()
+                for t in (*part.parameters(), *part.buffers())]
+
+    def ensure_started(self) -> None:
+        """Start the processes, or new ones when one ended or a tensor they share was replaced.
+
+        Raises:
+            StageProcessLost: a process failed to start, or did not say it was ready within ``timeout``.
+        """
+        layout = tuple(t.data_ptr() for t in self._tensors())
+        if self._procs and layout == self._layout and all(p.exitcode is None for p in self._procs.values()):
+            return
+        self.close()
+        self._start()
+        self._layout = tuple(t.data_ptr() for t in self._tensors())
+
+    def _start(self) -> None:
+        from gpipe_lab.pipeline.distributed.spawn import add_preload  # the forkserver's shared preload list
+
+        ctx = cast(ForkServerContext, mp.get_context("forkserver"))
+        add_preload(ctx, PRELOAD)
+        for parts in self.parts.values():
+            for part in parts.values():
+                part.share_memory()  # the caller's own tensors move to shared memory, in place
+        self.grad_buffers = {j: [torch.zeros_like(p).share_memory_() for p in params]
+                             for j, params in self.params.items()}
+        K = self.num_ranks
+        abort = ctx.RawValue("i", 0)
+        ends: dict[int, tuple[dict[int, Connection], dict[int, Connection]]] = {k: ({}, {}) for k in range(K)}
+        for a in range(K):
+            for b in {(a + 1) % K, (a - 1) % K} - {a}:
+                reader, writer = ctx.Pipe(duplex=False)
+                ends[a][0][b], ends[b][1][a] = writer, reader
+        self.abort = abort
+        self.sent_schedules = set()
+        timeout = float(self.options.timeout)
+        for k in self.ranks:
+            mine, theirs = ctx.Pipe()
+            setup = StageSetup(k, K, K * self.options.virtual_stages, self.parts[k],
+                               {j: self.grad_buffers[j] for j in self.parts[k]}, self.options,
+                               {j: self.owners[j] for j in self.parts[k]}, self.threads)
+            proc = ctx.Process(target=stage_main, args=(setup, theirs, *ends[k], abort),
+                               name=f"gpipe-stage-{k}", daemon=True)
+            proc.start()
+            theirs.close()
+            for conn in (*ends[k][0].values(), *ends[k][1].values()):
+                conn.close()  # the process holds its own ends: a pipe breaks when its process ends
+            self._procs[k], self._conns[k] = proc, mine
+            self._live.append((proc, mine))
+        self.channel = ProcessChannel(K - 1, K, ends[K - 1][0], ends[K - 1][1], abort, self.threads, timeout,
+                                      self._check_alive)
+        deadline = time.monotonic() + timeout
+        for k in self.ranks:
+            message = self._answer(k, deadline, "starting")
+            if message[0] != "ready":
+                self.close()
+                raise _error_of(k, message[1])
+
+    def _answer(self, k: int, deadline: float, doing: str) -> tuple[Any, ...]:
+        """The next message of rank ``k``'s process, waiting until ``deadline``.
+
+        Raises:
+            StageProcessLost: the process ended, or said nothing in time (the processes are then stopped).
+        """
+        conn, proc = self._conns[k], self._procs[k]
+        ready = mpc.wait([conn, proc.sentinel], max(0.0, deadline - time.monotonic()))
+        if conn in ready:
+            try:
+                return cast("tuple[Any, ...]", conn.recv())
+            except (EOFError, OSError):
+                pass
+        self.close()
+        if not ready:
+            raise StageProcessLost(f"the stage process of rank {k} said nothing for {self.options.timeout:g} s "
+                                   f"while {doing}; the stage processes were stopped")
+        raise StageProcessLost(f"the stage process of rank {k} ended while {doing} "
+                               f"(exit code {proc.exitcode}); the next step starts new stage processes")
+
+    def _check_alive(self) -> None:
+        for k, proc in self._procs.items():
+            if proc.exitcode is not None:
+                raise StageProcessLost(f"the stage process of rank {k} ended (exit code {proc.exitcode})")
+
+    def close(self) -> None:
+        """Stop the processes (bounded; kills what does not stop within ``STOP_S``)."""
+        _stop_all(self._live)
+        self._procs, self._conns, self.channel = {}, {}, None
+
+    # ------------------------------------------------------------ a step
+    def order(self, serial: int, schedule: Schedule, plan: Any, feed: StepFeed, sync_gradients: bool,
+              timeout: float) -> None:
+        """Send every process its order for step ``serial`` (the first rank's also its inputs).
+
+        Raises:
+            StageProcessLost: a process is gone.
+        """
+        shared_plan = replace(plan, loss_fn=None, loss_weights=[])
+        sid = id(schedule)
+        autocast = autocast_state()
+        has_grad = self._push_grads()
+        for k in self.ranks:
+            parts = self.parts[k]
+            inputs = feed.inputs if k == 0 and feed.inputs is not None else []
+            order = StepOrder(serial, sid, None if sid in self.sent_schedules else schedule, shared_plan,
+                              {j: tuple(m.training for m in part.modules()) for j, part in parts.items()},
+                              {j: tuple(p.requires_grad for p in self.params[j]) for j in parts},
+                              {j: has_grad[j] for j in parts}, sync_gradients, timeout, autocast, len(inputs),
+                              feed.input_was_tensor)
+            try:
+                self._conns[k].send(("step", order))
+                for values in inputs:
+                    send_values(self._conns[k], None, values, False)
+            except OSError as exc:
+                self.close()
+                raise StageProcessLost(f"the stage process of rank {k} is gone ({exc}); the next step "
+                                       "starts new stage processes") from None
+        self.sent_schedules.add(sid)
+
+    def _push_grads(self) -> dict[int, tuple[bool, ...]]:
+        """Each parameter's ``.grad`` into its shared buffer; which parameters have one."""
+        has = {}
+        for j, params in self.params.items():
+            for p, buf in zip(params, self.grad_buffers[j]):
+                if p.grad is not None:
+                    buf.copy_(p.grad)
+            has[j] = tuple(p.grad is not None for p in params)
+        return has
+
+    def reports(self, serial: int, timeout: float) -> dict[int, StepReport | BaseException]:
+        """Every process's report of step ``serial``, or the error of one that gave none."""
+        found: dict[int, StepReport | BaseException] = {}
+        deadline = time.monotonic() + timeout
+        for k in self.ranks:
+            if k not in self._conns:
+                found[k] = StageProcessLost(f"the stage process of rank {k} was stopped during the step")
+                continue
+            try:
+                message = self._answer(k, deadline, f"running step {serial}")
+            except StageProcessLost as lost:
+                found[k] = lost
+                continue
+            report = message[1]
+            found[k] = report if report.serial == serial else StageProcessLost(
+                f"the stage process of rank {k} answered step {report.serial} during step {serial}")
+        return found
+
+    def pull(self, report: StepReport, runtimes: dict[int, StageRuntime], peak_live: dict[int, int]) -> None:
+        """Mirror ``report`` into this process: gradients, events, memory and BatchNorm counts."""
+        for j, has in report.has_grad.items():
+            for p, buf, got in zip(self.params[j], self.grad_buffers[j], has):
+                if not got:
+                    continue
+                if p.grad is None:
+                    p.grad = buf.clone()  # a new tensor, as autograd makes for a first gradient
+                else:
+                    p.grad.copy_(buf)  # autograd accumulated into the caller's own tensor
+            runtime = runtimes[j]
+            runtime.events, runtime.peak_bytes = report.events[j], report.peak_bytes[j]
+            peak_live[j] = report.peak_live[j]
+            for m, n in zip(deferred_norms(runtime.module), report.pending[j]):
+                m._pending = n
+
+
+def _stop_all(live: list[tuple[BaseProcess, Connection]]) -> None:
+    """Ask every process to stop, then kill those still alive after ``STOP_S``; never raises."""
+    for proc, conn in live:
+        try:
+            conn.send(("stop",))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + STOP_S
+    for proc, conn in live:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(STOP_S)
+        conn.close()
+    live.clear()
+
+
+def _error_of(k: int, report: StepReport) -> BaseException:
+    """The exception a process reported (its own type when it pickled), with its traceback as a note."""
+    error: BaseException | None = None
+    if report.error is not None:
+        try:
+            error = pickle.loads(report.error)
+        except Exception:  # noqa: BLE001 - a type that does not unpickle here: its text instead
+            error = None
+    if error is None:
+        error = RuntimeError(report.error_text.strip().splitlines()[-1] if report.error_text else "failed")
+    error.add_note(f"raised in the stage process of rank {k}:\n{report.error_text}")
+    return error
+
+
+def _secondary(error: BaseException) -> bool:
+    return isinstance(error, (StageStopped, StageProcessLost))
+
+
+class ProcessExecutor(Executor):
+    """The core's executor in the process mode: the last rank here, the others in stage processes."""
+
+    def __init__(self, local: Executor, num_ranks: int, options: PipelineOptions, threads: int | None) -> None:
+        super().__init__(local.endpoint, local.runtimes)
+        self.local = local  # threads: a pipe(x) graph, inputs that need their gradient
+        self.processes = StageProcesses(self.runtimes, num_ranks, options, threads)
+
+    def run(self, schedule: Schedule, prepared: object, feed: StepFeed, sync_gradients: bool) -> None:
+        """One step: the last rank here, the others in their processes (see the module docstring).
+
+        Raises:
+            Exception: the first failing stage's exception (its type, where it was raised, and
+                the stage process's traceback as a note), once every process has reported.
+            StageProcessLost: a stage process ended or stopped answering.
+            PipelineTimeoutError: a wait of this process's rank lasted longer than the timeout.
+        """
+        plan = next(iter(self.runtimes.values())).plan
+        graph_inputs = feed.inputs is not None and any(t.requires_grad for mb in feed.inputs for t in mb)
+        if feed.output_grads is not None or graph_inputs or (plan.grad_enabled and not sync_gradients):
+            self.local.run(schedule, prepared, feed, sync_gradients)
+            return
+        pool = self.processes
+        pool.ensure_started()
+        assert pool.channel is not None  # made by ensure_started
+        self.endpoint = channel = pool.channel
+        timeout = channel.timeout = self.local.endpoint.timeout
+        pool.serial += 1
+        pool.abort.value = 0
+        channel.serial = pool.serial
+        pool.order(pool.serial, schedule, plan, feed, sync_gradients, timeout)
+        failures: list[tuple[float, int, BaseException]] = []
+        try:
+            super().run(schedule, prepared, feed, sync_gradients)
+        except BaseException as exc:  # noqa: BLE001 - raised below, unless a stage process failed first
+            failures.append((time.monotonic(), self.num_stages - 1, exc))
+        for k, report in pool.reports(pool.serial, timeout).items():
+            if isinstance(report, BaseException):
+                failures.append((time.monotonic(), k, report))
+                continue
+            pool.pull(report, self.runtimes, channel.peak_live)
+            if report.error_text:
+                failures.append((report.failed_at, k, _error_of(k, report)))
+        if failures:
+            first = min(failures, key=lambda f: (_secondary(f[2]), f[0]))
+            raise first[2]
+
+    def close(self) -> None:
+        """Stop the stage processes (a later step starts new ones)."""
+        self.processes.close()
