@@ -37,6 +37,10 @@ class StageProcessLost(RuntimeError):
     """A stage process ended (or its pipe broke) while a step needed it."""
 
 
+class StageProcessEnded(StageProcessLost):
+    """A stage process ended, or stopped answering: its exit code, as its parent saw it."""
+
+
 class ProcessChannel:
     """The endpoint of the rank ``rank`` of a pipeline whose ranks each run in a process of their own.
 

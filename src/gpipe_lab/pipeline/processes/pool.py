@@ -18,6 +18,7 @@ here with its type, message and the stage process's traceback as a note.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing.connection as mpc
 import pickle
 import time
@@ -33,7 +34,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
-from gpipe_lab.pipeline.processes.channel import ProcessChannel, StageProcessLost, StageStopped
+from gpipe_lab.pipeline.processes.channel import ProcessChannel, StageProcessEnded, StageProcessLost, StageStopped
 from gpipe_lab.pipeline.processes.stage_process import StageSetup, StepOrder, StepReport, deferred_norms, stage_main
 from gpipe_lab.pipeline.processes.wire import send_values
 from gpipe_lab.pipeline.schedules import Schedule
@@ -150,8 +151,9 @@ class StageProcesses:
                 conn.close()  # the process holds its own ends: a pipe breaks when its process ends
             self._procs[k], self._conns[k] = proc, mine
             self._live.append((proc, mine))
+        # the channel's receiver threads live until the processes end: they must not hold this object
         self.channel = ProcessChannel(K - 1, K, ends[K - 1][0], ends[K - 1][1], abort, self.threads, timeout,
-                                      self._check_alive)
+                                      functools.partial(_check_alive, self._procs))
         deadline = time.monotonic() + timeout
         for k in self.ranks:
             message = self._answer(k, deadline, "starting")
@@ -163,7 +165,7 @@ class StageProcesses:
         """The next message of rank ``k``'s process, waiting until ``deadline``.
 
         Raises:
-            StageProcessLost: the process ended, or said nothing in time (the processes are then stopped).
+            StageProcessEnded: the process ended, or said nothing in time (the processes are then stopped).
         """
         conn, proc = self._conns[k], self._procs[k]
         ready = mpc.wait([conn, proc.sentinel], max(0.0, deadline - time.monotonic()))
@@ -174,20 +176,19 @@ class StageProcesses:
                 pass
         self.close()
         if not ready:
-            raise StageProcessLost(f"the stage process of rank {k} said nothing for {self.options.timeout:g} s "
+            raise StageProcessEnded(f"the stage process of rank {k} said nothing for {self.options.timeout:g} s "
                                    f"while {doing}; the stage processes were stopped")
-        raise StageProcessLost(f"the stage process of rank {k} ended while {doing} "
-                               f"(exit code {proc.exitcode}); the next step starts new stage processes")
-
-    def _check_alive(self) -> None:
-        for k, proc in self._procs.items():
-            if proc.exitcode is not None:
-                raise StageProcessLost(f"the stage process of rank {k} ended (exit code {proc.exitcode})")
+        hint = ("; a script that builds the pipe when imported needs `if __name__ == \"__main__\":` (stage "
+                "processes start by importing the main module)") if doing == "starting" else ""
+        raise StageProcessEnded(f"the stage process of rank {k} ended while {doing} "
+                                f"(exit code {proc.exitcode}); the next step starts new stage processes{hint}")
 
     def close(self) -> None:
         """Stop the processes (bounded; kills what does not stop within ``STOP_S``)."""
         _stop_all(self._live)
-        self._procs, self._conns, self.channel = {}, {}, None
+        self._procs.clear()
+        self._conns.clear()
+        self.channel = None
 
     # ------------------------------------------------------------ a step
     def order(self, serial: int, schedule: Schedule, plan: Any, feed: StepFeed, sync_gradients: bool,
@@ -264,6 +265,17 @@ class StageProcesses:
                 m._pending = n
 
 
+def _check_alive(procs: dict[int, BaseProcess]) -> None:
+    """Raise if one of ``procs`` (by rank) ended.
+
+    Raises:
+        StageProcessEnded: naming the rank and its exit code.
+    """
+    for k, proc in procs.items():
+        if proc.exitcode is not None:
+            raise StageProcessEnded(f"the stage process of rank {k} ended (exit code {proc.exitcode})")
+
+
 def _stop_all(live: list[tuple[BaseProcess, Connection]]) -> None:
     """Ask every process to stop, then kill those still alive after ``STOP_S``; never raises."""
     for proc, conn in live:
@@ -296,7 +308,9 @@ def _error_of(k: int, report: StepReport) -> BaseException:
 
 
 def _secondary(error: BaseException) -> bool:
-    return isinstance(error, (StageStopped, StageProcessLost))
+    """An error that only follows another's: a stop, a broken pipe (not the end of a process itself)."""
+    return isinstance(error, StageStopped) or (isinstance(error, StageProcessLost)
+                                               and not isinstance(error, StageProcessEnded))
 
 
 class ProcessExecutor(Executor):

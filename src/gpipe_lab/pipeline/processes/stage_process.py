@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gpipe_lab.pipeline.devices.allocator import retain_freed_memory
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.pipeline.processes.channel import ProcessChannel, StageProcessLost, StageStopped
 from gpipe_lab.pipeline.processes.wire import recv_values
@@ -106,6 +107,8 @@ class StageHost:
                  abort: Any) -> None:
         if setup.threads is not None:
             torch.set_num_threads(setup.threads)
+        if setup.options.retain_cpu_memory:
+            retain_freed_memory()  # as the caller's process: glibc keeps freed memory for the next step
         self.setup = setup
         self.parts = setup.parts
         self.params = {j: list(part.parameters()) for j, part in self.parts.items()}
