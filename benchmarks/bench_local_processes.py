@@ -21,6 +21,7 @@ import torch
 
 from benchmarks.bench_common import SIZES, make_workload, prepare_process
 from benchmarks.bench_gloo import GlooCase, run_gloo
+from gpipe_lab.bench.workloads import Workload
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.measuring.call_timing import paired_ratio, time_rounds
 
@@ -39,8 +40,8 @@ def local_rows(microbatches: list[int], schedules: list[str], repeats: int, warm
                              seed=0, threads_per_stage=1, local_stages=mode)
                 pipes[(schedule, mode)] = pipe
 
-                def step(pipe: GPipe = pipe, work: object = work) -> None:
-                    pipe.train_step(work.inputs, work.targets, work.loss_fn)  # type: ignore[attr-defined]
+                def step(pipe: GPipe = pipe, work: Workload = work) -> None:
+                    pipe.train_step(work.inputs, work.targets, work.loss_fn)
                     pipe.zero_grad(set_to_none=True)
 
                 steps[f"{schedule}/{mode}"] = step

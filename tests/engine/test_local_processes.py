@@ -18,19 +18,19 @@ import torch
 import torch.nn.functional as F
 from differential_cases import Case
 from differential_run import judge, run_engine
-from helpers.faults import ExitOnce, Fault, InjectedFault
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe, PipelineOptions
 from gpipe_lab.pipeline.options import OptionError
 from gpipe_lab.pipeline.processes.channel import StageProcessLost
 from gpipe_lab.pipeline.processes.pool import STOP_S, ProcessExecutor
+from helpers.faults import ExitOnce, Fault, InjectedFault
 
 TIMEOUT = 60.0
 CASES = [
     "door=train_step,K=2,M=4,batch=12,checkpoint=except_last,schedule=gpipe,bn=plain,rand=dropout",
     "door=train_step,K=2,M=3,batch=10,checkpoint=never,schedule=1f1b,bn=deferred,rand=dropout",
-    "door=train_step,K=2,M=4,batch=12,checkpoint=always,schedule=1f1b,bn=plain,rand=functional",
+    "door=backward,K=2,M=4,batch=12,checkpoint=always,schedule=gpipe,bn=plain,rand=dropout",  # on threads
     "door=nograd_train,K=2,M=4,batch=12,checkpoint=except_last,schedule=1f1b,bn=deferred,rand=dropout",
 ]
 REST = "autocast=none,inputs=tensor,frozen=False,dtype=float32,output=tensor,track_memory=True,transport=local"

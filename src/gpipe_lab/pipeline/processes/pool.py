@@ -25,7 +25,6 @@ import time
 import weakref
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
@@ -34,8 +33,19 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
-from gpipe_lab.pipeline.processes.channel import ProcessChannel, StageProcessEnded, StageProcessLost, StageStopped
-from gpipe_lab.pipeline.processes.stage_process import StageSetup, StepOrder, StepReport, deferred_norms, stage_main
+from gpipe_lab.pipeline.processes.channel import (
+    ProcessChannel,
+    StageProcessEnded,
+    StageProcessLost,
+    StageStopped,
+)
+from gpipe_lab.pipeline.processes.stage_process import (
+    StageSetup,
+    StepOrder,
+    StepReport,
+    deferred_norms,
+    stage_main,
+)
 from gpipe_lab.pipeline.processes.wire import send_values
 from gpipe_lab.pipeline.schedules import Schedule
 from gpipe_lab.pipeline.stage.checkpointing import autocast_state
@@ -85,7 +95,7 @@ class StageProcesses:
                  threads: int | None) -> None:
         self.num_ranks, self.options, self.threads = num_ranks, options, threads
         self.ranks = list(range(num_ranks - 1))
-        self.parts: dict[int, dict[int, nn.Module]] = {
+        self.parts: dict[int, dict[int, nn.Sequential]] = {
             k: {j: r.module for j, r in runtimes.items() if j % num_ranks == k} for k in self.ranks}
         self.params = {j: list(r.module.parameters()) for j, r in runtimes.items() if j % num_ranks != num_ranks - 1}
         self.owners = generator_owners({j: r.device for j, r in runtimes.items()}, num_ranks, True)
@@ -121,12 +131,13 @@ class StageProcesses:
     def _start(self) -> None:
         from gpipe_lab.pipeline.distributed.spawn import add_preload  # the forkserver's shared preload list
 
-        ctx = cast(ForkServerContext, mp.get_context("forkserver"))
+        ctx = mp.get_context("forkserver")
         add_preload(ctx, PRELOAD)
         for parts in self.parts.values():
             for part in parts.values():
                 part.share_memory()  # the caller's own tensors move to shared memory, in place
-        self.grad_buffers = {j: [torch.zeros_like(p).share_memory_() for p in params]
+        # (torch's stub of ``share_memory_`` has no annotations)
+        self.grad_buffers = {j: [torch.zeros_like(p).share_memory_() for p in params]  # type: ignore[no-untyped-call]
                              for j, params in self.params.items()}
         K = self.num_ranks
         abort = ctx.RawValue("i", 0)
@@ -278,7 +289,7 @@ def _check_alive(procs: dict[int, BaseProcess]) -> None:
 
 def _stop_all(live: list[tuple[BaseProcess, Connection]]) -> None:
     """Ask every process to stop, then kill those still alive after ``STOP_S``; never raises."""
-    for proc, conn in live:
+    for _, conn in live:
         try:
             conn.send(("stop",))
         except (OSError, ValueError):
@@ -303,7 +314,8 @@ def _error_of(k: int, report: StepReport) -> BaseException:
             error = None
     if error is None:
         error = RuntimeError(report.error_text.strip().splitlines()[-1] if report.error_text else "failed")
-    error.add_note(f"raised in the stage process of rank {k}:\n{report.error_text}")
+    if hasattr(error, "add_note"):
+        error.add_note(f"raised in the stage process of rank {k}:\n{report.error_text}")
     return error
 
 

@@ -17,7 +17,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +43,7 @@ class StageSetup:
     rank: int
     num_ranks: int
     num_stages: int
-    parts: dict[int, nn.Module]  # its chunks, by stage index (tensors in shared memory)
+    parts: dict[int, nn.Sequential]  # its chunks, by stage index (tensors in shared memory)
     grad_buffers: dict[int, list[Tensor]]  # per chunk, one shared buffer per parameter
     options: PipelineOptions
     owners: dict[int, str]  # ``replay_policy.generator_owners`` of its chunks
@@ -131,7 +131,9 @@ class StageHost:
             for runtime in self.runtimes.values():
                 runtime.begin(order.plan)
             self.channel.serial, self.channel.timeout = order.serial, order.timeout
-            feed = StepFeed(inputs if order.inputs else None, order.input_was_tensor)
+            # an input micro-batch holds no None (only gradients do)
+            feed = StepFeed(cast("list[tuple[Tensor, ...]]", inputs) if order.inputs else None,
+                            order.input_was_tensor)
             with autocast_as(order.autocast):
                 self.executor.run(self.schedules[order.schedule_id], None, feed, order.sync_gradients)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller's process
