@@ -22,6 +22,7 @@ from torch import nn
 
 from gpipe_lab.pipeline import GPipe, PipelineOptions
 from gpipe_lab.pipeline.options import OptionError
+from gpipe_lab.pipeline.processes.auto import ROUNDS, AutoTrial
 from gpipe_lab.pipeline.processes.channel import StageProcessLost
 from gpipe_lab.pipeline.processes.pool import STOP_S, ProcessExecutor
 from helpers.faults import ExitOnce, Fault, InjectedFault
@@ -146,3 +147,30 @@ def test_bad_local_stages_values_are_refused_naming_what_is_allowed() -> None:
         PipelineOptions(local_stages="process").check(prefix="pipeline.")
     with pytest.raises(OptionError, match=r"local_stages: 'processes' does not compile stages"):
         GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), partitions=2, local_stages="processes", compile=True)
+
+
+def test_auto_trains_as_threads_while_it_tries_both_ways_and_then_keeps_one() -> None:
+    torch.manual_seed(3)
+    x, y = torch.randn(16, 6), torch.randn(16, 3)
+    results = {}
+    for mode in ("threads", "auto"):
+        model = _model()
+        pipe = GPipe(model, partitions=2, chunks=4, schedule="1f1b", seed=7, local_stages=mode, timeout=TIMEOUT)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(len(AutoTrial().order) + 1):  # the trial's steps, then one of the way it kept
+            opt.zero_grad()
+            losses.append(pipe.train_step(x, y, F.mse_loss))
+            opt.step()
+        process_steps = pipe.executor.processes.serial if isinstance(pipe.executor, ProcessExecutor) else 0
+        results[mode] = (losses, model.state_dict(), pipe.local_stages, process_steps)
+        pipe.close()
+    (la, sa, _, _), (lb, sb, chosen, process_steps) = results["threads"], results["auto"]
+    assert chosen in ("threads", "processes")  # the trial ended with a choice (which: the machine's)
+    # the warm-up and ROUNDS timed steps ran in stage processes, and so did the last step if they won
+    assert process_steps == ROUNDS + 1 + (chosen == "processes")
+    assert all(torch.equal(a, b) for a, b in zip(la, lb))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    # where processes cannot run, auto is threads from the start
+    compiled = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), partitions=2, local_stages="auto", compile=True)
+    assert compiled.local_stages == "threads"

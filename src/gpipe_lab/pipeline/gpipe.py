@@ -1,4 +1,5 @@
-"""``GPipe``: a layer sequence cut into K partitions, trained on M micro-batches (threads).
+"""``GPipe``: a layer sequence cut into K partitions, trained on M micro-batches (threads, or
+stage processes on this machine: ``local_stages``).
 
     pipe = GPipe(nn.Sequential(...), partitions=2, chunks=8)
     loss = pipe.train_step(x, y, nn.functional.mse_loss)   # grads in the module's params
@@ -49,7 +50,9 @@ __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "GPipe", "NonFiniteError", 
 
 
 class GPipe(PipelineCore):
-    """Pipeline-parallel wrapper of an ``nn.Sequential`` (local transport: one thread per rank).
+    """Pipeline-parallel wrapper of an ``nn.Sequential`` (local transport: one thread per rank, or
+    with ``local_stages="processes"`` every rank but the last in a stage process of its own;
+    ``close()`` stops those).
 
     Every option is a ``PipelineOptions`` field: pass ``options=PipelineOptions(...)``,
     and/or any field as a keyword (``partitions=2, chunks=8``), which overrides that field
@@ -118,11 +121,10 @@ class GPipe(PipelineCore):
         self.stages = [StageRuntime(j, len(self._partitions), part, dev, self.seed)
                        for j, (part, dev) in enumerate(zip(self._partitions, chunk_devices))]
         runtimes = dict(enumerate(self.stages))
-        #: how the ranks run: ``threads``, or ``processes`` (``PipelineOptions.local_stages``)
-        self.local_stages = choose_local_stages(opts, self._devices)
+        mode = choose_local_stages(opts, self._devices)
         self._start_core(opts, runtimes, LocalChannel(runtimes, K, self.threads_per_stage, float(opts.timeout)), K)
-        if self.local_stages == "processes":
-            self.executor = ProcessExecutor(self.executor, K, self.options, self.threads_per_stage)
+        if mode != "threads":
+            self.executor = ProcessExecutor(self.executor, K, self.options, self.threads_per_stage, mode)
 
     # ------------------------------------------------------------ read-only views
     @property
@@ -148,6 +150,12 @@ class GPipe(PipelineCore):
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self.module)
+
+    @property
+    def local_stages(self) -> str:
+        """How the ranks run: ``threads``, ``processes``, or ``auto`` while its trial runs
+        (``PipelineOptions.local_stages``)."""
+        return self.executor.mode if isinstance(self.executor, ProcessExecutor) else "threads"
 
     def close(self) -> None:
         """Stop the stage processes (``local_stages="processes"``; a later step starts new ones).

@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from gpipe_lab.pipeline.options import OptionError, PipelineOptions
+from gpipe_lab.pipeline.processes.auto import AutoTrial
 from gpipe_lab.pipeline.processes.channel import (
     ProcessChannel,
     StageProcessEnded,
@@ -74,16 +75,21 @@ def check_process_mode(options: PipelineOptions, devices: list[torch.device]) ->
 
 
 def choose_local_stages(options: PipelineOptions, devices: list[torch.device]) -> str:
-    """``threads`` or ``processes``: what ``options.local_stages`` runs on ``devices`` (one per rank).
-
-    One rank has nothing to run beside it: threads. ``auto`` takes threads (see the README,
-    "Stage processes", for the measurement behind it).
+    """``threads``, ``processes`` or ``auto``: how ``options.local_stages`` runs on ``devices``
+    (one per rank). One rank has nothing to run beside it: threads; ``auto`` where processes
+    cannot run (a GPU stage, ``compile``): threads.
 
     Raises:
         OptionError: ``processes`` with a GPU stage or with ``compile``.
     """
-    if options.local_stages != "processes" or len(devices) == 1:
+    if options.local_stages == "threads" or len(devices) == 1:
         return "threads"
+    if options.local_stages == "auto":
+        try:
+            check_process_mode(options, devices)
+        except OptionError:
+            return "threads"
+        return "auto"
     check_process_mode(options, devices)
     return "processes"
 
@@ -250,13 +256,13 @@ class StageProcesses:
                 found[k] = StageProcessLost(f"the stage process of rank {k} was stopped during the step")
                 continue
             try:
-                message = self._answer(k, deadline, f"running step {serial}")
+                report = self._answer(k, deadline, f"running step {serial}")[1]
+                while report.serial < serial:  # the report of a step whose caller was interrupted
+                    report = self._answer(k, deadline, f"running step {serial}")[1]
             except StageProcessLost as lost:
                 found[k] = lost
                 continue
-            report = message[1]
-            found[k] = report if report.serial == serial else StageProcessLost(
-                f"the stage process of rank {k} answered step {report.serial} during step {serial}")
+            found[k] = report
         return found
 
     def pull(self, report: StepReport, runtimes: dict[int, StageRuntime], peak_live: dict[int, int]) -> None:
@@ -326,14 +332,43 @@ def _secondary(error: BaseException) -> bool:
 
 
 class ProcessExecutor(Executor):
-    """The core's executor in the process mode: the last rank here, the others in stage processes."""
+    """The core's executor in the process mode: the last rank here, the others in stage processes
+    (with ``auto``: after its trial, if they were faster; see ``auto``)."""
 
-    def __init__(self, local: Executor, num_ranks: int, options: PipelineOptions, threads: int | None) -> None:
+    def __init__(self, local: Executor, num_ranks: int, options: PipelineOptions, threads: int | None,
+                 mode: str = "processes") -> None:
         super().__init__(local.endpoint, local.runtimes)
         self.local = local  # threads: a pipe(x) graph, inputs that need their gradient
         self.processes = StageProcesses(self.runtimes, num_ranks, options, threads)
+        #: ``processes``, ``threads`` (what ``auto`` chose) or ``auto`` (its trial is under way)
+        self.mode = mode
+        self.trial = AutoTrial() if mode == "auto" else None
 
     def run(self, schedule: Schedule, prepared: object, feed: StepFeed, sync_gradients: bool) -> None:
+        """One step, on threads or processes as ``mode`` (or ``auto``'s trial) says.
+
+        Raises:
+            Exception: as ``_run_processes`` or the threads' executor.
+        """
+        plan = next(iter(self.runtimes.values())).plan
+        graph_inputs = feed.inputs is not None and any(t.requires_grad for mb in feed.inputs for t in mb)
+        eligible = feed.output_grads is None and not graph_inputs and (sync_gradients or not plan.grad_enabled)
+        # auto's trial times training steps only; meanwhile a forward alone runs on threads
+        timed = self.trial is not None and self.mode == "auto" and eligible and sync_gradients
+        way = self.trial.next_way() if timed and self.trial is not None else self.mode
+        start = time.perf_counter()
+        if eligible and way == "processes":
+            self._run_processes(schedule, prepared, feed, sync_gradients)
+        else:
+            self.local.run(schedule, prepared, feed, sync_gradients)
+        if timed and self.trial is not None:
+            choice = self.trial.record(way, time.perf_counter() - start)
+            if choice is not None:
+                self.mode = choice
+                if choice == "threads":
+                    self.processes.close()
+
+    def _run_processes(self, schedule: Schedule, prepared: object, feed: StepFeed, sync_gradients: bool) -> None:
         """One step: the last rank here, the others in their processes (see the module docstring).
 
         Raises:
@@ -343,10 +378,6 @@ class ProcessExecutor(Executor):
             PipelineTimeoutError: a wait of this process's rank lasted longer than the timeout.
         """
         plan = next(iter(self.runtimes.values())).plan
-        graph_inputs = feed.inputs is not None and any(t.requires_grad for mb in feed.inputs for t in mb)
-        if feed.output_grads is not None or graph_inputs or (plan.grad_enabled and not sync_gradients):
-            self.local.run(schedule, prepared, feed, sync_gradients)
-            return
         pool = self.processes
         pool.ensure_started()
         assert pool.channel is not None  # made by ensure_started
