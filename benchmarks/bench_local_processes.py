@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     prepare_process()
+    load_before = os.getloadavg()[0]  # other jobs on the machine: the figures are only as quiet as it was
     rows = local_rows(args.microbatches, args.schedules, args.repeats, args.warmup)
     if not args.no_distributed:
         gloo = run_gloo([GlooCase("mlp", "ours", s, M) for M in args.microbatches for s in args.schedules],
@@ -83,9 +85,11 @@ def main(argv: list[str] | None = None) -> None:
         over_dist = f"{r['processes']['median'] / dist_s:.3f}" if dist_s else "-"
         print(f"| {r['schedule']}, {r['chunks']} | {r['threads']['median']:.3f} | {r['processes']['median']:.3f} | "
               f"{dist_s if dist_s is None else f'{dist_s:.3f}'} | {r['processes_over_threads']:.3f} | {over_dist} |")
+    load = {"cpus": os.cpu_count(), "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0]}
+    print(f"machine: {load}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=1))
+        args.out.write_text(json.dumps({"machine": load, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ class PipelineOptions:
     transport: str = "local"
     #: local transport: ``threads`` (a thread per rank, one process), ``processes`` (every rank but
     #: the last in a process of its own on this machine, tensors in shared memory: CPU stages, no
-    #: ``compile``; README "Stage processes"), or ``auto`` (``processes`` where measured faster).
+    #: ``compile``; README "Stage processes"), or ``auto`` (the first training steps try both, same
+    #: results bit for bit, and the faster stays; threads where processes cannot run).
     local_stages: str = "threads"
     #: normalize each micro-batch by its own statistics; running statistics per mini-batch.
     deferred_batch_norm: bool = False
