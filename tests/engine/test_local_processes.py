@@ -21,11 +21,12 @@ from differential_run import judge, run_engine
 from torch import nn
 
 from gpipe_lab.pipeline import GPipe, PipelineOptions
+from gpipe_lab.pipeline.errors import PipelineTimeoutError
 from gpipe_lab.pipeline.options import OptionError
 from gpipe_lab.pipeline.processes.auto import ROUNDS, AutoTrial
 from gpipe_lab.pipeline.processes.channel import StageProcessLost
 from gpipe_lab.pipeline.processes.pool import STOP_S, ProcessExecutor
-from helpers.faults import ExitOnce, Fault, InjectedFault
+from helpers.faults import ExitOnce, Fault, HangOnce, InjectedFault
 
 TIMEOUT = 60.0
 CASES = [
@@ -137,6 +138,22 @@ def test_a_stage_process_that_dies_is_named_and_the_next_step_starts_a_new_one()
     for p in procs:
         p.join(STOP_S * 2)
     assert all(p.exitcode is not None for p in procs)
+
+
+def test_a_stage_process_that_hangs_ends_the_step_within_the_timeouts_and_the_next_step_runs() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(HangOnce(), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    pipe = GPipe(model, balance=[2, 2], chunks=2, local_stages="processes", timeout=2.0)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    pipe.train_step(x, y, F.mse_loss)  # starts the processes (within max(timeout, START_S))
+    # the last rank's wait times out; the stage process reports its own stall within one more
+    # timeout (its computation left hanging on a thread of its own, as a thread would be), or,
+    # silent, is killed then: either way the step ends, and the next one runs
+    with pytest.raises(PipelineTimeoutError, match=r"rank 1 waited for \('F', 1, 0\) from the stage process of rank 0"):
+        pipe.train_step(x + 1000, y, F.mse_loss)
+    loss = pipe.train_step(x, y, F.mse_loss)
+    torch.testing.assert_close(loss, F.mse_loss(model(x), y), rtol=1e-5, atol=1e-5)
+    pipe.close()
 
 
 def test_bad_local_stages_values_are_refused_naming_what_is_allowed() -> None:

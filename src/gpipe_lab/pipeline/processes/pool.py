@@ -58,6 +58,8 @@ from gpipe_lab.pipeline.step.executor import Executor
 PRELOAD = ["torch", "gpipe_lab.pipeline.processes.stage_process"]
 #: seconds a stopping stage process may take before it is killed
 STOP_S = 5.0
+#: the least seconds stage processes may take to start (unpickling their layers; ``timeout`` if longer)
+START_S = 120.0
 
 
 def check_process_mode(options: PipelineOptions, devices: list[torch.device]) -> None:
@@ -125,7 +127,8 @@ class StageProcesses:
         """Start the processes, or new ones when one ended or a tensor they share was replaced.
 
         Raises:
-            StageProcessLost: a process failed to start, or did not say it was ready within ``timeout``.
+            StageProcessLost: a process failed to start, or did not say it was ready within ``timeout``
+                (at least ``START_S``).
         """
         layout = tuple(t.data_ptr() for t in self._tensors())
         if self._procs and layout == self._layout and all(p.exitcode is None for p in self._procs.values()):
@@ -171,7 +174,7 @@ class StageProcesses:
         # the channel's receiver threads live until the processes end: they must not hold this object
         self.channel = ProcessChannel(K - 1, K, ends[K - 1][0], ends[K - 1][1], abort, self.threads, timeout,
                                       functools.partial(_check_alive, self._procs))
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + max(timeout, START_S)
         for k in self.ranks:
             message = self._answer(k, deadline, "starting")
             if message[0] != "ready":
@@ -193,8 +196,8 @@ class StageProcesses:
                 pass
         self.close()
         if not ready:
-            raise StageProcessEnded(f"the stage process of rank {k} said nothing for {self.options.timeout:g} s "
-                                   f"while {doing}; the stage processes were stopped")
+            raise StageProcessEnded(f"the stage process of rank {k} said nothing in time while {doing}; "
+                                    "the stage processes were stopped")
         hint = ("; a script that builds the pipe when imported needs `if __name__ == \"__main__\":` (stage "
                 "processes start by importing the main module)") if doing == "starting" else ""
         raise StageProcessEnded(f"the stage process of rank {k} ended while {doing} "
