@@ -191,3 +191,15 @@ def test_auto_trains_as_threads_while_it_tries_both_ways_and_then_keeps_one() ->
     # where processes cannot run, auto is threads from the start
     compiled = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), partitions=2, local_stages="auto", compile=True)
     assert compiled.local_stages == "threads"
+
+
+def test_a_stage_of_many_tensors_starts() -> None:
+    """Each shared tensor's memory travels as a descriptor: 300 on one stage (the forkserver takes at
+    most 256 with a process's start, so the layers go through the command pipe)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(151)])
+    pipe = GPipe(model, balance=[150, 1], chunks=2, local_stages="processes", timeout=TIMEOUT)
+    x, y = torch.randn(4, 2), torch.randn(4, 2)
+    loss = pipe.train_step(x, y, F.mse_loss)
+    torch.testing.assert_close(loss, F.mse_loss(model(x), y), rtol=1e-5, atol=1e-5)
+    pipe.close()

@@ -163,10 +163,13 @@ class StageProcesses:
             setup = StageSetup(k, K, K * self.options.virtual_stages, self.parts[k],
                                {j: self.grad_buffers[j] for j in self.parts[k]}, self.options,
                                {j: self.owners[j] for j in self.parts[k]}, self.threads)
-            proc = ctx.Process(target=stage_main, args=(setup, theirs, *ends[k], abort),
-                               name=f"gpipe-stage-{k}", daemon=True)
+            proc = ctx.Process(target=stage_main, args=(theirs, *ends[k], abort), name=f"gpipe-stage-{k}",
+                               daemon=True)
             proc.start()
             theirs.close()
+            # over the pipe, not as an argument: the forkserver passes at most 256 descriptors with a
+            # start, and each shared tensor's memory travels as one
+            mine.send(("setup", setup))
             for conn in (*ends[k][0].values(), *ends[k][1].values()):
                 conn.close()  # the process holds its own ends: a pipe breaks when its process ends
             self._procs[k], self._conns[k] = proc, mine

@@ -171,11 +171,11 @@ class StageHost:
                 m._pending = 0  # the caller's process commits or drops these sums
 
 
-def stage_main(setup: StageSetup, conn: Connection, outgoing: dict[int, Connection],
-               incoming: dict[int, Connection], abort: Any) -> None:
-    """The stage process's body: set up, say ``ready`` (or the error), then serve steps."""
+def stage_main(conn: Connection, outgoing: dict[int, Connection], incoming: dict[int, Connection],
+               abort: Any) -> None:
+    """The stage process's body: read its ``StageSetup``, say ``ready`` (or the error), then serve steps."""
     try:
-        host = StageHost(setup, outgoing, incoming, abort)
+        host = StageHost(conn.recv()[1], outgoing, incoming, abort)
         conn.send(("ready", os.getpid()))
     except BaseException as exc:  # noqa: BLE001 - reported to the caller's process
         report = StepReport(-1)
