@@ -203,3 +203,27 @@ def test_a_stage_of_many_tensors_starts() -> None:
     loss = pipe.train_step(x, y, F.mse_loss)
     torch.testing.assert_close(loss, F.mse_loss(model(x), y), rtol=1e-5, atol=1e-5)
     pipe.close()
+
+
+@pytest.mark.parametrize(("schedule", "K", "v"), [("interleaved-1f1b", 2, 2), ("zb-h1", 3, 1)])
+def test_interleaved_and_split_backward_schedules_match_threads(schedule: str, K: int, v: int) -> None:
+    """Virtual stages (rank K-1 sends back to rank 0), W actions, and K=3: a pipe between two stage
+    processes; two optimizer steps, parameters and losses bit for bit as threads'."""
+    torch.manual_seed(5)
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    seen = []
+    for mode in ("threads", "processes"):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.1)) for _ in range(K * v)])
+        pipe = GPipe(model, partitions=K, chunks=4, schedule=schedule, virtual_stages=v, local_stages=mode, seed=1,
+                     threads_per_stage=1, timeout=TIMEOUT)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(2):
+            opt.zero_grad()
+            losses.append(pipe.train_step(x, y, F.mse_loss))
+            opt.step()
+        pipe.close()
+        seen.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (la, pa), (lb, pb) = seen
+    assert all(torch.equal(a, b) for a, b in zip(la + pa, lb + pb))
