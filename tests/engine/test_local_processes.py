@@ -227,3 +227,15 @@ def test_interleaved_and_split_backward_schedules_match_threads(schedule: str, K
         seen.append((losses, [p.detach().clone() for p in model.parameters()]))
     (la, pa), (lb, pb) = seen
     assert all(torch.equal(a, b) for a, b in zip(la + pa, lb + pb))
+
+
+def test_layers_that_do_not_pickle_are_refused_naming_the_way_out() -> None:
+    class Local(nn.Linear):  # a class defined in a function cannot reach another process
+        pass
+
+    pipe = GPipe(nn.Sequential(Local(2, 2), nn.Linear(2, 2)), partitions=2, local_stages="processes",
+                 timeout=TIMEOUT)
+    with pytest.raises(TypeError, match=r"layers of rank 0 cannot be sent to its stage process .*"
+                                        r"local_stages='threads'"):
+        pipe.train_step(torch.randn(4, 2), torch.randn(4, 2), F.mse_loss)
+    pipe.close()

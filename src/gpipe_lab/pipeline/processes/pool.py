@@ -129,6 +129,7 @@ class StageProcesses:
         Raises:
             StageProcessLost: a process failed to start, or did not say it was ready within ``timeout``
                 (at least ``START_S``).
+            TypeError: a layer that does not pickle (a local class, a lambda attribute).
         """
         layout = tuple(t.data_ptr() for t in self._tensors())
         if self._procs and layout == self._layout and all(p.exitcode is None for p in self._procs.values()):
@@ -143,8 +144,9 @@ class StageProcesses:
         ctx = mp.get_context("forkserver")
         add_preload(ctx, PRELOAD)
         for parts in self.parts.values():
-            for part in parts.values():
+            for j, part in parts.items():
                 part.share_memory()  # the caller's own tensors move to shared memory, in place
+                self.params[j] = list(part.parameters())  # as they are now (a parameter may have been replaced)
         # (torch's stub of ``share_memory_`` has no annotations)
         self.grad_buffers = {j: [torch.zeros_like(p).share_memory_() for p in params]  # type: ignore[no-untyped-call]
                              for j, params in self.params.items()}
@@ -167,13 +169,19 @@ class StageProcesses:
                                daemon=True)
             proc.start()
             theirs.close()
-            # over the pipe, not as an argument: the forkserver passes at most 256 descriptors with a
-            # start, and each shared tensor's memory travels as one
-            mine.send(("setup", setup))
-            for conn in (*ends[k][0].values(), *ends[k][1].values()):
-                conn.close()  # the process holds its own ends: a pipe breaks when its process ends
             self._procs[k], self._conns[k] = proc, mine
             self._live.append((proc, mine))
+            try:
+                # over the pipe, not as an argument: the forkserver passes at most 256 descriptors with
+                # a start, and each shared tensor's memory travels as one
+                mine.send(("setup", setup))
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                self.close()
+                raise TypeError(f"local_stages='processes': the layers of rank {k} cannot be sent to its stage "
+                                f"process ({exc}); they must pickle (classes importable, no lambdas or local "
+                                "classes), or use local_stages='threads'") from None
+            for conn in (*ends[k][0].values(), *ends[k][1].values()):
+                conn.close()  # the process holds its own ends: a pipe breaks when its process ends
         # the channel's receiver threads live until the processes end: they must not hold this object
         self.channel = ProcessChannel(K - 1, K, ends[K - 1][0], ends[K - 1][1], abort, self.threads, timeout,
                                       functools.partial(_check_alive, self._procs))
