@@ -22,7 +22,7 @@ from helpers.strategy import TinyData, TinyRegressor, trainer
 #: one value per field, none of them the default; layouts for an 8-layer model, K=2, v=2
 NON_DEFAULT = dict(
     partitions=2, balance=[2, 2, 2, 2], chunks=2, checkpoint="always", schedule="interleaved-1f1b",
-    virtual_stages=2, transport="local", deferred_batch_norm=True, cost=[1.0] * 8, seed=1234,
+    virtual_stages=2, transport="local", local_stages="auto", deferred_batch_norm=True, cost=[1.0] * 8, seed=1234,
     devices=["cpu", "cpu"], threads_per_stage=1, timeout=77.0, nonfinite="skip", random_replay=False,
     compile={"backend": "eager"}, track_memory=False, retain_cpu_memory=False)
 #: ``transport`` is the front door's choice: GPipe is local, DistributedGPipe distributed

@@ -7,6 +7,9 @@ per process): ``Faulty``, the only Lightning piece, is built on first access.
 
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 from torch import nn
 
@@ -60,6 +63,30 @@ class Fault(nn.Module):
             raise InjectedFault("injected fault in recompute")
         if self.when == "backward" and torch.is_grad_enabled():
             return _RaiseInBackward.apply(x, self)
+        return x
+
+
+class ExitOnce(nn.Module):
+    """Identity that ends its process (exit code 3) on a batch whose first value is above 100:
+    a stage process that dies (``local_stages="processes"``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.flatten()[0] > 100:
+            os._exit(3)
+        return x
+
+
+class HangOnce(nn.Module):
+    """Identity that hangs for ``seconds`` on a batch whose first value is above 100: a stage
+    process that stops answering (its computation never returns within the pipe's timeout)."""
+
+    def __init__(self, seconds: float = 120.0) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.flatten()[0] > 100:
+            threading.Event().wait(self.seconds)  # nothing sets it: a computation that hangs
         return x
 
 

@@ -137,8 +137,8 @@ def test_keywords_are_options_and_unknown_ones_are_refused() -> None:
 
 #: A value other than the default for every option (``transport``: the other transport's tests).
 NON_DEFAULT = dict(partitions=2, balance=[2, 2, 2, 3], chunks=2, checkpoint="never", schedule="interleaved-1f1b",
-                   virtual_stages=2, deferred_batch_norm=True, cost="flops", seed=11, devices=["cpu", "cpu"],
-                   threads_per_stage=1, timeout=77.0, nonfinite="skip", random_replay=False,
+                   virtual_stages=2, local_stages="auto", deferred_batch_norm=True, cost="flops", seed=11,
+                   devices=["cpu", "cpu"], threads_per_stage=1, timeout=77.0, nonfinite="skip", random_replay=False,
                    compile={"backend": "eager"}, track_memory=False, retain_cpu_memory=False)
 
 

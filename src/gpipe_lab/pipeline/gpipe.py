@@ -1,4 +1,5 @@
-"""``GPipe``: a layer sequence cut into K partitions, trained on M micro-batches (threads).
+"""``GPipe``: a layer sequence cut into K partitions, trained on M micro-batches (threads, or
+stage processes on this machine: ``local_stages``).
 
     pipe = GPipe(nn.Sequential(...), partitions=2, chunks=8)
     loss = pipe.train_step(x, y, nn.functional.mse_loss)   # grads in the module's params
@@ -33,6 +34,7 @@ from gpipe_lab.pipeline.options import (
 )
 from gpipe_lab.pipeline.partitioning.materialize import InitFn, build_module, place_layers
 from gpipe_lab.pipeline.partitioning.partition import resolve_balance, split_module
+from gpipe_lab.pipeline.processes.pool import ProcessExecutor, choose_local_stages
 from gpipe_lab.pipeline.schedules import schedule_placement
 from gpipe_lab.pipeline.skip.layout import skip_layout
 from gpipe_lab.pipeline.skip.transport import attach
@@ -51,7 +53,9 @@ __all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "GPipe", "NonFiniteError", 
 
 
 class GPipe(PipelineCore):
-    """Pipeline-parallel wrapper of an ``nn.Sequential`` (local transport: one thread per rank).
+    """Pipeline-parallel wrapper of an ``nn.Sequential`` (local transport: one thread per rank, or
+    with ``local_stages="processes"`` every rank but the last in a stage process of its own;
+    ``close()`` stops those).
 
     Every option is a ``PipelineOptions`` field: pass ``options=PipelineOptions(...)``,
     and/or any field as a keyword (``partitions=2, chunks=8``), which overrides that field
@@ -128,7 +132,12 @@ class GPipe(PipelineCore):
                        for j, (part, dev) in enumerate(zip(self._partitions, chunk_devices))]
         runtimes = dict(enumerate(self.stages))
         attach(runtimes, layout)
+        # the stage processes link neighbouring ranks only, each chunk on rank j mod K
+        looped = all(rank == j % K for j, rank in enumerate(placement))
+        mode = choose_local_stages(opts, self._devices, looped=looped, skips=bool(layout.pairs()))
         self._start_core(opts, runtimes, LocalChannel(runtimes, placement, self.threads_per_stage, float(opts.timeout)), K)
+        if mode != "threads":
+            self.executor = ProcessExecutor(self.executor, K, self.options, self.threads_per_stage, mode)
 
     # ------------------------------------------------------------ read-only views
     @property
@@ -154,6 +163,18 @@ class GPipe(PipelineCore):
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self.module)
+
+    @property
+    def local_stages(self) -> str:
+        """How the ranks run: ``threads``, ``processes``, or ``auto`` while its trial runs
+        (``PipelineOptions.local_stages``)."""
+        return self.executor.mode if isinstance(self.executor, ProcessExecutor) else "threads"
+
+    def close(self) -> None:
+        """Stop the stage processes (``local_stages="processes"``; a later step starts new ones).
+        Nothing to do for threads. Collecting the pipe does the same."""
+        if isinstance(self.executor, ProcessExecutor):
+            self.executor.close()
 
     # ------------------------------------------------------------ running
     def forward(self, inputs: Value) -> Value:  # noqa: D401 - nn.Module API

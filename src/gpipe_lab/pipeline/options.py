@@ -22,6 +22,8 @@ from gpipe_lab.pipeline.schedules import form_problem, schedule_names
 CHECKPOINT_MODES = ("always", "except_last", "never")
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 TRANSPORTS = ("local", "distributed")
+#: ``local_stages``: how the local transport runs its ranks
+LOCAL_STAGES = ("threads", "processes", "auto")
 REPLAY_SETTINGS = ("auto", True, False)
 #: ``track_memory``: count once per forward signature and reuse, count every forward, do not count
 MEMORY_SETTINGS = (True, "every_step", False)
@@ -49,6 +51,11 @@ class PipelineOptions:
     virtual_stages: int = 1
     #: ``local`` (a thread per stage) or ``distributed`` (a process per stage).
     transport: str = "local"
+    #: local transport: ``threads`` (a thread per rank, one process), ``processes`` (every rank but
+    #: the last in a process of its own on this machine, tensors in shared memory: CPU stages, no
+    #: ``compile``; README "Stage processes"), or ``auto`` (the first training steps try both, same
+    #: results bit for bit, and the faster stays; threads where processes cannot run).
+    local_stages: str = "threads"
     #: normalize each micro-batch by its own statistics; running statistics per mini-batch.
     deferred_batch_norm: bool = False
     #: per-layer cost for the automatic balance: ``auto``, ``params``, ``flops``, ``activation_bytes``,
@@ -129,6 +136,8 @@ class PipelineOptions:
             fail("virtual_stages", problem)
         if self.transport not in TRANSPORTS:
             fail("transport", f"must be one of {list(TRANSPORTS)}")
+        if self.local_stages not in LOCAL_STAGES:
+            fail("local_stages", f"must be one of {list(LOCAL_STAGES)}")
         if not isinstance(self.random_replay, (bool, str)) or self.random_replay not in REPLAY_SETTINGS:
             fail("random_replay", f"must be one of {list(REPLAY_SETTINGS)}")
         if not isinstance(self.track_memory, (bool, str)) or self.track_memory not in MEMORY_SETTINGS:
@@ -211,7 +220,7 @@ def merged_options(options: PipelineOptions | None, overrides: dict[str, Any]) -
     return base.replace(**overrides)
 
 
-__all__ = ["CHECKPOINT_MODES", "NONFINITE_POLICIES", "TRANSPORTS", "OptionError", "PipelineOptions",
+__all__ = ["CHECKPOINT_MODES", "LOCAL_STAGES", "NONFINITE_POLICIES", "TRANSPORTS", "OptionError", "PipelineOptions",
            "compile_kwargs", "forwarded", "merged_options"]
 
 

@@ -87,6 +87,19 @@ class HalfStep(NamedTuple):
     generation: int
 
 
+def configure_stages(options: PipelineOptions, runtimes: dict[int, StageRuntime], owners: dict[int, str]) -> None:
+    """Set each stage's memory counting, random replay (``owners``: ``generator_owners``) and
+    compiling as ``options`` say; every process hosting stages does it once."""
+    compiling = compile_kwargs(options.compile)
+    for j, runtime in runtimes.items():
+        runtime.track_memory = options.track_memory
+        # dynamo does not trace under the per-op replay mode: a compiled stage checks its draws instead
+        runtime.replay = StageReplay(options.random_replay if compiling is None else False, runtime.device,
+                                     owners[j], runtime.module, j)
+        if compiling is not None:
+            runtime.compiled = CompiledStage(compiling)
+
+
 class PipelineCore(OptionViews, nn.Module):
     """The step shared by every front door; a front door calls ``_start_core`` once built."""
 
@@ -114,15 +127,8 @@ class PipelineCore(OptionViews, nn.Module):
             lists = get_schedule(options.schedule, num_ranks, 2 * num_ranks, v)
             if any(a.kind == "W" for actions in lists for a in actions):
                 raise split_backward_error(options.schedule)
-        owners = generator_owners({j: r.device for j, r in runtimes.items()}, self._placement,
-                                  channel.holds_all_stages)
-        for j, runtime in runtimes.items():
-            runtime.track_memory = options.track_memory
-            # dynamo does not trace under the per-op replay mode: a compiled stage checks its draws instead
-            runtime.replay = StageReplay(options.random_replay if compiling is None else False, runtime.device,
-                                         owners[j], runtime.module, j)
-            if compiling is not None:
-                runtime.compiled = CompiledStage(compiling)
+        configure_stages(options, runtimes, generator_owners({j: r.device for j, r in runtimes.items()},
+                                                             self._placement, channel.holds_all_stages))
         self.channel = channel
         self.executor = Executor(channel, runtimes)
         self._num_ranks = num_ranks

@@ -1,0 +1,96 @@
+"""The local transport's two ways to run its ranks, threads and stage processes
+(``PipelineOptions.local_stages``), beside the distributed transport, on the issue-51 grid.
+
+    python -m benchmarks.bench_local_processes --out results/local_processes.json
+
+The 8-block MLP of the quick sizes (batch 1024, width 512, hidden 2048), K=2, one intra-op
+thread per stage, no re-materialization (as ``bench_gloo`` runs ours), M = 8, 16, 32, gpipe and
+1f1b. For each M the threads and processes pipes of both schedules alternate in the same rounds
+(``time_rounds``, order flipped every round); the distributed transport runs in two gloo ranks
+afterwards (``bench_gloo.run_gloo``), with its own unpipelined baseline, so its ratio to the
+local rows is across runs and less exact than processes / threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_common import SIZES, make_workload, prepare_process
+from benchmarks.bench_gloo import GlooCase, run_gloo
+from gpipe_lab.bench.workloads import Workload
+from gpipe_lab.pipeline import GPipe
+from gpipe_lab.pipeline.measuring.call_timing import paired_ratio, time_rounds
+
+MODES = ("threads", "processes")
+
+
+def local_rows(microbatches: list[int], schedules: list[str], repeats: int, warmup: int) -> list[dict]:
+    """Median step seconds of each (M, schedule, mode), the modes timed in the same rounds."""
+    rows = []
+    for M in microbatches:
+        pipes, steps = {}, {}
+        for schedule in schedules:
+            for mode in MODES:
+                work = make_workload("mlp", SIZES["quick"])
+                pipe = GPipe(work.module, balance=work.balance, chunks=M, checkpoint="never", schedule=schedule,
+                             seed=0, threads_per_stage=1, local_stages=mode)
+                pipes[(schedule, mode)] = pipe
+
+                def step(pipe: GPipe = pipe, work: Workload = work) -> None:
+                    pipe.train_step(work.inputs, work.targets, work.loss_fn)
+                    pipe.zero_grad(set_to_none=True)
+
+                steps[f"{schedule}/{mode}"] = step
+        timings = time_rounds(steps, repeats, warmup)
+        for schedule in schedules:
+            threads, processes = timings[f"{schedule}/threads"], timings[f"{schedule}/processes"]
+            rows.append({"schedule": schedule, "chunks": M, "threads": threads.summary(),
+                         "processes": processes.summary(),
+                         "processes_over_threads": paired_ratio(processes, threads)})
+        for pipe in pipes.values():
+            pipe.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--microbatches", type=int, nargs="+", default=[8, 16, 32])
+    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--no-distributed", action="store_true", help="skip the gloo column")
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    prepare_process()
+    load_before = os.getloadavg()[0]  # other jobs on the machine: the figures are only as quiet as it was
+    rows = local_rows(args.microbatches, args.schedules, args.repeats, args.warmup)
+    if not args.no_distributed:
+        gloo = run_gloo([GlooCase("mlp", "ours", s, M) for M in args.microbatches for s in args.schedules],
+                        "quick")
+        by_case = {(r["schedule"], r["chunks"]): r for r in gloo}
+        for row in rows:
+            found = by_case.get((row["schedule"], row["chunks"]), {})
+            row["distributed"] = found.get("step") or {"error": found.get("error")}
+    print("| schedule, M | threads (s) | processes (s) | distributed (s) | processes / threads | "
+          "processes / distributed |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        dist_s = r.get("distributed", {}).get("median")
+        over_dist = f"{r['processes']['median'] / dist_s:.3f}" if dist_s else "-"
+        print(f"| {r['schedule']}, {r['chunks']} | {r['threads']['median']:.3f} | {r['processes']['median']:.3f} | "
+              f"{dist_s if dist_s is None else f'{dist_s:.3f}'} | {r['processes_over_threads']:.3f} | {over_dist} |")
+    load = {"cpus": os.cpu_count(), "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0]}
+    print(f"machine: {load}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"machine": load, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
