@@ -135,8 +135,8 @@ class ProcessChannel:
     def undelivered(self, key: MessageKey, action: Action, peer: int, cause: BaseException) -> BaseException:
         return StageProcessLost(f"the stage process of rank {peer} ended before sending {key} ({cause!r})")
 
-    def stage_done(self, runtime: StageRuntime) -> None:
-        return None
+    def stage_done(self, runtime: StageRuntime) -> bool:
+        return False  # the caller's process checks every stage once the gradients are back
 
     def close(self, ranks: RankDevices, ok: bool, sync_gradients: bool) -> None:
         return None  # sends are synchronous: nothing is in flight after the last action

@@ -170,8 +170,7 @@ M = TypeVar("M", bound=nn.Module)
 def isolate(layer: M, namespace: str) -> M:
     """Put ``layer``'s skip names in ``namespace`` (``"ns/name"``), so that one class can serve
     several skips; returns the layer. Also a method of every skippable class: ``layer.isolate(ns)``."""
-    # a plain attribute (nn.Module's __setattr__ is typed for tensors and modules only)
-    object.__setattr__(layer, "skip_namespace", str(namespace))
+    layer.__dict__["skip_namespace"] = str(namespace)  # a plain attribute, not a tensor or module
     return layer
 
 
