@@ -239,3 +239,17 @@ def test_layers_that_do_not_pickle_are_refused_naming_the_way_out() -> None:
                                         r"local_stages='threads'"):
         pipe.train_step(torch.randn(4, 2), torch.randn(4, 2), F.mse_loss)
     pipe.close()
+
+
+def test_processes_refuse_a_v_placement_and_long_skips_and_auto_takes_threads() -> None:
+    from gpipe_lab.bench.unet import unet
+
+    def mlp() -> nn.Sequential:
+        return nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+
+    with pytest.raises(OptionError, match=r"local_stages: 'processes' places chunk j on rank j mod K.*'zb-v'"):
+        GPipe(mlp(), balance=[1, 1, 1, 1], chunks=4, schedule="zb-v", virtual_stages=2, local_stages="processes")
+    with pytest.raises(OptionError, match=r"local_stages: 'processes' .* long skips"):
+        GPipe(unet(), partitions=3, chunks=2, local_stages="processes")
+    pipe = GPipe(unet(), partitions=3, chunks=2, local_stages="auto")
+    assert pipe.local_stages == "threads"
