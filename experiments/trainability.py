@@ -89,14 +89,14 @@ def row(key: tuple[str, str, int], rs: list[dict], clip: float) -> list[object]:
     steps = sum(r["steps_run"] for r in rs)
     clipping = variant in ("logit clip", "both")
     return [f"{norm}-norm", variant, layers, f"{rs[0]['params']:,}", count(rs, "learns"), count(rs, "diverged"),
-            count(rs, "transient_spike"), mean_range([r["bleu"] for r in rs]),
+            count(rs, "transient_spike"), mean_range([r["spike"] for r in rs], 2), mean_range([r["bleu"] for r in rs]),
             mean_range([r["exact"] for r in rs], 2), mean_range([r["final_over_start"] for r in rs], 3),
             f"{sum(r['clip_steps'] for r in rs)} / {steps}" + ("" if clipping else " (unclipped)"),
             f"{statistics.fmean(r['clip_share'] for r in rs):.2%}", PAPER_FIX[variant] if norm == "post" else "control"]
 
 
 HEADER = ["norm", "variant", "layers per side", "parameters", "learns / seeds", "diverged / seeds",
-          "transient spike / seeds", "val BLEU", "exact match", "final / start", "logits above t: runs' steps",
+          "transient spike / seeds", "largest rise (x start)", "val BLEU", "exact match", "final / start", "logits above t: runs' steps",
           "share of logits above t", "paper (§5)"]
 
 

@@ -14,13 +14,15 @@ from experiments import trainability, trainability_lib, trainability_search
 
 
 def test_divergence_is_non_finite_or_ending_above_the_start_and_a_recovered_spike_is_not() -> None:
-    spiked = facts([4.0, 9.0, 1.0] + [1.0] * 10, nonfinite=False, bleu=90.0)
-    assert spiked["transient_spike"] and spiked["spike"] == pytest.approx(9.0 / 4.0)
+    spiked = facts([4.0, 3.0, 5.0, 1.0] + [1.0] * 10, nonfinite=False, bleu=90.0)
+    assert spiked["transient_spike"] and spiked["spike"] == pytest.approx((5.0 - 3.0) / 4.0)
     assert not spiked["diverged"] and spiked["learns"]
     above = facts([4.0] + [4.1] * 12, nonfinite=False, bleu=90.0)
     assert above["diverged"] and not above["learns"] and not above["transient_spike"]
     stopped = facts([4.0, 3.0], nonfinite=True, bleu=0.0)
     assert stopped["diverged"] and not stopped["learns"]
+    noise_near_zero = facts([4.0, 0.01, 0.05, 0.02] + [0.01] * 10, nonfinite=False, bleu=90.0)
+    assert not noise_near_zero["transient_spike"] and noise_near_zero["spike"] == pytest.approx(0.01)
     below_bar = facts([4.0] + [1.0] * 12, nonfinite=False, bleu=79.9)
     assert not below_bar["diverged"] and not below_bar["learns"]
 
