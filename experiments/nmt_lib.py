@@ -153,26 +153,3 @@ def train_translation(steps: int, seed: int = 0, lr: float = 1e-3, warmup: int =
     result.seconds = time.perf_counter() - start
     return result
 
-
-def diverged(losses: list[float], nonfinite_steps: int, factor: float = 1.5, after: int = 1) -> bool:
-    """True for a run with a non-finite step or a loss spike: a loss above ``factor`` x the lowest
-    loss so far, at any step from ``after`` on (step 0 is the starting loss, before any update)."""
-    if nonfinite_steps or any(not math.isfinite(v) for v in losses):
-        return True
-    lowest = math.inf
-    for i, value in enumerate(losses):
-        if i >= after and value > factor * lowest:
-            return True
-        lowest = min(lowest, value)
-    return False
-
-
-def spikes(norms: list[float], factor: float = 5.0, window: int = 10) -> int:
-    """Steps whose gradient norm exceeds ``factor`` x the median of the previous ``window`` steps."""
-    count = 0
-    for i in range(window, len(norms)):
-        previous = sorted(norms[i - window:i])
-        median = previous[window // 2]
-        if not math.isfinite(norms[i]) or norms[i] > factor * median:
-            count += 1
-    return count
