@@ -196,13 +196,23 @@ def overheads(res: Results) -> Verdict:
 
 
 def trainability(res: Results) -> Verdict:
-    """The trainability experiment's own verdict (``verdict`` and ``reason`` of ``trainability.json``)."""
+    """The trainability experiment's rule (``trainability_lib.verdict``, stated in its file) applied to the
+    runs ``trainability.json`` holds: the shallow post-norm baselines (two shallowest depths), and the
+    deepest post-norm runs without fixes and with both. "not reproduced" there is "not" here."""
+    from experiments.trainability_lib import verdict
+
     data = res.json("trainability.json") if res.exists("trainability.json") else {}
     data = data if isinstance(data, dict) else {}
-    if data.get("verdict") not in VERDICTS:
-        return Verdict("not computed", "not reproduced / not computed: `trainability.json` states no `verdict` "
-                                       f"(one of {', '.join(VERDICTS)})")
-    return Verdict(data["verdict"], str(data.get("reason", "trainability.json gives no reason")))
+    groups = {(row["norm"], row["variant"], row["layers"]): row["runs"] for row in data.get("rows", [])}
+    depths = data.get("depths", [])
+    try:
+        deep = depths[-1]
+        outcome, reason = verdict([r for d in depths[:2] for r in groups.get(("post", "none", d), [])],
+                                  groups.get(("post", "none", deep), []), groups.get(("post", "both", deep), []))
+    except (IndexError, ValueError) as exc:
+        return Verdict("not computed", f"`trainability.json` holds no runs to judge ({exc})")
+    return Verdict("reproduced" if outcome == "reproduced" else "not",
+                   f"{reason}; deepest model {deep} layers per side, {len(data.get('seeds', []))} fresh seeds")
 
 
 def depth_width(res: Results) -> Verdict:

@@ -58,12 +58,22 @@ def test_every_claim_has_a_verdict_and_a_reason_with_figures() -> None:
         assert f"| {claim} | **{v.verdict}** | {v.reason} |" in text
 
 
-def test_the_trainability_row_reads_the_experiments_verdict_by_key(copy: Path) -> None:
+def test_the_trainability_row_applies_the_experiments_rule_to_its_runs(copy: Path) -> None:
     claim = "Trainability of deep Transformers"
-    rewrite(copy / "trainability.json", lambda d: d.pop("verdict", None))
-    assert "**not computed**" in reviewer_row(results_readme.document(Results(copy)), claim)
-    rewrite(copy / "trainability.json", lambda d: d.update(verdict="partly", reason="learns at L=1 in 5 of 5"))
-    assert "| **partly** | learns at L=1 in 5 of 5 |" in reviewer_row(results_readme.document(Results(copy)), claim)
+    text = reviewer_row(results_readme.document(Results(copy)), claim)
+    assert "| **not** | (a) shallow baselines learn in 6 of 10 (missed)" in text
+
+    def deep_fails_shallow_learns(d: dict) -> None:
+        deep = d["depths"][-1]
+        for row in d["rows"]:
+            for r in row["runs"]:
+                if row["norm"] == "post" and row["variant"] in ("none", "both"):
+                    r["learns"] = not (row["variant"] == "none" and row["layers"] == deep)
+
+    rewrite(copy / "trainability.json", deep_fails_shallow_learns)
+    assert "| **reproduced** |" in reviewer_row(results_readme.document(Results(copy)), claim)
+    rewrite(copy / "trainability.json", lambda d: d.pop("rows"))
+    assert "| **not computed** |" in reviewer_row(results_readme.document(Results(copy)), claim)
 
 
 def test_the_overheads_verdict_follows_the_rows(copy: Path) -> None:
