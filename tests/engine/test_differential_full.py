@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import differential_distributed
 import differential_full as full
 import pytest
 from differential_cases import Case
@@ -186,3 +187,32 @@ def test_stopping_a_shard_ends_the_processes_it_started(tmp_path: Path) -> None:
         assert select.select([fd], [], [], 30)[0] == [fd], "the shard's child is still running"
     finally:
         os.close(fd)
+
+
+def test_a_case_that_must_be_refused_ends_its_distributed_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # after a refusal in train_step the launch's next pipe hung in its link set-up until the timeout
+    zoo = ("door=train_step,K=2,M=1,batch=3,checkpoint=except_last,schedule=gpipe,bn=none,rand=none,autocast=none,"
+           "inputs=tensor,frozen=False,dtype=float32,output=tensor,track_memory=True,transport=distributed,"
+           "model={},transition={},grads=none,cost=params")
+    refused = [Case.parse(zoo.format("front", "short_targets")), Case.parse(zoo.format("sparse", "short_targets"))]
+    passing = [Case.parse(zoo.format(m, "none")) for m in ("front", "sparse", "vit")]
+    launches: list[list[str]] = []
+
+    def run_local(worker, world, args, timeout):  # records each launch instead of starting it
+        launches.append(args[0])
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(differential_distributed, "run_local", run_local)
+    monkeypatch.setattr(differential_distributed, "PER_LAUNCH", 2)
+    for order in ([refused[0], *passing, refused[1]], [*refused, *passing]):
+        launches.clear()
+        with pytest.raises(RuntimeError, match="not started"):
+            differential_distributed.run_distributed(order)
+        assert launches[0] == [passing[0].recipe(), passing[1].recipe(), refused[0].recipe()]
+    monkeypatch.setattr(differential_distributed, "run_local", lambda worker, world, args, timeout: launches.append(
+        args[0]) or [type("Rank", (), {"exitcode": 0, "value": [({}, {})] * len(args[0])})()])
+    launches.clear()
+    monkeypatch.setattr(differential_distributed, "merge", lambda parts: parts[0])
+    assert set(differential_distributed.run_distributed([*refused, *passing])) == {*refused, *passing}
+    assert launches == [[passing[0].recipe(), passing[1].recipe(), refused[0].recipe()],
+                        [passing[2].recipe(), refused[1].recipe()]]
