@@ -54,9 +54,10 @@ from differential_run import judge, run_engine  # noqa: E402
 import gpipe_lab.pipeline  # noqa: E402
 from gpipe_lab.bench.provenance import source_commit  # noqa: E402
 
-# cases per log line: what an interrupted shard loses at most, and (from the command line) a chunk's
-# distributed cases run in one launch per K (a launch costs a few seconds of process start-up)
-CHUNK = 100
+# cases per log line: what an interrupted shard loses at most (local cases: a zoo CNN's case takes
+# seconds on a busy machine), and a distributed chunk runs in one launch per K (each launch costs a
+# few seconds of process start-up)
+CHUNK, DISTRIBUTED_CHUNK = 25, 100
 HARNESS = ("differential_cases.py", "differential_run.py", "differential_compare.py",
            "differential_distributed.py", "differential_design.py", "differential_found.py", "../helpers/zoo.py")
 DEFAULT_LOG = HERE.parents[1] / "results" / "differential"
@@ -216,10 +217,14 @@ def run_shard(log: Path, i: int, n: int, limit: int | None = None) -> int:
     todo = [(k, cases[k]) for k in range(i, len(cases), n) if k not in done][:limit]
     print(f"shard {i}/{n} at engine {digest}: {len(done)} passed in all logs, {len(todo)} of this shard to go",
           flush=True)
-    start = time.monotonic()
-    for c in range(0, len(todo), CHUNK):
+    start, count = time.monotonic(), 0
+    local = [t for t in todo if t[1].transport == "local"]
+    distributed = [t for t in todo if t[1].transport == "distributed"]
+    chunks = ([local[c:c + CHUNK] for c in range(0, len(local), CHUNK)]
+              + [distributed[c:c + DISTRIBUTED_CHUNK] for c in range(0, len(distributed), DISTRIBUTED_CHUNK)])
+    for chunk in chunks:
         t0 = time.monotonic()
-        judged = _judge_chunk(todo[c:c + CHUNK])
+        judged = _judge_chunk(chunk)
         failed = [{"index": k, "recipe": case.recipe(), "problems": p} for k, case, p in judged if p]
         row = {"engine": digest, "commit": commit, "shard": [i, n], "seconds": round(time.monotonic() - t0, 1),
                "end": round(time.time(), 1), "load": round(os.getloadavg()[0], 2),
@@ -228,8 +233,9 @@ def run_shard(log: Path, i: int, n: int, limit: int | None = None) -> int:
             f.write(json.dumps(row) + "\n")
         for r in failed:
             print(f"FAILED GPIPE_DIFFERENTIAL_CASE='{r['recipe']}': {r['problems'][0]}", flush=True)
-        rate = (c + len(judged)) / (time.monotonic() - start)
-        print(f"shard {i}/{n}: {c + len(judged)} of {len(todo)} judged, {rate:.1f} cases/s", flush=True)
+        count += len(judged)
+        print(f"shard {i}/{n}: {count} of {len(todo)} judged, {count / (time.monotonic() - start):.2f} cases/s",
+              flush=True)
     mine = read_log(path, digest).ok
     return sum(1 for k in range(i, len(cases), n) if mine.get(k) is False)
 
@@ -334,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dropped {clean(args.log, engine_digest())} log lines of other engines")
         return 0
     # one launch of K processes per K and chunk (the harness's default is sized for the test's few cases):
-    # starting a launch costs about a second; the judgement does not depend on how cases are grouped
-    differential_distributed.PER_LAUNCH = CHUNK
+    # starting a launch costs seconds; the judgement does not depend on how cases are grouped
+    differential_distributed.PER_LAUNCH = DISTRIBUTED_CHUNK
     if args.run_all:
         if args.shards < 1 or args.timeout <= 0:
             parser.error(f"--shards {args.shards} --timeout {args.timeout:g}: expected both above 0")
