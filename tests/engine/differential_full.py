@@ -190,17 +190,28 @@ def clean(log: Path, digest: str) -> int:
     return dropped
 
 
+def _run_distributed(cases: list[Case]) -> dict[Case, tuple | str]:
+    """Each case's two runs, or the error of the launch that held it. After a case fails mid-step its
+    launch's next pipe blocks until the launch's timeout (``run_distributed``), and the launch fails
+    as a whole: its cases then run again one launch each, so only the failing case fails."""
+    try:
+        return dict(run_distributed(cases))
+    except RuntimeError as exc:  # a rank died or hung
+        if len(cases) == 1:
+            return {cases[0]: str(exc).splitlines()[0]}
+        print(f"a launch failed ({str(exc).splitlines()[0]}): its {len(cases)} cases again, one launch each",
+              flush=True)
+        return {case: got for one in cases for case, got in _run_distributed([one]).items()}
+
+
 def _judge_chunk(chunk: list[tuple[int, Case]]) -> list[tuple[int, Case, list[str]]]:
     distributed = [c for _, c in chunk if c.transport == "distributed"]
-    try:
-        runs = run_distributed(distributed) if distributed else {}
-        launch_error = None
-    except RuntimeError as exc:  # a rank died: every distributed case of the chunk fails with it
-        runs, launch_error = {}, str(exc).splitlines()[0]
+    runs = _run_distributed(distributed) if distributed else {}
     out = []
     for index, case in chunk:
         if case.transport == "distributed":
-            problems = [launch_error] if launch_error else judge(case, *runs[case])
+            got = runs[case]
+            problems = [got] if isinstance(got, str) else judge(case, *got)
         else:
             problems = judge(case, run_engine(case), None)
         out.append((index, case, problems))

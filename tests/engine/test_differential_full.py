@@ -216,3 +216,23 @@ def test_a_case_that_must_be_refused_ends_its_distributed_launch(monkeypatch: py
     assert set(differential_distributed.run_distributed([*refused, *passing])) == {*refused, *passing}
     assert launches == [[passing[0].recipe(), passing[1].recipe(), refused[0].recipe()],
                         [passing[2].recipe(), refused[1].recipe()]]
+
+
+def test_a_failed_launch_is_judged_again_one_case_a_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a case failing mid-step made its launch's next pipe block until the timeout: the launch failed
+    # and every distributed case of the chunk failed with it, the failing one unnamed
+    cases = [Case.parse(CASES[0].recipe().replace("transport=local", "transport=distributed").replace(
+        "K=2", f"K={k}")) for k in (1, 2, 3)]
+    launches: list[int] = []
+
+    def run_distributed(group: list[Case]) -> dict:
+        launches.append(len(group))
+        if cases[1] in group:  # a rank of this launch dies
+            raise RuntimeError("rank 1 exit -9: None\ncases of this launch: ...")
+        return {c: ({"error": "must pass"}, None) for c in group}
+
+    monkeypatch.setattr(full, "run_distributed", run_distributed)
+    monkeypatch.setattr(full, "judge", lambda case, got, again: [])
+    judged = {case: problems for _, case, problems in full._judge_chunk(list(enumerate(cases)))}
+    assert judged == {cases[0]: [], cases[1]: ["rank 1 exit -9: None"], cases[2]: []}
+    assert launches == [3, 1, 1, 1]
