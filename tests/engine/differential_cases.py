@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpipe_lab.pipeline import balance_by_cost, is_checkpointing, is_recomputing, layer_costs
+from gpipe_lab.pipeline import SCHEDULES, balance_by_cost, is_checkpointing, is_recomputing, layer_costs
 from helpers import zoo
 
 WIDTH = 6
@@ -32,8 +32,9 @@ AXES: dict[str, tuple] = {
     "M": (1, 3, 4),
     "batch": (12, 10),  # 12 divides every M; 10 does not divide 3 or 4
     "checkpoint": ("never", "except_last", "always"),
-    # the V-shaped ones run two stages per rank (``virtual_stages_of``), on the lab model only
-    "schedule": ("gpipe", "1f1b", "interleaved-1f1b", "gpipe-bw", "zb-h1", "zb-h2", "zb-v", "dualpipev"),
+    # every built-in schedule of the catalog (a schedule added there is on the axis at once); the
+    # V-shaped ones run two stages per rank (``virtual_stages_of``), on the lab model only
+    "schedule": tuple(SCHEDULES),
     "bn": ("none", "plain", "deferred"),
     "rand": ("none", "dropout", "functional"),
     "autocast": ("none", "bf16"),

@@ -8,7 +8,7 @@ parts into what a user of the whole pipeline observes.
 from __future__ import annotations
 
 from differential_cases import BALANCES, Case, balance_of
-from differential_run import ERRORS, Observed, run_engine
+from differential_run import ERRORS, Observed, expected_error, run_engine
 
 from gpipe_lab.pipeline.distributed.spawn import run_local
 
@@ -60,8 +60,8 @@ def merge(parts: list[Observed]) -> Observed:
 def run_distributed(cases: list[Case], timeout: float = 600) -> dict[Case, tuple[Observed, Observed]]:
     """Every case's two runs, one launch of K processes per K (per ``PER_LAUNCH`` cases). A case
     that fails mid-step leaves its launch's process group unusable (``failure``'s docstring): the
-    launch's next pipe then blocks in its link set-up until ``timeout``, so a launch holds only
-    cases expected to pass or to be refused before their first step.
+    launch's next pipe then blocks in its link set-up until ``timeout``, and so does one after a
+    refusal, so a case that must be refused is the last of its launch.
 
     Raises:
         RuntimeError: a rank failed or hung (its error text and the launch's recipes).
@@ -69,8 +69,16 @@ def run_distributed(cases: list[Case], timeout: float = 600) -> dict[Case, tuple
     results: dict[Case, tuple[Observed, Observed]] = {}
     launches = []
     for K in sorted({c.K for c in cases}):
-        same = [c for c in cases if c.K == K]
-        launches += [same[i:i + PER_LAUNCH] for i in range(0, len(same), PER_LAUNCH)]
+        same = [c for c in cases if c.K == K and expected_error(c) is None]
+        groups = [same[i:i + PER_LAUNCH] for i in range(0, len(same), PER_LAUNCH)]
+        # after a refusal in train_step the launch's next pipe blocks in its link set-up (the engine's
+        # abort state outlives the pipe): a case that must be refused ends a launch
+        for j, case in enumerate(c for c in cases if c.K == K and expected_error(c) is not None):
+            if j < len(groups):
+                groups[j].append(case)
+            else:
+                groups.append([case])
+        launches += groups
     for group in launches:
         ranks = run_local(worker, group[0].K, args=([c.recipe() for c in group], _balances(group)), timeout=timeout)
         failed = [r for r in ranks if r.exitcode != 0]
