@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpipe_lab.pipeline import SCHEDULES, balance_by_cost, is_checkpointing, is_recomputing, layer_costs
+from gpipe_lab.pipeline import (
+    SCHEDULES,
+    balance_by_cost,
+    is_checkpointing,
+    is_recomputing,
+    layer_costs,
+    schedule_names,
+)
 from helpers import zoo
 
 WIDTH = 6
@@ -32,9 +39,9 @@ AXES: dict[str, tuple] = {
     "M": (1, 3, 4),
     "batch": (12, 10),  # 12 divides every M; 10 does not divide 3 or 4
     "checkpoint": ("never", "except_last", "always"),
-    # every built-in schedule of the catalog (a schedule added there is on the axis at once); the
+    # every schedule of the catalog, V-shaped included (one added there is on the axis at once); the
     # V-shaped ones run two stages per rank (``virtual_stages_of``), on the lab model only
-    "schedule": tuple(SCHEDULES),
+    "schedule": (*SCHEDULES, *(name for name in schedule_names() if name not in SCHEDULES)),
     "bn": ("none", "plain", "deferred"),
     "rand": ("none", "dropout", "functional"),
     "autocast": ("none", "bf16"),
@@ -62,14 +69,14 @@ LAB_AXES = {**{k: v[:1] for k, v in AXES.items()}, **{k: AXES[k] for k in list(A
 # a zoo model has its own layers and inputs: the lab model's layer axes stay at their first value; its
 # ``rand`` says whether it draws (its own dropout; ``zoo.OPTIONAL_DROPOUT`` models take both), ``inputs``
 # whether its input needs a gradient (``grad_input``; not for token inputs)
-ZOO_AXES = {**AXES, "model": AXES["model"][1:], "batch": ZOO_BATCH, "rand": AXES["rand"][:2],
-            "schedule": AXES["schedule"][:6],
-            "inputs": ("tensor", "grad_input"), **{k: AXES[k][:1] for k in ("autocast", "frozen", "dtype", "output")}}
-BALANCE = {1: [5], 2: [2, 3], 3: [2, 1, 2]}  # layer 2 (the probe) sits on stage 0, 1, 1
-PROBE_LAYER = 2
 #: the V-shaped schedules: two stages per rank (rank r holds stages r and 2K-1-r); 2K stages of the
 #: lab model's five layers, so K <= 2
 V_SHAPED = ("zb-v", "dualpipev")
+ZOO_AXES = {**AXES, "model": AXES["model"][1:], "batch": ZOO_BATCH, "rand": AXES["rand"][:2],
+            "schedule": tuple(name for name in AXES["schedule"] if name not in V_SHAPED),
+            "inputs": ("tensor", "grad_input"), **{k: AXES[k][:1] for k in ("autocast", "frozen", "dtype", "output")}}
+BALANCE = {1: [5], 2: [2, 3], 3: [2, 1, 2]}  # layer 2 (the probe) sits on stage 0, 1, 1
+PROBE_LAYER = 2
 V_BALANCE = {1: [2, 3], 2: [1, 1, 1, 2]}
 
 
@@ -203,11 +210,13 @@ def random_cases(seed: int, n: int, axes: dict[str, tuple] | None = None, **fixe
     rng = random.Random(seed)
     axes = LAB_AXES if axes is None else axes
     out: list[Case] = []
-    while len(out) < n:
+    for _ in range(100_000):  # bounded: held axes no valid case takes must fail, not hang
         case = Case(**{k: fixed[k] if k in fixed else rng.choice(v) for k, v in axes.items()})
         if valid(case) and case not in out:
             out.append(case)
-    return out
+            if len(out) == n:
+                return out
+    raise ValueError(f"random_cases: {len(out)} of {n} valid cases found with {fixed}")
 
 
 def pairwise(seed: int, transport: str, tries: int = 100, axes: dict[str, tuple] | None = None) -> list[Case]:

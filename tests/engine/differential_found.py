@@ -73,6 +73,16 @@ FOUND_45 = [
     # 8: a cut through a shared parameter, accepted across processes (GPipe refuses it)
     f"door=train_step,K=2,M=3,batch=4,checkpoint=except_last,schedule=gpipe,bn=none,rand=none,inputs=tensor,"
     f"{_ZOO},transport=distributed,model=shared,transition=none,grads=none,cost=params",
+    # 9: split backward on a stage with nothing to train (the freeze transition; found by the design)
+    "door=train_step,K=3,M=3,batch=3,checkpoint=always,schedule=zb-h1,bn=none,rand=dropout,autocast=none,"
+    "inputs=tensor,frozen=False,dtype=float32,output=tensor,track_memory=True,transport=local,model=squeezenet,"
+    "transition=freeze,grads=accumulated,cost=output_bytes",
+    "door=train_step,K=2,M=4,batch=3,checkpoint=except_last,schedule=zb-h2,bn=none,rand=dropout,autocast=none,"
+    "inputs=tensor,frozen=False,dtype=float32,output=tensor,track_memory=True,transport=local,model=squeezenet,"
+    "transition=freeze,grads=none,cost=output_bytes",
+    "door=train_step,K=2,M=4,batch=3,checkpoint=except_last,schedule=gpipe-bw,bn=none,rand=dropout,autocast=none,"
+    "inputs=tensor,frozen=False,dtype=float32,output=tensor,track_memory=True,transport=distributed,"
+    "model=squeezenet,transition=freeze,grads=none,cost=output_bytes",
 ]
 
 __all__ = ["FOUND", "FOUND_45"]

@@ -11,7 +11,7 @@ from differential_cases import AXES, LAB_AXES, ZOO_AXES, Case, random_cases, val
 from differential_design import DEFECT_AXES, NAMES, Design, Tuples, cover, encode, make_design, missing
 from differential_found import FOUND, FOUND_45
 
-from gpipe_lab.pipeline import SCHEDULES
+from gpipe_lab.pipeline import schedule_names
 
 SIZES = (3, 2, 4, 2, 3)
 
@@ -74,6 +74,6 @@ def test_a_design_over_real_cases_holds_found_the_defect_product_and_covers(tmp_
 
 
 def test_every_catalog_schedule_is_on_the_schedule_axis_and_every_case_is_valid() -> None:
-    assert AXES["schedule"] == LAB_AXES["schedule"] == tuple(SCHEDULES)
+    assert AXES["schedule"] == LAB_AXES["schedule"] and set(AXES["schedule"]) == set(schedule_names())
     assert list(AXES) == list(NAMES)
     assert all(valid(Case.parse(r)) for r in FOUND + FOUND_45)

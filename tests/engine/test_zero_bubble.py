@@ -291,3 +291,19 @@ def test_split_schedules_give_the_callers_input_its_gradient(schedule, M):
     pipe.train_step(x, y, F.mse_loss)
     assert x.grad is not None
     assert_close(x.grad, want)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe-bw", "zb-h1", "zb-h2"])
+def test_a_first_stage_with_nothing_to_train_splits_its_backward(schedule: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    plain = nn.Sequential(*[nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)])
+    plain.load_state_dict(model.state_dict())
+    plain[0].requires_grad_(False)
+    F.mse_loss(plain(x), y).backward()
+    loss = GPipe(model, balance=[2, 1], chunks=2, schedule=schedule).train_step(x, y, F.mse_loss)
+    assert torch.allclose(loss, F.mse_loss(plain(x), y), atol=1e-6)
+    assert model[0].weight.grad is None
+    assert torch.allclose(model[2].weight.grad, plain[2].weight.grad, atol=1e-6)

@@ -156,6 +156,8 @@ def input_backward(plan: SplitPlan, roots: list[Tensor], grad_roots: list[Tensor
     edges = plan.capture_edges()
     if not want_inputs:
         inputs = []
+    if not inputs and not edges:
+        return []  # a stage with nothing to train and no input gradient wanted: B finds nothing
     # torch's stub takes tensors or edges, not a mix; autograd.grad takes both in one list
     found = torch.autograd.grad(roots, [*inputs, *edges], grad_roots, retain_graph=True,  # type: ignore[arg-type]
                                 allow_unused=True)
