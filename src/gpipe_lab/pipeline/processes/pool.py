@@ -303,7 +303,7 @@ class StageProcesses:
             runtime.events, runtime.peak_bytes = report.events[j], report.peak_bytes[j]
             peak_live[j] = report.peak_live[j]
             for m, n in zip(deferred_norms(runtime.module), report.pending[j]):
-                m._pending = n
+                m.hand_over_pending(n)
 
 
 def _check_alive(procs: dict[int, BaseProcess]) -> None:

@@ -166,9 +166,8 @@ class StageHost:
             report.peak_bytes[j] = runtime.peak_bytes
             report.peak_live[j] = self.channel.peak_live.get(j, 0)
             norms = deferred_norms(runtime.module)
-            report.pending[j] = [m._pending for m in norms]
-            for m in norms:
-                m._pending = 0  # the caller's process commits or drops these sums
+            # the caller's process commits or drops these sums
+            report.pending[j] = [m.hand_over_pending(0) for m in norms]
 
 
 def stage_main(conn: Connection, outgoing: dict[int, Connection], incoming: dict[int, Connection],

@@ -100,6 +100,12 @@ class DeferredBatchNorm(_BatchNorm):
         self.reset_accumulators()
         return True
 
+    def hand_over_pending(self, samples: int) -> int:
+        """Set the host's count of accumulated samples to ``samples`` (the sums moved between processes
+        with it); returns the count it held."""
+        held, self._pending = self._pending, samples
+        return held
+
     def reset_accumulators(self) -> None:
         """Drop partial sums (after a failed step)."""
         self.sum.zero_()
