@@ -3,6 +3,8 @@
 
     python -m benchmarks.bench_local_processes --out results/local_processes.json
 
+writes the JSON and, beside it, the markdown report (``local_processes.md``) computed from the same rows.
+
 The 8-block MLP of the quick sizes (batch 1024, width 512, hidden 2048), K=2, one intra-op
 thread per stage, no re-materialization (as ``bench_gloo`` runs ours), M = 8, 16, 32, gpipe and
 1f1b. For each M the threads and processes pipes of both schedules alternate in the same rounds
@@ -22,6 +24,8 @@ import torch
 
 from benchmarks.bench_common import SIZES, make_workload, prepare_process
 from benchmarks.bench_gloo import GlooCase, run_gloo
+from gpipe_lab.bench import md_table
+from gpipe_lab.bench.machine import provenance
 from gpipe_lab.bench.workloads import Workload
 from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.measuring.call_timing import paired_ratio, time_rounds
@@ -77,19 +81,39 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows:
             found = by_case.get((row["schedule"], row["chunks"]), {})
             row["distributed"] = found.get("step") or {"error": found.get("error")}
-    print("| schedule, M | threads (s) | processes (s) | distributed (s) | processes / threads | "
-          "processes / distributed |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        dist_s = r.get("distributed", {}).get("median")
-        over_dist = f"{r['processes']['median'] / dist_s:.3f}" if dist_s else "-"
-        print(f"| {r['schedule']}, {r['chunks']} | {r['threads']['median']:.3f} | {r['processes']['median']:.3f} | "
-              f"{dist_s if dist_s is None else f'{dist_s:.3f}'} | {r['processes_over_threads']:.3f} | {over_dist} |")
     load = {"cpus": os.cpu_count(), "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0]}
-    print(f"machine: {load}")
+    text = report(rows, load, args.repeats)
+    print(text)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"machine": load, "rows": rows}, indent=1))
+        args.out.with_suffix(".md").write_text(text)
+
+
+def report(rows: list[dict], load: dict, repeats: int) -> str:
+    """The markdown report of ``rows``: the table, and the findings computed from it."""
+    table = []
+    for r in rows:
+        dist_s = r.get("distributed", {}).get("median")
+        table.append([f"{r['schedule']}, {r['chunks']}", f"{r['threads']['median']:.3f}",
+                      f"{r['processes']['median']:.3f}", "-" if dist_s is None else f"{dist_s:.3f}",
+                      f"{r['processes_over_threads']:.3f}",
+                      "-" if not dist_s else f"{r['processes']['median'] / dist_s:.3f}",
+                      "-" if not dist_s else f"{r['threads']['median'] / dist_s:.3f}"])
+    ratios = [r["processes_over_threads"] for r in rows]
+    faster = [f"{r['schedule']} M={r['chunks']}" for r in rows if r["processes_over_threads"] < 1]
+    return "\n".join([
+        "# The local transport's stage processes (`local_stages`) beside threads and the distributed transport",
+        "", provenance(), "",
+        "The 8-block MLP of the quick sizes (batch 1024, width 512, hidden 2048), K=2, one intra-op thread per "
+        f"stage, `checkpoint=\"never\"`, {repeats} timed rounds; threads and processes alternate in the same rounds "
+        "(processes / threads: the median of per-round ratios); the distributed transport (two gloo ranks) runs "
+        "after them, so ratios to it cross minutes of the machine's load. Step seconds are medians. Load (1 min) "
+        f"{load['load_1min_before']:.2f} before, {load['load_1min_after']:.2f} after, on {load['cpus']} cores.", "",
+        md_table(["schedule, M", "threads (s)", "processes (s)", "distributed (s)", "processes / threads",
+                  "processes / distributed", "threads / distributed"], table), "",
+        f"- Processes / threads ranges {min(ratios):.3f}–{max(ratios):.3f}; processes are faster in "
+        f"{len(faster)} of {len(rows)} rows ({', '.join(faster) or 'none'}).", ""])
 
 
 if __name__ == "__main__":
