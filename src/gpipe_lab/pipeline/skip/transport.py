@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import Tensor
 
-from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule
+from gpipe_lab.pipeline.schedules import Action, MessageKey, Schedule, placement_of
 from gpipe_lab.pipeline.skip.layout import Group, SkipLayout, StageSkips
 
 Values = tuple[Tensor | None, ...]
@@ -110,7 +110,7 @@ Messages = list[tuple[int, int, MessageKey]]  # (sending rank, receiving rank, k
 def skip_messages(schedule: Schedule, stages: Mapping[int, StageSkips | None]) -> tuple[Messages, Messages]:
     """The skip messages of the actions of ``stages`` (stage -> its skips): once in the order each
     sender produces them, once in the order each receiver consumes them."""
-    rank = {a.stage: k for k, actions in enumerate(schedule) for a in actions}  # the placement
+    rank = placement_of(schedule)  # each stage's rank, read from the lists
     sent: list[tuple[int, int, MessageKey]] = []
     consumed: list[tuple[int, int, MessageKey]] = []
     for k, actions in enumerate(schedule):
