@@ -46,6 +46,29 @@ def build_module(module: nn.Module | Callable[[], nn.Module]) -> nn.Sequential:
     return module
 
 
+def convert_keeping_ties(layers: Sequence[nn.Module], convert: Callable[[nn.Module], object]) -> None:
+    """``convert`` each of ``layers`` (``to_empty``, ``to("meta")``), then tie again what was tied:
+    a parameter or buffer that two of them shared is one tensor after, as before. Torch converts
+    module by module and would give each holder a copy of its own."""
+    holders = [(table, name, id(t)) for layer in layers for m in layer.modules()
+               for table in (m._parameters, m._buffers) for name, t in table.items() if t is not None]
+    for layer in layers:
+        convert(layer)
+    first: dict[int, object] = {}
+    retied: set[int] = set()
+    for table, name, key in holders:
+        if key in first:
+            table[name] = first[key]  # type: ignore[assignment]
+            retied.add(key)
+        else:
+            first[key] = table[name]
+    if retied:  # an RNN caches its weights' list: rebuild it from the tied ones
+        for layer in layers:
+            for m in layer.modules():
+                if isinstance(m, nn.RNNBase):
+                    m._init_flat_weights()
+
+
 def is_meta(layer: nn.Module) -> bool:
     return any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers()))
 
@@ -105,16 +128,20 @@ def place_layers(part: nn.Sequential, first: int, device: torch.device, seed: in
         ValueError: a layer is only partly on the meta device.
     """
     with torch.no_grad():
+        on_meta = []
         for i, layer in enumerate(part):
             meta = [t.is_meta for t in list(layer.parameters()) + list(layer.buffers())]
             if any(meta) and not all(meta):
                 raise ValueError(f"layer {first + i} is partly on the meta device; build it "
                                  "entirely on meta (or entirely on a real device)")
             if any(meta):
-                layer.to_empty(device=device)
-                init_layer(first + i, layer, seed, init_fn)
+                on_meta.append(i)
             else:
                 layer.to(device)
+        # allocated together, so a weight tied between two layers of the chunk stays one weight
+        convert_keeping_ties([part[i] for i in on_meta], lambda layer: layer.to_empty(device=device))
+        for i in on_meta:
+            init_layer(first + i, part[i], seed, init_fn)
 
 
 def local_chunks(module: nn.Sequential, balance: Sequence[int], chunk_ids: Sequence[int],
@@ -136,7 +163,7 @@ def local_chunks(module: nn.Sequential, balance: Sequence[int], chunk_ids: Seque
     with torch.no_grad():
         if release_others:
             mine = {id(layer) for _, part in local.values() for layer in part}
-            for layer in layers:
-                if id(layer) not in mine and not is_meta(layer):
-                    layer.to("meta")
+            others = [layer for layer in layers if id(layer) not in mine and not is_meta(layer)]
+            # the user's module keeps its shape on every rank: tied weights stay tied on meta
+            convert_keeping_ties(others, lambda layer: layer.to("meta"))
     return local
