@@ -89,7 +89,7 @@ def guard_cost(repeats: int = 20000) -> float:
     replay = StageReplay("auto", torch.device("cpu"), NONE, torch.nn.Sequential(), 0)
     start = time.process_time()
     for i in range(repeats):
-        with replay.forward(GUARD, i, False, (0, 0), True):
+        with replay.forward(GUARD, i, False, True):
             pass
     return (time.process_time() - start) / repeats
 

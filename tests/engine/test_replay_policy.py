@@ -24,6 +24,7 @@ from gpipe_lab.pipeline import (
     UnreplayableRandomError,
     convert_dropout,
 )
+from gpipe_lab.pipeline.stage import replay_policy
 from gpipe_lab.pipeline.stage.context import current_generator, microbatch_context, microbatch_seed
 from gpipe_lab.pipeline.stage.random_replay import RandomReplay
 from gpipe_lab.pipeline.stage.replay_policy import ALL, DISPATCH, FORK, GUARD, NONE, PROBE, StageReplay
@@ -148,8 +149,8 @@ def test_a_draw_appearing_after_the_probe_raises_naming_the_stage_and_the_fix() 
     pipe = pipe_of(net)
     pipe.train_step(*batch(), F.mse_loss)
     net[4].active = True
-    # stage 1 is named first, or beside stage 0 whose guarded forward overlapped its draw
-    with pytest.raises(UnreplayableRandomError, match=r"stage 1\b.*step 1.*random_replay=True"):
+    # checked once per step: both guarded stages are named, with the step and the fix
+    with pytest.raises(UnreplayableRandomError, match=r"stages 0, 1\b.*step 1.*random_replay=True"):
         pipe.train_step(*batch(), F.mse_loss)
 
 
@@ -180,8 +181,8 @@ class _DrawThenSignal(nn.Module):
 
 
 def test_a_draw_during_another_stages_forward_names_both_stages() -> None:
-    """Two threads share the default generator: a guard that sees it move while another stage's
-    forward ran cannot tell which drew, and says so instead of blaming one."""
+    """Two threads share the default generator: the step's guard cannot tell which stage drew,
+    and says so instead of blaming one."""
     drawn = threading.Event()
     gate, draw = _Gate(drawn), _DrawThenSignal(drawn)
     torch.manual_seed(0)
@@ -190,7 +191,7 @@ def test_a_draw_during_another_stages_forward_names_both_stages() -> None:
     pipe.train_step(*batch(), F.mse_loss)  # the probe: nothing drawn
     gate.armed = draw.armed = True
     with pytest.raises(UnreplayableRandomError,
-                       match=r"stage (0 \(or stage 1|1 \(or stage 0), whose forward ran at the same time\)"):
+                       match=r"one of stages 0, 1 \(their forwards ran in the same step\)"):
         pipe.train_step(*batch(), F.mse_loss)
 
 
@@ -226,7 +227,7 @@ def test_a_stage_owning_its_generators_forks_and_reseeds_them() -> None:
     replay = StageReplay("auto", torch.device("cpu"), ALL, nn.Sequential(), 0)
     assert replay.first_kind(True) == FORK
     state = torch.get_rng_state()
-    with replay.forward(FORK, 5, False, (0, 0), True):
+    with replay.forward(FORK, 5, False, True):
         drawn = torch.rand(6)
         assert current_generator() is torch.default_generator
     assert torch.equal(torch.get_rng_state(), state)
@@ -238,7 +239,7 @@ def test_a_probe_tells_stage_dropout_draws_from_other_draws_per_training_flag() 
     state = torch.get_rng_state()
     for training, draw in ((True, lambda: None), (False, lambda: torch.rand(1))):
         assert shared.first_kind(training) == PROBE
-        with shared.forward(PROBE, 5, False, (0, 0), training):
+        with shared.forward(PROBE, 5, False, training):
             StageDropout(0.5)(torch.ones(8))  # drawn from the reseeded shared generator, bracketed
             draw()
     assert torch.equal(torch.get_rng_state(), state)  # reseeded for the forward, then restored
@@ -276,3 +277,23 @@ def test_a_guarded_forward_makes_its_generator_only_when_it_draws(monkeypatch: p
         monkeypatch.setattr(torch, "Generator", original)
         assert {r.replay.first_kind(r.mode) for r in pipe.stages} == {GUARD}  # the step ran guarded
         assert len(made) == per_step
+
+
+def test_a_guarded_step_reads_the_shared_generator_twice_not_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that draws nothing pays for the guard once per step (before and after), not per forward."""
+    pipe = pipe_of(dropout_only(), "always")
+    pipe.train_step(*batch(), F.mse_loss)  # the probe
+    reads = []
+    monkeypatch.setattr(replay_policy, "_state_bytes", lambda g: reads.append(g) or g.get_state().numpy().tobytes())
+    pipe.train_step(*batch(), F.mse_loss)  # guarded: 2 stages x 4 forwards x 2 (with the replays: more)
+    assert len(reads) == 2 and all(g is torch.default_generator for g in reads)
+
+
+def test_one_guarded_stage_is_named_alone() -> None:
+    net = functional_in_stage_1()
+    net[4].active = False
+    pipe = GPipe(net, balance=[len(net)], chunks=2, checkpoint="never", seed=SEED, threads_per_stage=1)
+    pipe.train_step(*batch(), F.mse_loss)
+    net[4].active = True
+    with pytest.raises(UnreplayableRandomError, match=r"^stage 0 drew random numbers .* step 1\b"):
+        pipe.train_step(*batch(), F.mse_loss)

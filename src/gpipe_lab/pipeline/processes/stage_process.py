@@ -29,6 +29,7 @@ from gpipe_lab.pipeline.processes.wire import recv_values
 from gpipe_lab.pipeline.schedules import Schedule
 from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.stage.checkpointing import AutocastState, autocast_as
+from gpipe_lab.pipeline.stage.replay_policy import StepGuard
 from gpipe_lab.pipeline.stage.runtime import StageRuntime
 from gpipe_lab.pipeline.stage.stage_state import StepPlan
 from gpipe_lab.pipeline.step.channel import StepFeed
@@ -134,8 +135,10 @@ class StageHost:
             # an input micro-batch holds no None (only gradients do)
             feed = StepFeed(cast("list[tuple[Tensor, ...]]", inputs) if order.inputs else None,
                             order.input_was_tensor)
+            guard = StepGuard([(r.replay, r.mode) for r in self.runtimes.values()])
             with autocast_as(order.autocast):
                 self.executor.run(self.schedules[order.schedule_id], None, feed, order.sync_gradients)
+            guard.check(order.plan.step)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller's process
             error_report(report, exc)
         self._give_state(report)

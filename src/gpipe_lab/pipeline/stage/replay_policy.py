@@ -14,9 +14,11 @@ depend on thread timing. Every draw is a function of (seed, step, stage, micro-b
   forward, watching whether anything but ``StageDropout`` (which every ``nn.Dropout``
   becomes) draws from them. Its re-materialization repeats it the same way.
 - ``guard`` (auto, after a probe that found no such draw): the forward runs as it is,
-  ``StageDropout`` drawing from a generator of the micro-batch's own, and the shared
-  generators' states are compared before and after: a draw appearing later raises
-  ``UnreplayableRandomError``.
+  ``StageDropout`` drawing from a generator of the micro-batch's own. ``StepGuard`` compares
+  the shared generators' states before and after each run of a schedule (not each forward:
+  a model that draws nothing pays two state reads per step, not two per forward under a
+  lock the stage threads contend for): a draw appearing later raises ``UnreplayableRandomError``
+  naming the step and the guarded stages.
 - ``dispatch`` (auto after a probe that found draws; always with True): the per-op
   ``RandomReplay`` mode routes every draw to the micro-batch's generators.
 - ``off`` (False, compiled stages): only ``StageDropout`` draws are replayed.
@@ -26,10 +28,8 @@ On CPU every way draws the same numbers (one stream from a generator seeded alik
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
 
 import torch
 from torch import nn
@@ -43,16 +43,12 @@ from gpipe_lab.pipeline.stage.random_replay import (
     device_seed,
 )
 
-__all__ = ["DISPATCH", "FORK", "GUARD", "OFF", "PROBE", "DrawWatch", "StageReplay", "generator_owners"]
+__all__ = ["DISPATCH", "FORK", "GUARD", "OFF", "PROBE", "DrawWatch", "StageReplay", "StepGuard", "generator_owners"]
 
 FORK, PROBE, GUARD, DISPATCH, OFF = "fork", "probe", "guard", "dispatch", "off"
 #: what a stage alone draws from: every default generator of its process, its CUDA device's, none
 ALL, DEVICE, NONE = "all", "device", "none"
 Generators = list[tuple[torch.device, torch.Generator]]
-
-#: (stage, the stages whose guarded forwards overlapped it) for each guarded forward running now
-_open_windows: list[tuple[int, set[int]]] = []
-
 
 def default_generator(device: torch.device) -> torch.Generator | None:
     """The default generator of ``device`` (CPU or CUDA), else ``None``."""
@@ -137,6 +133,12 @@ class StageReplay:
         """A new step begins: the probes of the last one are final."""
         self.settled.update(self.draws)
 
+    def guards(self, training: Hashable) -> bool:
+        """Whether this step's forwards in mode ``training`` run ``GUARD`` (``first_kind``, without
+        its side effect)."""
+        return (self.setting == "auto" and not self.fork and self.probes and training in self.settled
+                and not self.draws[training] and bool(self.watched))
+
     def first_kind(self, training: Hashable) -> str:
         """How a micro-batch's first forward runs (its re-materialization runs the same way,
         except a ``DISPATCH`` forward that drew nothing, which needs no mode)."""
@@ -151,25 +153,23 @@ class StageReplay:
         self.draws.setdefault(training, False)
         return PROBE
 
-    def forward(self, kind: str, seed: int, recomputing: bool, where: tuple[int, int],
+    def forward(self, kind: str, seed: int, recomputing: bool,
                 training: Hashable) -> AbstractContextManager[RandomReplay | None]:
-        """Run one forward of micro-batch ``where = (step, micro-batch)`` the ``kind`` way.
+        """Run one forward of the micro-batch seeded ``seed`` the ``kind`` way.
 
         Yields the ``RandomReplay`` mode for ``DISPATCH`` (its ``draws`` count), else None.
 
         Raises:
-            UnreplayableRandomError: a ``GUARD`` forward moved a default generator (naming the
-                stage, the step, the micro-batch and the fix), or what the mode raises.
+            UnreplayableRandomError: what the mode raises (a ``GUARD`` forward is checked by ``StepGuard``).
         """
         if kind in (FORK, PROBE):
-            return self._reseeded(kind, seed, recomputing, where, training)
+            return self._reseeded(kind, seed, recomputing, training)
         # a forward that only guards or replays StageDropout makes its generator at the first draw, if any
-        return _OwnGenerator(torch.Generator(device=self.device).manual_seed(seed) if kind == DISPATCH else None,
-                             recomputing, kind == DISPATCH, self._guarded(where, kind == GUARD), (self.device, seed))
+        return microbatch_context(torch.Generator(device=self.device).manual_seed(seed) if kind == DISPATCH
+                                  else None, recomputing, replay=kind == DISPATCH, lazy=(self.device, seed))
 
     @contextmanager
-    def _reseeded(self, kind: str, seed: int, recomputing: bool, where: tuple[int, int],
-                  training: Hashable) -> Iterator[None]:
+    def _reseeded(self, kind: str, seed: int, recomputing: bool, training: Hashable) -> Iterator[None]:
         """A ``FORK`` or ``PROBE`` forward: the default generators reseeded for it, restored after."""
         generators = self.forked if kind == FORK else self.watched
         with _default_generator_lock if kind == PROBE else nullcontext():
@@ -178,8 +178,7 @@ class StageReplay:
                 g.manual_seed(device_seed(seed, self.device, d))
             watch = DrawWatch(generators) if kind == PROBE and not recomputing else None
             try:
-                with microbatch_context(generators[0][1], recomputing, replay=False, watch=watch), \
-                        self._guarded(where, kind == FORK):
+                with microbatch_context(generators[0][1], recomputing, replay=False, watch=watch):
                     yield None
                 if watch is not None and watch.done():
                     self.draws[training] = True
@@ -187,72 +186,38 @@ class StageReplay:
                 for (_, g), state in zip(generators, states):
                     g.set_state(state)
 
-    def _guarded(self, where: tuple[int, int], on: bool) -> _GuardWindow | nullcontext[None]:
-        """Raise after the enclosed forward if it moved a watched default generator, naming with this
-        stage every stage whose guarded forward ran at the same time (one of them drew)."""
-        return _GuardWindow(self, where) if on and self.watched else nullcontext()
-
 
 def _state_bytes(generator: torch.Generator) -> bytes:
     """``generator``'s state as bytes: comparing them costs far less than ``torch.equal`` per forward."""
     return generator.get_state().numpy().tobytes()
 
 
-class _OwnGenerator:
-    """A ``GUARD``, ``DISPATCH`` or ``OFF`` forward: the micro-batch's own generator (the mode with
-    ``replay``), inside ``guard``. A class, not a generator context manager: it wraps every forward."""
+class StepGuard:
+    """One run of a schedule in this process, for the stages whose forwards run ``GUARD``: the
+    default generators they must leave alone, read before the run and compared after it. A class
+    the core makes per run; nothing is read when no stage guards."""
 
-    def __init__(self, generator: torch.Generator | None, recomputing: bool, replay: bool,
-                 guard: AbstractContextManager[object], lazy: tuple[torch.device, int]) -> None:
-        self.context = microbatch_context(generator, recomputing, replay=replay, lazy=lazy)
-        self.guard = guard
+    def __init__(self, replays: Sequence[tuple[StageReplay, Hashable]]) -> None:
+        guarded = [r for r, training in replays if r.guards(training)]
+        self.stages = sorted(r.index for r in guarded)
+        generators = {id(g): (d, g) for r in guarded for d, g in r.watched}
+        with _default_generator_lock:  # a probing stage of another pipeline holds them reseeded
+            self.before = [(d, g, _state_bytes(g)) for d, g in generators.values()]
 
-    def __enter__(self) -> RandomReplay | None:
-        mode = self.context.__enter__()
-        try:
-            self.guard.__enter__()
-        except BaseException:
-            self.context.__exit__(*sys.exc_info())
-            raise
-        return mode
-
-    def __exit__(self, *exc_info: Any) -> None:
-        try:
-            self.guard.__exit__(*exc_info)
-        except BaseException:
-            self.context.__exit__(*sys.exc_info())
-            raise
-        self.context.__exit__(*exc_info)
-
-
-class _GuardWindow:
-    """One guarded forward (``StageReplay._guarded``): a class, not a generator context manager,
-    because it wraps every forward of a model that draws nothing."""
-
-    def __init__(self, replay: StageReplay, where: tuple[int, int]) -> None:
-        self.replay, self.where = replay, where
-        self.window = {replay.index}  # the stages whose guarded forwards overlap this one
-
-    def __enter__(self) -> None:
-        index = self.replay.index
-        with _default_generator_lock:  # a PROBE or DISPATCH stage moves them under this lock only
-            self.before = [_state_bytes(g) for _, g in self.replay.watched]
-            for owner, other in _open_windows:
-                other.add(index)
-                self.window.add(owner)
-            _open_windows.append((index, self.window))
-
-    def __exit__(self, *exc_info: object) -> None:
-        replay, index = self.replay, self.replay.index
+    def check(self, step: int) -> None:
+        """Raises:
+            UnreplayableRandomError: a watched default generator moved during the run (naming the
+                guarded stages, the step and the fix).
+        """
+        if not self.before:
+            return
         with _default_generator_lock:
-            _open_windows.remove((index, self.window))
-            moved = [d for (d, g), state in zip(replay.watched, self.before) if _state_bytes(g) != state]
-        if moved and exc_info[0] is None:
-            others = sorted(self.window - {index})
-            also = f" (or stage {', '.join(map(str, others))}, whose forward ran at the same time)" if others else ""
+            moved = [d for d, g, state in self.before if _state_bytes(g) != state]
+        if moved:
+            who = (f"stage {self.stages[0]}" if len(self.stages) == 1 else
+                   "one of stages " + ", ".join(map(str, self.stages)) + " (their forwards ran in the same step)")
             raise UnreplayableRandomError(
-                f"stage {index}{also} drew random numbers outside nn.Dropout in its forward (step "
-                f"{self.where[0]}, micro-batch {self.where[1]}): the default generator of {moved[0]} moved, though "
-                "the first step's probe found no such draw (or another thread of this process drew from it "
-                "meanwhile), so re-materialization would not repeat it; set random_replay=True "
-                "(pipeline.random_replay=true) to replay every draw")
+                f"{who} drew random numbers outside nn.Dropout in a forward of step {step}: the default "
+                f"generator of {moved[0]} moved, though the first step's probe found no such draw (or another "
+                "thread of this process drew from it meanwhile), so re-materialization would not repeat it; set "
+                "random_replay=True (pipeline.random_replay=true) to replay every draw")

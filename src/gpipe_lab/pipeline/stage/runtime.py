@@ -164,7 +164,7 @@ class StageRuntime:
         skips, frame = self.skips, None
         if skips is not None:  # the popped skips leave the inputs for the layers' stash / pop
             inputs, frame = skips.frame(inputs)
-        with self.replay.forward(kind, seed, recomputing, (self.plan.step, mb), self.mode) as mode, hooks, \
+        with self.replay.forward(kind, seed, recomputing, self.mode) as mode, hooks, \
                 checkpointing(mb in self.plan.checkpointed and not recomputing):
             x = unwrap(inputs, was_tensor)
             # the module is read at each call: a front end may wrap it (autocast) after construction

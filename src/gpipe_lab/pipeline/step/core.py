@@ -44,7 +44,7 @@ from gpipe_lab.pipeline.schedules import (
 )
 from gpipe_lab.pipeline.stage.batchnorm import DeferredBatchNorm
 from gpipe_lab.pipeline.stage.compiling import CompiledStage, split_backward_error
-from gpipe_lab.pipeline.stage.replay_policy import StageReplay, generator_owners
+from gpipe_lab.pipeline.stage.replay_policy import StageReplay, StepGuard, generator_owners
 from gpipe_lab.pipeline.stage.runtime import StageRuntime
 from gpipe_lab.pipeline.stage.stage_state import LossFn, StepPlan
 from gpipe_lab.pipeline.step.batching import (
@@ -217,8 +217,10 @@ class PipelineCore(OptionViews, nn.Module):
                 runtime.begin(plan, keep_outputs)
             self.generation += 1
             self._step_start = time.perf_counter()
+        guard = StepGuard([(r.replay, r.mode) for r in self.runtimes.values()])
         try:
             self.executor.run(lists, prepared, feed, sync_gradients=kind != "forward")
+            guard.check(plan.step)
         except BaseException:
             self._reset_batch_norm()
             raise
