@@ -17,7 +17,7 @@ from gpipe_lab.pipeline.options import PipelineOptions
 from helpers.app import make_config
 
 #: conf/pipeline/default.yaml's own choices for the default run (K=2 balanced by FLOPs).
-APP_CHOICES = {"partitions": 2, "cost": "flops"}
+APP_CHOICES = {"partitions": 2}
 #: the planner's keys (the app's, not engine options: gpipe_lab.app.config.planner) and their defaults
 PLANNER = asdict(PlannerConfig())
 
@@ -92,3 +92,19 @@ def test_v_shaped_and_registered_schedules_are_accepted_with_their_virtual_stage
         assert plan.planner.schedules_allowed == (schedule,)
     with pytest.raises(ConfigError, match=r"pipeline.schedule: must be one of .*'zb-v'.*got 'v-gpipe'"):
         validate(make_config("pipeline.schedule=v-gpipe", "pipeline.virtual_stages=2"))
+
+
+def test_cost_auto_is_accepted_and_measures_what_the_engine_measures_given_a_sample() -> None:
+    """``pipeline.cost=auto`` (the engine's default): the app always has the preset's sample, so
+    the costs are the FLOPs ones (``costs.AUTO_MEASURED``)."""
+    from gpipe_lab.app.train import engine_options
+    from gpipe_lab.pipeline.measuring.costs import AUTO_MEASURED
+
+    costs = {}
+    for kind in ("auto", AUTO_MEASURED):
+        cfg = make_config(f"pipeline.cost={kind}", "pipeline.partitions=2")
+        checked = validate(cfg)
+        costs[kind] = engine_options(cfg, checked.options, build_module(cfg, datamodule=None)).cost
+    assert isinstance(costs["auto"], list) and costs["auto"] == costs[AUTO_MEASURED]
+    with pytest.raises(ConfigError, match=r"pipeline.cost: must be one of \['auto', 'params'.*got 'vibes'"):
+        validate(make_config("pipeline.cost=vibes"))

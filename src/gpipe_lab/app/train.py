@@ -66,6 +66,7 @@ from gpipe_lab.lightning.known_warnings import silence_known_warnings
 from gpipe_lab.lightning.resume import BestCheckpoint, ResumableCheckpoint, resumed_options
 from gpipe_lab.models import build
 from gpipe_lab.pipeline.distributed.failure import PeerFailedError
+from gpipe_lab.pipeline.measuring.costs import AUTO, AUTO_MEASURED
 from gpipe_lab.pipeline.options import PipelineOptions
 from gpipe_lab.planner.preset_costs import preset_costs
 
@@ -141,12 +142,14 @@ def build_logger(checked: CheckedConfig, output_dir: Path, options: PipelineOpti
 def engine_options(cfg: DictConfig, options: PipelineOptions, module: Any) -> PipelineOptions:
     """The validated options as the engine takes them: measured per-layer costs, the run's seed."""
     changes: dict[str, Any] = {}
-    if isinstance(options.cost, str) and options.cost != "params":
+    # the app always has a sample (the preset's), so "auto" is what the engine measures given one
+    kind = AUTO_MEASURED if options.cost == AUTO else options.cost
+    if isinstance(kind, str) and kind != "params":
         size = 1  # FLOPs and bytes per sample do not depend on the batch; time per sample does
-        if options.cost == "time":
+        if kind == "time":
             batch = cfg.data.get("batch_size") or 2 * options.chunks  # token-budget batching: no fixed size
             size = max(1, batch // options.chunks)
-        changes["cost"] = preset_costs(module.layers, options.cost, batch_size=size)
+        changes["cost"] = preset_costs(module.layers, kind, batch_size=size)
     if options.seed is None:
         changes["seed"] = int(cfg.seed)
     return options.replace(**changes)

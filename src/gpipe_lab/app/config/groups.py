@@ -100,10 +100,10 @@ def validate_pipeline(cfg: DictConfig) -> PipelineOptions:
         options.check(prefix="pipeline.")
     except OptionError as exc:
         raise ConfigError(str(exc)) from None
-    from gpipe_lab.pipeline.measuring.costs import COST_KINDS
+    from gpipe_lab.pipeline.measuring.costs import AUTO, COST_KINDS
 
-    if isinstance(options.cost, str) and options.cost not in COST_KINDS:
-        raise ConfigError(f"pipeline.cost: must be one of {list(COST_KINDS)} or a list of per-layer costs, "
+    if isinstance(options.cost, str) and options.cost not in (AUTO, *COST_KINDS):
+        raise ConfigError(f"pipeline.cost: must be one of {[AUTO, *COST_KINDS]} or a list of per-layer costs, "
                           f"got {options.cost!r}")
     return options
 
