@@ -147,8 +147,8 @@ def _yardstick_notes(results: dict, missed: set[str]) -> list[str]:
         costs = ", ".join(f"{r['workload']} K=1 {r['replay_cost']['K=1']:+.1%} / K=2 {r['replay_cost']['K=2']:+.1%}"
                           for r in results.get("yardstick", []))
         share = results.get("overhead", {}).get("replay_guard_share")
-        notes.append(f"Random replay on models that draw nothing (the guard: each forward compares the shared "
-                     f"default generators' state before and after): {costs}"
+        notes.append(f"Random replay on models that draw nothing (the guard: each step compares the shared "
+                     f"default generators' state before and after its forwards): {costs}"
                      + ("" if share is None else f"; on the tiny pipeline (every action a few microseconds) the "
                         f"guard is {share:+.1%} of the step") + ".")
     return notes
