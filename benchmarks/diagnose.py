@@ -73,7 +73,10 @@ def diagnose(results: dict) -> list[str]:
         notes.append(f"Scheduling: {ov['overhead_per_action_us']:.0f} us per action beyond plain compute; an "
                      f"action lasts {ov['inside_action_us']:.0f} us as timed by its stage (compute, hooks, "
                      "generator, autograd call); the rest is spent outside the timed actions (hand-over between "
-                     "the two stage threads, waits for the GIL).")
+                     "the two stage threads, waits for the GIL). The machine's own pace: the unpipelined compute "
+                     f"of the same work takes {ov['compute_s'] / ov['actions'] * 1e6:.0f} us per action here, so "
+                     f"the overhead is {ov['overhead_per_action_us'] / (ov['compute_s'] / ov['actions'] * 1e6):.2f}x "
+                     "the plain compute of an action (compare that ratio across machines, not microseconds).")
     for name in missed:
         if "saved-activation peak" in name:
             model = results["memory"]["mlp"]["model"]
