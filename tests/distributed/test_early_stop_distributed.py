@@ -107,8 +107,7 @@ def worker(rank: int, world: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     results = run_local(worker, 2, timeout=120)
-    for r in results:
-        assert r.exitcode == 0, r.error
+    assert [r.exitcode for r in results] == [0, 0], [r.error for r in results]
     return [r.value for r in results]
 
 

@@ -293,11 +293,11 @@ def wait_works(works: Sequence[Waitable], what: str, peer: int | Sequence[int] |
                 raise abort.explain(what, peers, None, where)
             if time.monotonic() > deadline:
                 names = "a peer rank" if len(peers) != 1 else f"rank {peers[0]}"
-                error = PeerTimeoutError(f"rank {abort.rank} waited more than {timeout:g} s for {names} "
-                                         f"({what}); is it alive? [in {where}]",
-                                         peers[0] if len(peers) == 1 else None, timeout)
-                abort.failure = abort.failure or str(error)  # the wait it gave up may still complete
-                raise error
+                late = PeerTimeoutError(f"rank {abort.rank} waited more than {timeout:g} s for {names} "
+                                        f"({what}); is it alive? [in {where}]",
+                                        peers[0] if len(peers) == 1 else None, timeout)
+                abort.failure = abort.failure or str(late)  # the wait it gave up may still complete
+                raise late
     finally:
         given_up.set()  # the waiter thread stops polling a Work nobody waits for any more
     if failed:
