@@ -21,9 +21,10 @@ Both transports run a step here (``channel.Endpoint`` is all that differs):
   rank ended an action or a wait, and none is waiting (a waiting rank times out
   by itself, naming its peer), raises ``PipelineTimeoutError``;
 * failure is handled here alone: the first exception stops the mailbox (every
-  waiting rank wakes), all threads end, runtimes drop what the step left, and
-  the endpoint turns the exception into the error raised (annotated, and
-  announced to other processes).
+  waiting rank wakes) and the failing thread has the endpoint announce it to other
+  processes (``announce``; each rank polls the endpoint before every action), all
+  threads end, runtimes drop what the step left, and the endpoint turns the
+  exception into the error raised (annotated).
 """
 
 from __future__ import annotations
