@@ -7,9 +7,9 @@ interleaved virtual stages and bounded failure. See docs/distributed.md.
 """
 
 from gpipe_lab.pipeline.distributed.distributed_gpipe import DistributedGPipe
-from gpipe_lab.pipeline.distributed.failure import PeerFailedError, PeerTimeoutError
+from gpipe_lab.pipeline.distributed.failure import GroupUnusableError, PeerFailedError, PeerTimeoutError
 from gpipe_lab.pipeline.distributed.topology import Topology, build_topology
 from gpipe_lab.pipeline.partitioning.materialize import seeded_init
 
-__all__ = ["DistributedGPipe", "PeerFailedError", "PeerTimeoutError", "Topology", "build_topology",
+__all__ = ["DistributedGPipe", "GroupUnusableError", "PeerFailedError", "PeerTimeoutError", "Topology", "build_topology",
            "seeded_init"]

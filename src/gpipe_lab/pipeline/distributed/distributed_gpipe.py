@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from gpipe_lab.pipeline.devices.allocator import retain_freed_memory
 from gpipe_lab.pipeline.devices.assignment import move_target
-from gpipe_lab.pipeline.distributed.failure import AbortChannel
+from gpipe_lab.pipeline.distributed.failure import AbortChannel, refuse_failed_group
 from gpipe_lab.pipeline.distributed.grad_sync import BUCKET_BYTES, GradientSync
 from gpipe_lab.pipeline.distributed.p2p_channel import P2PChannel
 from gpipe_lab.pipeline.distributed.resolve import (
@@ -86,6 +86,8 @@ class DistributedGPipe(PipelineCore):
         ValueError: world size not divisible by K (both numbers named), a balance
             inconsistent with the module, or one that puts a shared parameter's layers in two
             chunks (on every rank, before any step).
+        GroupUnusableError: a step failed earlier on this process group (a new pipe is refused at
+            once, and so is a failed pipe's next ``train_step`` or ``pipe(x)``): restart the processes.
     """
 
     def __init__(self, module: nn.Module | Callable[[], nn.Module], balance: Sequence[int] | None = None,
@@ -93,6 +95,7 @@ class DistributedGPipe(PipelineCore):
                  data_parallel_size: int | None = None, init_fn: InitFn | None = None,
                  bucket_bytes: int = BUCKET_BYTES, sample: Any = None, **option_overrides: Any) -> None:
         super().__init__()
+        refuse_failed_group()  # before any exchange: one on a failed group would wait for ever
         if balance is not None:
             option_overrides["balance"] = balance
         opts = merged_options(options, option_overrides).check()

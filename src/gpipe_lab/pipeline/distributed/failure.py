@@ -18,8 +18,10 @@ gloo's point-to-point ``Work`` never reports ``is_completed()`` and a timed-out
 ``wait(timeout)`` tears down the whole context, so completion is observed by a
 helper thread blocked in ``wait()`` while the caller polls.
 
-After a failure the process group is unusable; end the process (``os._exit``
-avoids the shutdown wait of pending gloo operations).
+After a failure the process group is unusable (its links may hold receives and sends of the
+failed step); end the process (``os._exit`` avoids the shutdown wait of pending gloo
+operations). What would wait on it raises ``GroupUnusableError`` at once instead: a new
+``DistributedGPipe`` (the abort key is in the store) and a pipe's next step (its rank knows).
 """
 
 from __future__ import annotations
@@ -63,6 +65,36 @@ class PeerTimeoutError(PipelineTimeoutError):
         self.waiting: list[Action | None] = []
 
 
+class GroupUnusableError(RuntimeError):
+    """A step failed earlier on this process group, so nothing more can run on it.
+
+    ``failed_ranks``: the ranks the earlier failure names; ``failure``: its message."""
+
+    def __init__(self, what: str, failure: str) -> None:
+        super().__init__(f"{what} refused: a step failed earlier on this process group ({failure}); its "
+                         "links may still hold that step's messages, so nothing more can run on it: restart "
+                         "the processes (a new process group), e.g. from the last checkpoint")
+        self.failure = failure
+        self.failed_ranks: tuple[int, ...] = tuple(ranks_in(failure))
+
+
+def refuse_failed_group() -> None:
+    """Refuse to build a pipeline on a process group on which a step failed (the abort key is set).
+
+    Raises:
+        GroupUnusableError: naming the earlier failure (its rank and message).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        failure = store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
+    except Exception:  # noqa: BLE001 - store unreachable: the set-up's own exchanges report it
+        return
+    if failure is not None:
+        raise GroupUnusableError("DistributedGPipe()", failure)
+
+
 def who(ranks: Sequence[int]) -> str:
     """``rank 1`` or ``ranks 1, 3``."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
@@ -90,7 +122,10 @@ class AbortChannel:
         self.rank = rank
         self.stage = stage
         self._next_check = 0.0
-        self.message: str | None = None
+        #: seconds between two reads of the store (each action's and each wait's check)
+        self.poll_seconds = POLL_SECONDS
+        self.message: str | None = None  # this rank's announcement
+        self.failure: str | None = None  # the first failure this rank knew of: its own or another's
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.peers = PeerTable(store, rank, world)
         self.world_size = world
@@ -100,6 +135,7 @@ class AbortChannel:
         if self.store is None or self.message is not None:
             return
         self.message = message
+        self.failure = self.failure or message
         try:
             self.store.set(ABORT_KEY, message)
         except Exception:  # noqa: BLE001 - the store host may be the rank that died
@@ -116,7 +152,17 @@ class AbortChannel:
         except Exception:  # noqa: BLE001 - store unreachable: rely on link errors and deadlines
             self.store = None
             return None
-        return None if message == self.message else message
+        if message == self.message:
+            return None
+        self.failure = self.failure or message
+        return message
+
+    def refuse_reuse(self, what: str) -> None:
+        """Raises:
+            GroupUnusableError: a step failed on this process group before (``what`` is refused).
+        """
+        if self.failure is not None:
+            raise GroupUnusableError(what, self.failure)
 
     def check(self, force: bool = False) -> None:
         """Raises:
@@ -125,7 +171,7 @@ class AbortChannel:
         now = time.monotonic()
         if self.store is None or (not force and now < self._next_check):
             return
-        self._next_check = now + POLL_SECONDS
+        self._next_check = now + self.poll_seconds
         self.peers.refresh()
         message = self._read()
         if message is not None:
@@ -247,9 +293,11 @@ def wait_works(works: Sequence[Waitable], what: str, peer: int | Sequence[int] |
                 raise abort.explain(what, peers, None, where)
             if time.monotonic() > deadline:
                 names = "a peer rank" if len(peers) != 1 else f"rank {peers[0]}"
-                raise PeerTimeoutError(f"rank {abort.rank} waited more than {timeout:g} s for {names} "
-                                       f"({what}); is it alive? [in {where}]",
-                                       peers[0] if len(peers) == 1 else None, timeout)
+                late = PeerTimeoutError(f"rank {abort.rank} waited more than {timeout:g} s for {names} "
+                                        f"({what}); is it alive? [in {where}]",
+                                        peers[0] if len(peers) == 1 else None, timeout)
+                abort.failure = abort.failure or str(late)  # the wait it gave up may still complete
+                raise late
     finally:
         given_up.set()  # the waiter thread stops polling a Work nobody waits for any more
     if failed:

@@ -68,6 +68,7 @@ class P2PChannel:
         #: one receive stream per incoming link, for the channel's lifetime
         self.link_streams = LinkStreams(device)
         self.sends = InFlightSends()
+        self._announced: BaseException | None = None  # this step's exception ``announce`` announced
 
     @property
     def timeout(self) -> float:
@@ -92,7 +93,9 @@ class P2PChannel:
 
     def open(self, prepared: Any, mailbox: Mailbox, ranks: RankDevices) -> None:
         plan, accumulations = prepared
+        self.abort.refuse_reuse("train_step() / pipe(x)")
         self._mailbox, self._seq, self.sends = mailbox, {}, InFlightSends()
+        self._announced = None
         for j, runtime in self.runtimes.items():
             self.grad_sync.arm(j, list(runtime.module.parameters()), accumulations[j])
         device = self.device
@@ -159,8 +162,19 @@ class P2PChannel:
     def fail_early(self, exc: BaseException) -> None:
         self.abort.signal(f"rank {self.topo.rank} failed before its first action: {exc}")
 
+    def announce(self, exc: BaseException, stage: int, action: Action | None) -> None:
+        """Announce this rank's own failure at once, from the failing stage's thread (the peers stop
+        at their next action, not when this rank's threads have ended); ``fail`` then raises it as
+        announced. A peer's failure or a timeout is left to ``fail``, which names the peer."""
+        if not isinstance(exc, PeerFailedError) and getattr(exc, "failed_rank", None) is None:
+            self._announced = self._own_failure(exc, stage, action)
+
     def fail(self, exc: BaseException, stage: int, action: Action | None) -> BaseException:
-        """Annotate ``exc`` with rank, stage and action, and announce it to every rank."""
+        """Annotate ``exc`` with rank, stage and action, and announce it to every rank (unless
+        ``announce`` did)."""
+        announced, self._announced = self._announced, None  # held for this step only
+        if exc is announced:
+            return exc
         rank = self.topo.rank
         if isinstance(exc, PeerFailedError):  # a link failed: name who went away, and where this rank was
             exc = self.abort.explain_error(exc, describe(stage, action))
@@ -171,6 +185,11 @@ class P2PChannel:
             self.abort.signal(f"rank {culprit} failed or stopped answering (seen by rank {rank} "
                               f"in {describe(stage, action)}): {exc}")
             return exc
+        return self._own_failure(exc, stage, action)
+
+    def _own_failure(self, exc: BaseException, stage: int, action: Action | None) -> BaseException:
+        """``exc``, raised by this rank, annotated and announced."""
+        rank = self.topo.rank
         annotate(exc, stage, action)
         if exc.args and isinstance(exc.args[0], str):
             exc.args = (f"rank {rank}: {exc.args[0]}",) + tuple(exc.args[1:])

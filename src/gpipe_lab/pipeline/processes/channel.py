@@ -146,6 +146,9 @@ class ProcessChannel:
             self.abort.value = self.rank + 1  # every other process stops at its next wait
         return annotate(exc, stage, action) if isinstance(exc, Exception) else exc
 
+    def announce(self, exc: BaseException, stage: int, action: Action | None) -> None:
+        return None  # ``fail`` raises the shared flag, once this process's rank thread has ended
+
     def share(self, vector: Tensor) -> Tensor:
         return vector  # the caller's process judges the step once every gradient is back
 

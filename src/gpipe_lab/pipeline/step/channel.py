@@ -96,7 +96,7 @@ class Endpoint(Protocol):
         """The values of a mailbox item, ready for ``receiver``'s device and stream."""
 
     def poll(self) -> None:
-        """Called while a rank waits; raises if another process stopped the step."""
+        """Called before each action and while a rank waits; raises if another process stopped the step."""
 
     def timed_out(self, key: MessageKey, action: Action, peer: int, done: Sequence[Action | None],
                   waiting: Sequence[Action | None]) -> PipelineTimeoutError:
@@ -114,6 +114,10 @@ class Endpoint(Protocol):
 
     def fail(self, exc: BaseException, stage: int, action: Action | None) -> BaseException:
         """The error to raise for ``exc`` (annotated with where it happened; announced to other ranks)."""
+
+    def announce(self, exc: BaseException, stage: int, action: Action | None) -> None:
+        """An action's ``exc``, on the failing rank's thread as it is raised: tell other processes
+        now (``fail`` follows once this process's rank threads have ended, with the same ``exc``)."""
 
     def share(self, vector: Tensor) -> Tensor:
         """``vector`` summed over every rank of every replica (identity when all is local)."""

@@ -21,9 +21,10 @@ Both transports run a step here (``channel.Endpoint`` is all that differs):
   rank ended an action or a wait, and none is waiting (a waiting rank times out
   by itself, naming its peer), raises ``PipelineTimeoutError``;
 * failure is handled here alone: the first exception stops the mailbox (every
-  waiting rank wakes), all threads end, runtimes drop what the step left, and
-  the endpoint turns the exception into the error raised (annotated, and
-  announced to other processes).
+  waiting rank wakes) and the failing thread has the endpoint announce it to other
+  processes (``announce``; each rank polls the endpoint before every action), all
+  threads end, runtimes drop what the step left, and the endpoint turns the
+  exception into the error raised (annotated).
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ class Executor:
 
     def _walk(self, step: StepState, k: int) -> None:
         """Run rank ``k``'s program (``ExecutionPlan.ranks``: what each action needs, looked up once)."""
-        endpoint, feed, mailbox = self.endpoint, step.feed, step.mailbox
+        endpoint, feed, mailbox, poll = self.endpoint, step.feed, step.mailbox, self.endpoint.poll
         peak = endpoint.peak_live
         done, current, sync, flags = step.done, step.current, step.sync_gradients, self.stage_flags
 
@@ -190,6 +191,7 @@ class Executor:
             for action, runtime, key, out, last_of_stage, following in step.plan.ranks[k]:
                 if mailbox.stopped:  # another rank failed or the caller was interrupted
                     raise Stopped
+                poll()  # another process failed: stop before this action, not at the next wait
                 run_action(action, runtime, receive, endpoint, feed, key, out)
                 live = runtime.live_microbatches()
                 if live > peak[action.stage]:
@@ -202,9 +204,10 @@ class Executor:
         except Stopped:
             raise
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            # recorded (the mailbox stopped) before this thread leaves its contexts: the other
-            # ranks stop at their next action, not one action later (torchgpipe's early stop)
+            # recorded (the mailbox stopped) and announced to other processes before this thread
+            # leaves its contexts: the other ranks stop at their next action (torchgpipe's early stop)
             step.fail(k, exc)
+            endpoint.announce(exc, action.stage, step.current[k])
             raise Stopped from None
 
     def _receive(self, step: StepState, k: int, key: MessageKey, action: Action) -> tuple[Values, bool]:

@@ -82,6 +82,9 @@ class LocalChannel:
         # an interrupt (KeyboardInterrupt, SystemExit) reaches the caller as it was raised
         return annotate(exc, stage, action) if isinstance(exc, Exception) else exc
 
+    def announce(self, exc: BaseException, stage: int, action: Action | None) -> None:
+        return None  # every rank is a thread of this process: the stopped mailbox tells them
+
     def share(self, vector: Tensor) -> Tensor:
         return vector
 
