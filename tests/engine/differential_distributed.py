@@ -10,6 +10,7 @@ from __future__ import annotations
 from differential_cases import BALANCES, Case, balance_of
 from differential_run import ERRORS, Observed, expected_error, run_engine
 
+from gpipe_lab.pipeline.distributed import GroupUnusableError
 from gpipe_lab.pipeline.distributed.spawn import run_local
 
 PER_LAUNCH = 100  # cases per launch of K processes (each launch within ``timeout``)
@@ -17,7 +18,18 @@ PER_LAUNCH = 100  # cases per launch of K processes (each launch within ``timeou
 
 def worker(rank: int, world: int, recipes: list[str], balances: dict) -> list[tuple[Observed, Observed]]:
     BALANCES.update(balances)  # the parent's cuts: a measured one (``time``) differs between processes
-    return [(run_engine(Case.parse(r)), run_engine(Case.parse(r))) for r in recipes]
+    out = []
+    for r in recipes:
+        first = run_engine(Case.parse(r))
+        # an error leaves the process group unusable (the next pipe raises GroupUnusableError): a
+        # refused case is the last of its launch and runs once
+        pair = (first, first if "error" in first else run_engine(Case.parse(r)))
+        if any(str(o.get("error", "")).startswith(GroupUnusableError.__name__) for o in pair):
+            # an earlier case of this launch failed mid-step: fail the launch, so that its cases
+            # run again one launch each (``differential_full``) and only the failing one fails
+            raise RuntimeError(f"the process group became unusable before case {r}")
+        out.append(pair)
+    return out
 
 
 def _balances(cases: list[Case]) -> dict:
@@ -60,8 +72,8 @@ def merge(parts: list[Observed]) -> Observed:
 def run_distributed(cases: list[Case], timeout: float = 600) -> dict[Case, tuple[Observed, Observed]]:
     """Every case's two runs, one launch of K processes per K (per ``PER_LAUNCH`` cases). A case
     that fails mid-step leaves its launch's process group unusable (``failure``'s docstring): the
-    launch's next pipe then blocks in its link set-up until ``timeout``, and so does one after a
-    refusal, so a case that must be refused is the last of its launch.
+    launch's next pipe then raises ``GroupUnusableError``, and so does one after a refusal, so a
+    case that must be refused is the last of its launch.
 
     Raises:
         RuntimeError: a rank failed or hung (its error text and the launch's recipes).
@@ -71,8 +83,8 @@ def run_distributed(cases: list[Case], timeout: float = 600) -> dict[Case, tuple
     for K in sorted({c.K for c in cases}):
         same = [c for c in cases if c.K == K and expected_error(c) is None]
         groups = [same[i:i + PER_LAUNCH] for i in range(0, len(same), PER_LAUNCH)]
-        # after a refusal in train_step the launch's next pipe blocks in its link set-up (the engine's
-        # abort state outlives the pipe): a case that must be refused ends a launch
+        # after a refusal in train_step the launch's next pipe raises GroupUnusableError (the job's
+        # abort key outlives the pipe): a case that must be refused ends a launch
         for j, case in enumerate(c for c in cases if c.K == K and expected_error(c) is not None):
             if j < len(groups):
                 groups[j].append(case)

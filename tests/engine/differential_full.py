@@ -192,8 +192,9 @@ def clean(log: Path, digest: str) -> int:
 
 def _run_distributed(cases: list[Case]) -> dict[Case, tuple | str]:
     """Each case's two runs, or the error of the launch that held it. After a case fails mid-step its
-    launch's next pipe blocks until the launch's timeout (``run_distributed``), and the launch fails
-    as a whole: its cases then run again one launch each, so only the failing case fails."""
+    launch's next pipe raises ``GroupUnusableError`` and the launch fails as a whole
+    (``differential_distributed.worker``): its cases then run again one launch each, so only the
+    failing case fails."""
     try:
         return dict(run_distributed(cases))
     except RuntimeError as exc:  # a rank died or hung
