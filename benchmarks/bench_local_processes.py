@@ -31,6 +31,8 @@ from gpipe_lab.pipeline import GPipe
 from gpipe_lab.pipeline.measuring.call_timing import paired_ratio, time_rounds
 
 MODES = ("threads", "processes")
+#: issue 51's targets for the threads (the default): speed against the distributed transport, round spread
+THREADS_OF_DISTRIBUTED, SPREAD = 0.97, 1.10
 
 
 def local_rows(microbatches: list[int], schedules: list[str], repeats: int, warmup: int) -> list[dict]:
@@ -99,9 +101,15 @@ def report(rows: list[dict], load: dict, repeats: int) -> str:
                       f"{r['processes']['median']:.3f}", "-" if dist_s is None else f"{dist_s:.3f}",
                       f"{r['processes_over_threads']:.3f}",
                       "-" if not dist_s else f"{r['processes']['median'] / dist_s:.3f}",
-                      "-" if not dist_s else f"{r['threads']['median'] / dist_s:.3f}"])
+                      "-" if not dist_s else f"{r['threads']['median'] / dist_s:.3f}",
+                      f"{_spread(r['threads']):.3f}", f"{_spread(r['processes']):.3f}"])
     ratios = [r["processes_over_threads"] for r in rows]
     faster = [f"{r['schedule']} M={r['chunks']}" for r in rows if r["processes_over_threads"] < 1]
+    with_dist = [r for r in rows if r.get("distributed", {}).get("median")]
+    slow = [f"{r['schedule']} M={r['chunks']} ({r['distributed']['median'] / r['threads']['median']:.3f})"
+            for r in with_dist if r["distributed"]["median"] / r["threads"]["median"] < THREADS_OF_DISTRIBUTED]
+    wide = [f"{r['schedule']} M={r['chunks']} ({_spread(r['threads']):.3f})" for r in rows
+            if _spread(r["threads"]) > SPREAD]
     return "\n".join([
         "# The local transport's stage processes (`local_stages`) beside threads and the distributed transport",
         "", provenance(), "",
@@ -111,9 +119,22 @@ def report(rows: list[dict], load: dict, repeats: int) -> str:
         "after them, so ratios to it cross minutes of the machine's load. Step seconds are medians. Load (1 min) "
         f"{load['load_1min_before']:.2f} before, {load['load_1min_after']:.2f} after, on {load['cpus']} cores.", "",
         md_table(["schedule, M", "threads (s)", "processes (s)", "distributed (s)", "processes / threads",
-                  "processes / distributed", "threads / distributed"], table), "",
+                  "processes / distributed", "threads / distributed", "threads' round spread",
+                  "processes' round spread"], table), "",
+        "Round spread: the slowest round over the median (issue 51's target: at most "
+        f"{SPREAD:.2f}); the threads' speed against the distributed transport's, distributed / threads step, "
+        f"has the target at least {THREADS_OF_DISTRIBUTED:.2f}.", "",
         f"- Processes / threads ranges {min(ratios):.3f}–{max(ratios):.3f}; processes are faster in "
-        f"{len(faster)} of {len(rows)} rows ({', '.join(faster) or 'none'}).", ""])
+        f"{len(faster)} of {len(rows)} rows ({', '.join(faster) or 'none'}).",
+        f"- Threads at least {THREADS_OF_DISTRIBUTED:.2f} of the distributed transport's speed in "
+        f"{len(with_dist) - len(slow)} of {len(with_dist)} rows; below it: {', '.join(slow) or 'none'}.",
+        f"- Threads' round spread within {SPREAD:.2f} in {len(rows) - len(wide)} of {len(rows)} rows; beyond it: "
+        f"{', '.join(wide) or 'none'}.", ""])
+
+
+def _spread(timing: dict) -> float:
+    """The slowest round over the median round."""
+    return float(timing["max"] / timing["median"])
 
 
 if __name__ == "__main__":
