@@ -209,7 +209,7 @@ def fake_job(sweep: Path, num: int, experiment: str, overrides: list[str], **sum
      ["| AmoebaNet-D(18, 128) analogue | 32 | 0.67 | 1.00 | 1 | 1.7 | 2.7 |"]),
     ("trainability", [("paper_trainability", ["model.ffn_init_scaling=false", "model.logit_clip=null"], {}),
                       ("paper_trainability", [], {"seed": 1})],
-     ["| none | 8 | 1 ([0]) | 2.000 ± 0.000", "| both | 8 | 1 ([1]) |", "(i) + (ii)"]),
+     ["| none | 48 | 1 ([0]) | 2.000 ± 0.000", "| both | 48 | 1 ([1]) |", "(i) + (ii)"]),
     ("nmt_scaling", [("paper_nmt_deep", [], {}), ("paper_nmt_wide", [], {"val_loss": 3.0}),
                      ("paper_nmt_batch", ["data.tokens_per_batch=128"], {})],
      ["| deep | {'num_layers': 8", "| 2.500 | 1.000 | T(24, 8192, 16)", "| 128 | 1 | 100.000 | 2.500 | 1.000 | 260K | 30.92 | 2.58 |"]),
