@@ -10,7 +10,9 @@ thread per stage, no re-materialization (as ``bench_gloo`` runs ours), M = 8, 16
 1f1b. For each M the threads and processes pipes of both schedules alternate in the same rounds
 (``time_rounds``, order flipped every round); the distributed transport runs in two gloo ranks
 afterwards (``bench_gloo.run_gloo``), with its own unpipelined baseline, so its ratio to the
-local rows is across runs and less exact than processes / threads.
+local rows is across runs and less exact than processes / threads; torch.distributed.pipelining's
+schedules (``ScheduleGPipe``, ``Schedule1F1B``) run in the same gloo launch, as ``bench_gloo``
+runs them.
 """
 
 from __future__ import annotations
@@ -77,12 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]  # other jobs on the machine: the figures are only as quiet as it was
     rows = local_rows(args.microbatches, args.schedules, args.repeats, args.warmup)
     if not args.no_distributed:
-        gloo = run_gloo([GlooCase("mlp", "ours", s, M) for M in args.microbatches for s in args.schedules],
-                        "quick")
-        by_case = {(r["schedule"], r["chunks"]): r for r in gloo}
+        gloo = run_gloo([GlooCase("mlp", framework, s, M) for M in args.microbatches for s in args.schedules
+                         for framework in ("ours", "torch")], "quick")
+        by_case = {(r["framework"], r["schedule"], r["chunks"]): r for r in gloo}
         for row in rows:
-            found = by_case.get((row["schedule"], row["chunks"]), {})
-            row["distributed"] = found.get("step") or {"error": found.get("error")}
+            for framework, key in (("ours", "distributed"), ("torch", "torch")):
+                found = by_case.get((framework, row["schedule"], row["chunks"]), {})
+                row[key] = found.get("step") or {"error": found.get("error")}
     load = {"cpus": os.cpu_count(), "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0]}
     text = report(rows, load, args.repeats)
     print(text)
@@ -96,13 +99,15 @@ def report(rows: list[dict], load: dict, repeats: int) -> str:
     """The markdown report of ``rows``: the table, and the findings computed from it."""
     table = []
     for r in rows:
-        dist_s = r.get("distributed", {}).get("median")
+        dist_s, torch_s = r.get("distributed", {}).get("median"), r.get("torch", {}).get("median")
         table.append([f"{r['schedule']}, {r['chunks']}", f"{r['threads']['median']:.3f}",
                       f"{r['processes']['median']:.3f}", "-" if dist_s is None else f"{dist_s:.3f}",
                       f"{r['processes_over_threads']:.3f}",
                       "-" if not dist_s else f"{r['processes']['median'] / dist_s:.3f}",
                       "-" if not dist_s else f"{r['threads']['median'] / dist_s:.3f}",
-                      f"{_spread(r['threads']):.3f}", f"{_spread(r['processes']):.3f}"])
+                      f"{_spread(r['threads']):.3f}", f"{_spread(r['processes']):.3f}",
+                      "-" if not torch_s else f"{torch_s:.3f}",
+                      "-" if not torch_s else f"{torch_s / r['threads']['median']:.3f}"])
     ratios = [r["processes_over_threads"] for r in rows]
     faster = [f"{r['schedule']} M={r['chunks']}" for r in rows if r["processes_over_threads"] < 1]
     with_dist = [r for r in rows if r.get("distributed", {}).get("median")]
@@ -110,6 +115,9 @@ def report(rows: list[dict], load: dict, repeats: int) -> str:
             for r in with_dist if r["distributed"]["median"] / r["threads"]["median"] < THREADS_OF_DISTRIBUTED]
     wide = [f"{r['schedule']} M={r['chunks']} ({_spread(r['threads']):.3f})" for r in rows
             if _spread(r["threads"]) > SPREAD]
+    with_torch = [r for r in rows if r.get("torch", {}).get("median")]
+    behind = [f"{r['schedule']} M={r['chunks']} ({r['torch']['median'] / r['threads']['median']:.3f})"
+              for r in with_torch if r["torch"]["median"] / r["threads"]["median"] < 1.0]
     return "\n".join([
         "# The local transport's stage processes (`local_stages`) beside threads and the distributed transport",
         "", provenance(), "",
@@ -120,7 +128,7 @@ def report(rows: list[dict], load: dict, repeats: int) -> str:
         f"{load['load_1min_before']:.2f} before, {load['load_1min_after']:.2f} after, on {load['cpus']} cores.", "",
         md_table(["schedule, M", "threads (s)", "processes (s)", "distributed (s)", "processes / threads",
                   "processes / distributed", "threads / distributed", "threads' round spread",
-                  "processes' round spread"], table), "",
+                  "processes' round spread", "torch.distributed.pipelining (s)", "torch / threads"], table), "",
         "Round spread: the slowest round over the median (issue 51's target: at most "
         f"{SPREAD:.2f}); the threads' speed against the distributed transport's, distributed / threads step, "
         f"has the target at least {THREADS_OF_DISTRIBUTED:.2f}.", "",
@@ -129,7 +137,10 @@ def report(rows: list[dict], load: dict, repeats: int) -> str:
         f"- Threads at least {THREADS_OF_DISTRIBUTED:.2f} of the distributed transport's speed in "
         f"{len(with_dist) - len(slow)} of {len(with_dist)} rows; below it: {', '.join(slow) or 'none'}.",
         f"- Threads' round spread within {SPREAD:.2f} in {len(rows) - len(wide)} of {len(rows)} rows; beyond it: "
-        f"{', '.join(wide) or 'none'}.", ""])
+        f"{', '.join(wide) or 'none'}.",
+        f"- Threads at least as fast as torch.distributed.pipelining (two gloo ranks, the same run as ours "
+        f"distributed) in {len(with_torch) - len(behind)} of {len(with_torch)} rows; slower: "
+        f"{', '.join(behind) or 'none'}.", ""])
 
 
 def _spread(timing: dict) -> float:
