@@ -1,7 +1,7 @@
 """Regenerate the files of ``results/`` by their commands, one after the other, at one clean commit.
 
     python -m experiments.regenerate --list              # the jobs, in order, with their commands
-    python -m experiments.regenerate                     # every job (about 4 h on two cores)
+    python -m experiments.regenerate                     # every job (about 4.5 h on two cores)
     python -m experiments.regenerate --only table1_capacity transfer
     python -m experiments.regenerate --resume            # skip jobs already done at this commit
 
@@ -38,8 +38,9 @@ from pathlib import Path
 from gpipe_lab.bench.machine import ROOT, git_commit, load_average, machine_info
 
 PY = [sys.executable, "-m"]
-#: every cell three times (``seed=0,1,2``): the collector reports mean [min, max] and the spread
-SWEEP = ["gpipe_lab.app.train", "-m", "pipeline.partitions=1,2", "seed=0,1,2", "logger=csv"]
+#: every cell five times (``seed=0,1,2,3,4``, ``results_files.SEEDS_NEEDED``): the collector reports mean [min, max]
+#: and the spread
+SWEEP = ["gpipe_lab.app.train", "-m", "pipeline.partitions=1,2", "seed=0,1,2,3,4", "logger=csv"]
 #: the unpipelined model on one thread, with and without re-materialization (experiments.microbatch_cost)
 ONE_THREAD_K1 = ["gpipe_lab.app.train", "-m", "pipeline.partitions=1", "pipeline.threads_per_stage=1",
                  "pipeline.checkpoint=never,except_last", "seed=0", "logger=csv"]
@@ -48,11 +49,8 @@ MICROBATCH_COST = [("paper_table2_amoebanet", "logs/table2_mb_cost"), ("paper_ta
 JOBS: dict[str, list[list[str]]] = {
     "table1_capacity": [PY + ["experiments.table1_capacity", "--out", "results"]],
     "emulated_scaling": [PY + ["experiments.emulated_scaling", "--out", "results"]],
-    "trainability": [PY + ["experiments.trainability_search", "--out", "results"],
-                     PY + ["experiments.trainability", "--out", "results"]],
     "nmt_scaling": [PY + ["experiments.nmt_scaling", "--out", "results"]],
     "transfer": [PY + ["experiments.transfer", "--out", "results"]],
-    "schedules": [PY + ["benchmarks.bench_schedules", "--out", "results/schedules"]],
     "table2_throughput": [PY + ["experiments.table2_throughput", "--out", "results"]],
     "table3_throughput": [PY + ["experiments.table3_throughput", "--out", "results"]],
     "overheads": [PY + ["experiments.overheads", "--out", "results"]],
@@ -67,13 +65,18 @@ JOBS: dict[str, list[list[str]]] = {
                  for e, d in MICROBATCH_COST),
                PY + ["experiments.microbatch_cost", "--from-multirun", *(d for _, d in MICROBATCH_COST),
                      "--out", "results/sweeps"]],
+    "plan_check": [PY + ["experiments.plan_check", "--out", "results"]],
+    "benchmarks": [PY + ["benchmarks.run", "--quick", "--out", "results"]],
+    "schedules": [PY + ["benchmarks.bench_schedules", "--out", "results/schedules"]],
+    "trainability": [PY + ["experiments.trainability_search", "--out", "results"],
+                     PY + ["experiments.trainability", "--out", "results"]],
+    # the longest and least central last (Inductor's code generation: minutes per stage on two cores), so that a
+    # run stopped early and continued with --resume has the paper's tables first
     "sweeps_compiled": [PY + SWEEP + ["experiment=paper_table2_transformer", "pipeline.chunks=1,4",
                                       "pipeline.compile=true", "pipeline.timeout=3600",
                                       "hydra.sweep.dir=logs/table2_sweep_tf_compiled"],
                         PY + ["experiments.table2_throughput", "--from-multirun", "logs/table2_sweep_tf_compiled",
                               "--out", "results/sweeps/compiled"]],
-    "plan_check": [PY + ["experiments.plan_check", "--out", "results"]],
-    "benchmarks": [PY + ["benchmarks.run", "--quick", "--out", "results"]],
     "benchmarks_full": [PY + ["benchmarks.run", "--out", "results/full", "--compile"]],
     # last: results/README.md, computed from the files above (seconds; rerun it alone after any of them)
     "results_readme": [PY + ["experiments.results_readme"]],

@@ -67,7 +67,7 @@ def arm(values: Iterable[float], digits: int = 2) -> str:
     """``mean [min, max] (n=N)`` of one arm's runs, with a warning when N < ``SEEDS_NEEDED``."""
     v = list(values)
     text = f"{mean(v):.{digits}f} [{min(v):.{digits}f}, {max(v):.{digits}f}] (n={len(v)})"
-    return text + (" ⚠ n < 5" if len(v) < SEEDS_NEEDED else "")
+    return text + (f" ⚠ n < {SEEDS_NEEDED}" if len(v) < SEEDS_NEEDED else "")
 
 
 def number(text: str) -> float | None:

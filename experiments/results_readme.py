@@ -173,10 +173,13 @@ def speedups(res: Results) -> list[str]:
 
 def arms(res: Results) -> list[str]:
     """Every two-arm comparison with mean, range and run count; the final losses of the sweeps across K."""
+    cells = sweep_jobs(res)
+    runs = sorted({len(v) for v in cells.values()})
+    times = f"{runs[0]}" if len(runs) == 1 else f"{runs[0]} to {runs[-1]}"
     lines = ["## Two arms compared (mean [min, max] (n) per arm)", "",
              f"⚠ marks an arm with fewer than {SEEDS_NEEDED} runs: a difference there is not established. "
-             "The sweeps ran each cell with 3 seeds and were not rerun.", ""]
-    cells = sweep_jobs(res)
+             f"The eager sweeps ran each cell {times} times "
+             "(`sweeps/table2_throughput.json`).", ""]
     rows = [[WORKLOADS[w], m, arm(cells[(w, 1, m)], 1), arm(cells[(w, 2, m)], 1)]
             for w in WORKLOADS for m in MS if (w, 1, m) in cells and (w, 2, m) in cells]
     lines += ["K=1 against K=2, samples/s, `gpipe-train` eager (`sweeps/table2_throughput.json`):", "",
