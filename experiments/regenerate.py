@@ -6,7 +6,7 @@
     python -m experiments.regenerate --resume            # skip jobs already done at this commit
 
 "Commit" here is the source commit (``gpipe_lab.bench.provenance.commit_of``: the last commit that changed
-anything but ``results/`` and Markdown), so a regeneration may commit its files as it goes, stop, and
+anything but ``results/``, Markdown and the tests), so a regeneration may commit its files as it goes, stop, and
 go on later with ``--resume``: every file still names the one code that made it.
 
 Each job runs its commands (those ``results/README.md`` names) as processes of their own, from
@@ -16,7 +16,7 @@ the machine (CPU model, cores, torch), its wall seconds, the load average before
 fails is recorded and the run goes on with the next one (its exit status is 1 at the end).
 
 Raises (as a one-line error and exit status 2): uncommitted changes to tracked files outside
-``results/`` and Markdown (every file would name a commit that did not make it), or a job name not in
+``results/``, Markdown and the tests (every file would name a commit that did not make it), or a job name not in
 ``JOBS``.
 """
 
@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None, path: Path = ROOT / "results" / "regener
         for n in names:
             print(f"{n}: " + "; then ".join(shown(c) for c in JOBS[n]))
         return 0
-    commit = git_commit()  # one git call for every record below; "+dirty": source files changed (not results/, not *.md)
+    commit = git_commit()  # one git call for every record below; "+dirty": source files changed (``NOT_SOURCE``)
     if commit.endswith("+dirty"):
-        print(f"regenerate: error: uncommitted changes to source files (anything but results/ and *.md; commit {commit}); commit or "
+        print(f"regenerate: error: uncommitted changes to source files (anything but results/, *.md and the tests; commit {commit}); commit or "
               "stash them first, so that every file names the commit that made it", file=sys.stderr)
         return 2
     records = json.loads(path.read_text()) if path.exists() else []

@@ -107,6 +107,19 @@ def test_the_commit_of_results_is_the_last_one_that_changed_code(tmp_path):
     assert commit_of(tmp_path) == code  # a regeneration that spans these commits ran one code
     (tmp_path / "README.md").write_text("more prose\n")
     assert commit_of(tmp_path) == code
+    (tmp_path / "tests" / "unit").mkdir(parents=True)  # tests check the code and make no result
+    for name in ("test_code.py", "conftest.py"):
+        (tmp_path / "tests" / "unit" / name).write_text("def test_x(): pass\n")
+    git("add", "-A")
+    git("commit", "-qm", "tests")
+    assert commit_of(tmp_path) == code
+    (tmp_path / "tests" / "unit" / "test_code.py").write_text("def test_y(): pass\n")
+    assert commit_of(tmp_path) == code
+    (tmp_path / "tests" / "harness.py").write_text("writes = 'results'\n")  # a harness beside them is code
+    git("add", "-A")
+    git("commit", "-qm", "harness")
+    code = git("rev-parse", "--short=12", "HEAD")
+    assert commit_of(tmp_path) == code
     (tmp_path / "code.py").write_text("x = 2\n")
     assert commit_of(tmp_path) == code + "+dirty"
     git("commit", "-qam", "code again")

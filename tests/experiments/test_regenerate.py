@@ -27,7 +27,7 @@ def test_unknown_jobs_and_a_dirty_tree_are_refused(monkeypatch: pytest.MonkeyPat
     assert "unknown job(s) ['table9']; allowed: ['table1_capacity'" in capsys.readouterr().err
     monkeypatch.setattr(regenerate, "git_commit", lambda: "abc+dirty")
     assert regenerate.main(["--only", "table1_capacity"], tmp_path / "r.json") == 2
-    assert "uncommitted changes to source files (anything but results/ and *.md; commit abc+dirty)" in capsys.readouterr().err
+    assert "uncommitted changes to source files (anything but results/, *.md and the tests; commit abc+dirty)" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
 
 

@@ -17,14 +17,17 @@ def source_commit(root: Path = SOURCE_ROOT) -> str:
     return commit_of(root)
 
 
-#: what a result does not depend on: the results themselves and Markdown prose (README, docs)
-NOT_SOURCE = (":(exclude)results", ":(exclude)*.md")
+#: what a result does not depend on: the results themselves, Markdown prose (README, docs) and the tests
+#: (``test_*.py``, ``conftest.py``: they check the code and make no result; the harnesses and helpers beside
+#: them, such as ``tests/engine/differential_full.py``, which writes ``results/differential``, stay source)
+NOT_SOURCE = (":(exclude)results", ":(exclude)*.md", ":(exclude,glob)tests/**/test_*.py",
+              ":(exclude,glob)tests/**/conftest.py")
 
 
 def commit_of(root: Path) -> str:
     """The source commit of the git checkout at ``root`` (12 hex digits): the last commit that changed
-    a file other than ``results/`` and Markdown (``NOT_SOURCE``), so that committing results or
-    prose between the jobs of one regeneration leaves them at one commit; ``+dirty`` when such
+    a file other than ``results/``, Markdown and the tests (``NOT_SOURCE``), so that committing results,
+    prose or tests between the jobs of one regeneration leaves them at one commit; ``+dirty`` when such
     tracked files differ from it; ``unknown`` outside a git checkout or without git. Never raises."""
     git = ["git", "-C", str(root)]
     try:
