@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_compile import K as COMPILE_K
+
 ROOT = Path(__file__).resolve().parent.parent
 #: (model, transport) of the product-path rows: both analogues locally, the Transformer over gloo too.
 PRODUCT_CASES = (("transformer", "local"), ("amoebanet", "local"), ("transformer", "distributed"))
@@ -71,18 +73,21 @@ def run_product_rows(quick: bool, repeats: int, timeout: float = 1800, warmup: i
 
 def run_compile_rows(quick: bool, chunks: tuple[int, ...], repeats: int,
                      timeout: float = 1800) -> list[dict[str, Any]]:
-    """Eager vs compiled step and compile seconds per (analogue, M) (``bench_compile``), each model
-    with an empty Inductor cache; a model whose process fails or times out keeps the rows it
-    printed and one row with its error."""
+    """Eager vs compiled step and compile seconds per (analogue, M) (``bench_compile``), each in its
+    own process with an empty Inductor cache and ``timeout`` seconds, so every compile time is a cold
+    compile and one slow compile does not take the next M's row with it; a process that fails or
+    times out gives a row with its model, K, M and error."""
     rows = []
     for model in ("transformer", "amoebanet"):
-        args = ["benchmarks.bench_compile", "--models", model, "--chunks", *map(str, chunks),
-                "--repeats", str(repeats)] + (["--quick"] if quick else [])
-        print(f"[compile] {model} M={list(chunks)} ...", flush=True)
-        with tempfile.TemporaryDirectory() as cache:  # a cold compile: no kernels from an earlier run
-            out, error = _run(args, timeout, env={"TORCHINDUCTOR_CACHE_DIR": cache})
-        found = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        rows += [{**r, "command": command_of(args)} for r in found]
-        if error is not None or not found:
-            rows.append({"model": model, "error": error or "no rows", "command": command_of(args)})
+        for m in chunks:
+            args = ["benchmarks.bench_compile", "--models", model, "--chunks", str(m),
+                    "--repeats", str(repeats)] + (["--quick"] if quick else [])
+            print(f"[compile] {model} M={m} ...", flush=True)
+            with tempfile.TemporaryDirectory() as cache:  # a cold compile: no kernels from an earlier run
+                out, error = _run(args, timeout, env={"TORCHINDUCTOR_CACHE_DIR": cache})
+            found = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            rows += [{**r, "command": command_of(args)} for r in found]
+            if error is not None or not found:
+                rows.append({"model": model, "K": COMPILE_K, "M": m, "error": error or "no rows",
+                             "command": command_of(args)})
     return rows

@@ -322,7 +322,9 @@ def findings(res: Results) -> list[str]:
         lines += [f"[plan_check.md](plan_check.md): one run; load average {plan[0]['load_before'][0]:.2f} when its job "
                   f"started, {written:.2f} when the file was written.", ""]
     if res.exists("full/benchmarks.json"):
-        rows = [[c["model"], c["K"], c["M"], f"{c['eager_step_s']:.3f}", f"{c['eager_no_replay_step_s']:.3f}",
+        rows = [[c["model"], c.get("K", "—"), c.get("M", "—"), "—", "—", "—", "—", f"⚠ {c['error']}", f"`{c['command']}`"]
+                if "error" in c else
+                [c["model"], c["K"], c["M"], f"{c['eager_step_s']:.3f}", f"{c['eager_no_replay_step_s']:.3f}",
                  f"{c['compiled_step_s']:.3f}", f"{c['speedup']:.3f}", f"{c['compile_s']:.0f}", f"`{c['command']}`"]
                 for c in res.json("full/benchmarks.json").get("compile", [])]
         if rows:

@@ -319,21 +319,23 @@ def test_a_row_process_that_fails_gives_its_exit_and_last_error_line():
 def test_a_compile_row_that_times_out_keeps_what_it_measured(monkeypatch):
     measured = {"model": "amoebanet", "K": 2, "M": 4, "eager_step_s": 0.2, "compiled_step_s": 0.1, "speedup": 2.0,
                 "compile_s": 90.0}
-    answers = {"transformer": ("", "exit 1: ['InductorError']"),
-               "amoebanet": ("compiling\n" + json.dumps(measured) + "\n", "timed out after 60 s")}
+    answers = {("transformer", "4"): ("", "exit 1: ['InductorError']"),
+               ("transformer", "32"): ("", None),
+               ("amoebanet", "4"): ("compiling\n" + json.dumps(measured) + "\n", None),
+               ("amoebanet", "32"): ("compiling\n", "timed out after 60 s")}
     caches = []
 
     def fake_run(args, timeout, env=None):
         caches.append(env["TORCHINDUCTOR_CACHE_DIR"])
-        return answers[args[args.index("--models") + 1]]
+        return answers[args[args.index("--models") + 1], args[args.index("--chunks") + 1]]
 
     monkeypatch.setattr(bench_app, "_run", fake_run)
     rows = bench_app.run_compile_rows(quick=False, chunks=(4, 32), repeats=5, timeout=60)
-    assert len(set(caches)) == 2  # each model compiles from an empty cache of its own
-    assert [(r["model"], r.get("M"), r.get("error")) for r in rows] == [
-        ("transformer", None, "exit 1: ['InductorError']"), ("amoebanet", 4, None),
-        ("amoebanet", None, "timed out after 60 s")]
-    assert all("--chunks 4 32" in r["command"] for r in rows)
+    assert len(set(caches)) == 4  # each (model, M) compiles from an empty cache of its own
+    assert [(r["model"], r["K"], r["M"], r.get("error")) for r in rows] == [
+        ("transformer", 2, 4, "exit 1: ['InductorError']"), ("transformer", 2, 32, "no rows"),
+        ("amoebanet", 2, 4, None), ("amoebanet", 2, 32, "timed out after 60 s")]
+    assert [r["command"].split("--chunks ")[1].split()[0] for r in rows] == ["4", "32", "4", "32"]
 
 
 def test_a_row_process_past_its_timeout_is_ended_with_its_children():

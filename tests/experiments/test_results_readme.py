@@ -99,3 +99,15 @@ def test_final_losses_are_compared_not_asserted(copy: Path) -> None:
     assert "- AmoebaNet, M=1: different" in before
     rewrite(copy / "sweeps" / "table2_throughput.json", same_losses)
     assert "- AmoebaNet, M=1: the same" in results_readme.document(Results(copy))
+
+
+def test_a_compile_row_that_failed_is_listed_with_its_error(copy: Path) -> None:
+    def one_fails(d: dict) -> None:
+        d["compile"] = [r for r in d["compile"] if "error" not in r][:1] + [
+            {"model": "amoebanet", "K": 2, "M": 32, "error": "timed out after 1800 s",
+             "command": "python -m benchmarks.bench_compile --models amoebanet --chunks 32 --repeats 5"}]
+
+    rewrite(copy / "full" / "benchmarks.json", one_fails)
+    text = results_readme.document(Results(copy))
+    assert "| amoebanet | 2 | 32 | — | — | — | — | ⚠ timed out after 1800 s |" in text
+    assert text.count("`python -m benchmarks.bench_compile") == 2
