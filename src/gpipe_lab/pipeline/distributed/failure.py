@@ -115,9 +115,11 @@ def ranks_in(message: str) -> list[int]:
 
 class AbortChannel:
     """The ``gpipe/abort`` key of the default store, checked at most every ``POLL_SECONDS``,
-    and the table of peer processes. ``stage`` (this rank's pipeline stage) only labels errors."""
+    and the table of peer processes. ``stage`` (this rank's pipeline stage) only labels errors;
+    ``world_size`` defaults to the default process group's (1 without one)."""
 
-    def __init__(self, store: dist.Store | None, rank: int, stage: int | None = None) -> None:
+    def __init__(self, store: dist.Store | None, rank: int, stage: int | None = None,
+                 world_size: int | None = None) -> None:
         self.store = store
         self.rank = rank
         self.stage = stage
@@ -126,18 +128,25 @@ class AbortChannel:
         self.poll_seconds = POLL_SECONDS
         self.message: str | None = None  # this rank's announcement
         self.failure: str | None = None  # the first failure this rank knew of: its own or another's
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = world_size if world_size is not None else (
+            dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
         self.peers = PeerTable(store, rank, world)
         self.world_size = world
 
     def signal(self, message: str) -> None:
-        """Tell every rank to stop (best effort: the store host may be gone)."""
+        """Tell every rank to stop (best effort: the store host may be gone).
+
+        Returns once the store holds the message: a peer that later finds this process
+        ended reads the message instead of naming this rank as gone."""
         if self.store is None or self.message is not None:
             return
         self.message = message
         self.failure = self.failure or message
         try:
             self.store.set(ABORT_KEY, message)
+            # TCPStore's set returns before its server has stored the key; the server answers
+            # one connection's requests in order, so this reply comes after the key is stored
+            self.store.check([ABORT_KEY])
         except Exception:  # noqa: BLE001 - the store host may be the rank that died
             self.store = None
 
