@@ -116,7 +116,8 @@ def test_a_survivor_that_announced_and_ended_is_not_named_as_gone() -> None:
     first, third = LaggingClient(server), LaggingClient(server)
     announcer = AbortChannel(first, rank=0, stage=0, world_size=3)  # type: ignore[arg-type]
     reader = AbortChannel(third, rank=2, stage=1, world_size=3)  # type: ignore[arg-type]
-    first.check([]), third.check([])  # the channels' own registrations are applied
+    first.check([])  # the channels' own registrations are applied
+    third.check([])
     ranks = {0: child(), 1: child()}  # stand-ins for the processes of ranks 0 and 1
     try:
         for rank, proc in ranks.items():
