@@ -51,7 +51,9 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 def test_a_resumed_run_checks_its_config_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     gpipe_train = cli_here(tmp_path, capsys, monkeypatch)
-    first = gpipe_train(*SMALL, "trainer.max_steps=2", "trainer.enable_checkpointing=true", "logger=csv")
+    # a folder of its own: two runs started within one second would share the timestamped one
+    first = gpipe_train(*SMALL, "trainer.max_steps=2", "trainer.enable_checkpointing=true", "logger=csv",
+                        f"hydra.run.dir={tmp_path / 'train' / 'runs' / 'first'}")
     assert first.code == 0, first.err[-3000:]
     calls = count_calls(monkeypatch)
     resumed = gpipe_train(*SMALL, "trainer.max_steps=3", "logger=wandb", "ckpt_path=last")

@@ -127,8 +127,8 @@ def test_ckpt_path_last_continues_the_run_with_its_overrides_and_wandb_run(tmp_p
     from gpipe_lab.app.continuation import wandb_run_id
 
     small = [o for o in SMALL if o != "logger=none"]
-    gpipe_train([*small, "logger=wandb", "trainer.max_steps=2"], tmp_path)
-    first = next(tmp_path.glob("train/runs/*"))
+    first = tmp_path / "train" / "runs" / "first"  # its own folder: the timestamped one is per second
+    gpipe_train([*small, "logger=wandb", "trainer.max_steps=2", f"hydra.run.dir={first}"], tmp_path)
     proc = gpipe_train(["ckpt_path=last", "trainer.max_steps=4"], tmp_path)  # nothing else retyped
     second = next(p for p in tmp_path.glob("train/runs/*") if p != first)
     assert (second / "resumed_run").resolve() == first.resolve()
