@@ -14,12 +14,13 @@ Registered in ``conf/hydra/default.yaml`` (``hydra.callbacks.run_dir``), before 
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
+
+from gpipe_lab.app.sweep_check import override_key
 
 
 def claim_dir(path: str | Path) -> Path:
@@ -31,19 +32,30 @@ def claim_dir(path: str | Path) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for n in itertools.count():
+    n = 0
+    while True:
         candidate = path if n == 0 else path.with_name(f"{path.name}_{n}")
         try:
             candidate.mkdir()
+            return candidate
         except FileExistsError:
-            continue
-        return candidate
-    raise AssertionError("unreachable")  # itertools.count() does not end
+            n += 1
 
 
-def named_on_command_line(config: DictConfig, key: str) -> bool:
-    """Whether the command line set the Hydra key ``key`` (``hydra.run.dir``), with or without ``+``/``++``."""
-    return any(str(o).split("=", 1)[0].lstrip("+~") == key for o in config.hydra.overrides.hydra)
+def claim_hydra_dir(config: DictConfig, mode: str) -> Path | None:
+    """Claim the folder ``hydra.<mode>.dir`` (``mode``: ``run`` or ``sweep``) names; the claimed
+    folder when it is not that one (that one existed), else ``None`` (also when the command line
+    named the folder: it is used as given)."""
+    key = f"hydra.{mode}.dir"
+    if any(override_key(str(o)) == key for o in config.hydra.overrides.hydra):
+        return None
+    wanted = str(config.hydra[mode].dir)  # ${now:...} resolves once: Hydra reads the cached value after
+    claimed = claim_dir(wanted)
+    if claimed == Path(wanted):
+        return None
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra[mode].dir = str(claimed)
+    return claimed
 
 
 class ClaimRunDir(Callback):
@@ -51,21 +63,11 @@ class ClaimRunDir(Callback):
     makes it; when the folder exists already, points Hydra at the suffixed one it claimed instead."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if named_on_command_line(config, "hydra.run.dir"):
-            return
-        wanted = str(config.hydra.run.dir)  # ${now:...} resolves once: Hydra's run reads the cached value
-        claimed = claim_dir(wanted)
-        if claimed != Path(wanted):
-            with read_write(config.hydra), open_dict(config.hydra):
-                config.hydra.run.dir = str(claimed)
+        claim_hydra_dir(config, "run")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if named_on_command_line(config, "hydra.sweep.dir"):
-            return
-        wanted = str(config.hydra.sweep.dir)
-        claimed = claim_dir(wanted)
-        if claimed != Path(wanted):
+        claimed = claim_hydra_dir(config, "sweep")
+        if claimed is not None:
             with read_write(config.hydra), open_dict(config.hydra):
-                config.hydra.sweep.dir = str(claimed)
                 # each job's config is composed again from these overrides (Hydra's load_sweep_config)
                 config.hydra.overrides.hydra.append(f'hydra.sweep.dir="{claimed}"')

@@ -37,7 +37,8 @@ def sweep_jobs(config: DictConfig) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(sweep_overrides(config), None) for job in batch]
 
 
-def _key(override: str) -> str:
+def override_key(override: str) -> str:
+    """The key an override sets: ``seed`` for ``seed=1``, ``++hydra.run.dir=x`` and ``~a.b`` give ``hydra.run.dir`` and ``a.b``."""
     return override.split("=", 1)[0].lstrip("+~")
 
 
@@ -69,7 +70,7 @@ def job_sweep_values() -> dict[str, str]:
         return {}
     multirun = OmegaConf.load(saved)
     keys = swept_keys(multirun) if isinstance(multirun, DictConfig) else []
-    values = {_key(o): o.split("=", 1)[1] for o in hydra_cfg.overrides.task if "=" in o}
+    values = {override_key(o): o.split("=", 1)[1] for o in hydra_cfg.overrides.task if "=" in o}
     return {k: values[k] for k in keys if k in values}
 
 
